@@ -1,0 +1,113 @@
+"""Small shared helpers: atomic writes, checksums, the resolved config, provenance.
+
+Nothing here imports torch at module level, so the Snakefile can import the package at
+DAG-build time with only the standard library and pyyaml.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import platform
+import sys
+import tempfile
+from pathlib import Path
+
+
+def init_logging(name: str) -> logging.Logger:
+    """Human logs go to stderr (the rule redirects it to its `log:` file)."""
+    logging.basicConfig(
+        level=logging.INFO,
+        format="%(asctime)s %(name)s %(levelname)s %(message)s",
+        stream=sys.stderr,
+    )
+    return logging.getLogger(name)
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def atomic_path(final_path: str | os.PathLike):
+    """Yield a temp path beside `final_path`; on success fsync it and rename it into place.
+
+    A crash leaves only a `.tmp-*` file that no reader takes for the finished artifact.
+    """
+    final = Path(final_path)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".tmp-{final.name}-", dir=final.parent)
+    os.close(fd)
+    tmp_path = Path(tmp)
+    try:
+        yield tmp_path
+        with open(tmp_path, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp_path, final)
+        fsync_dir(final.parent)
+    except BaseException:
+        tmp_path.unlink(missing_ok=True)
+        raise
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
+    with atomic_path(path) as tmp:
+        tmp.write_bytes(data)
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> None:
+    atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def atomic_write_json(path: str | os.PathLike, obj) -> None:
+    atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=False) + "\n")
+
+
+def sha256_file(path: str | os.PathLike, chunk: int = 1 << 22) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def parse_cfg(text: str) -> dict:
+    """The config sections a rule passes as `--cfg` (JSON, schema-validated at parse time)."""
+    try:
+        cfg = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise SystemExit(f"--cfg is not valid JSON: {e}") from None
+    if not isinstance(cfg, dict):
+        raise SystemExit("--cfg must be a JSON object of config sections")
+    return cfg
+
+
+def set_threads(n: int | None) -> None:
+    """Apply the rule's thread count to torch (threads come from profiles, not config)."""
+    if n:
+        import torch
+
+        torch.set_num_threads(int(n))
+
+
+def versions() -> dict:
+    """Provenance for reports and manifests."""
+    out = {"python": platform.python_version(), "executable": sys.executable}
+    for name in ("torch", "transformers", "safetensors", "snakemake", "sglang"):
+        try:
+            from importlib.metadata import version
+
+            out[name] = version(name)
+        except Exception:  # noqa: BLE001 - absent packages are simply not recorded
+            continue
+    from draftsmith import __version__
+
+    out["draftsmith"] = __version__
+    return out
