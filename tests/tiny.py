@@ -1,0 +1,128 @@
+"""Tiny random-weight targets built offline for tests: no hub, a few seconds each."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n' }}"
+    "{% endif %}"
+    "{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Explain how a binary search works and why it runs in logarithmic time.",
+    "Write a short story about a lighthouse keeper who finds a message in a bottle.",
+    "def add(a, b):\n    return a + b\n",
+    "What is the capital of France? Paris is the capital of France.",
+    "Translate 'good morning' into Spanish: buenos dias.",
+    "1 + 1 = 2, 2 * 3 = 6, 10 / 4 = 2.5",
+    "Sure! Here is a concise answer with a few key points, examples and a summary.",
+]
+
+SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+
+def make_tokenizer(vocab_size: int = 384):
+    """A byte-level BPE tokenizer trained on a few sentences, with ChatML specials."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(CORPUS * 4, trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<|im_start|>",
+        eos_token="<|im_end|>",
+        pad_token="<|im_end|>",
+        unk_token="<|endoftext|>",
+    )
+    fast.chat_template = CHATML_TEMPLATE
+    return fast
+
+
+def make_tiny_target(
+    path: str | Path,
+    arch: str = "llama",
+    num_layers: int = 6,
+    hidden_size: int = 64,
+    seed: int = 0,
+) -> Path:
+    """Save a random-weight HF causal LM with a real tokenizer and chat template at `path`."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    path = Path(path)
+    tokenizer = make_tokenizer()
+    vocab = len(tokenizer)
+    if arch == "llama":
+        from transformers import LlamaConfig
+
+        config = LlamaConfig(
+            vocab_size=vocab,
+            hidden_size=hidden_size,
+            intermediate_size=2 * hidden_size,
+            num_hidden_layers=num_layers,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=hidden_size // 4,
+            max_position_embeddings=2048,
+            rms_norm_eps=1e-5,
+            rope_theta=10000.0,
+            tie_word_embeddings=True,
+            bos_token_id=tokenizer.bos_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+        )
+    elif arch == "deepseek_v3":
+        from transformers import DeepseekV3Config
+
+        config = DeepseekV3Config(
+            vocab_size=vocab,
+            hidden_size=hidden_size,
+            intermediate_size=2 * hidden_size,
+            moe_intermediate_size=hidden_size,
+            num_hidden_layers=num_layers,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            n_shared_experts=1,
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            n_group=1,
+            topk_group=1,
+            first_k_dense_replace=1,
+            kv_lora_rank=16,
+            q_lora_rank=16,
+            qk_rope_head_dim=8,
+            qk_nope_head_dim=8,
+            v_head_dim=8,
+            max_position_embeddings=2048,
+            tie_word_embeddings=False,
+            bos_token_id=tokenizer.bos_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+        )
+    else:
+        raise ValueError(f"unknown tiny arch {arch!r}")
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config).to(torch.float32).eval()
+    with torch.no_grad():  # larger init so hidden states are not all near zero
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.08)
+    model.save_pretrained(path, safe_serialization=True)
+    tokenizer.save_pretrained(path)
+    return path
