@@ -19,8 +19,7 @@ def row_ranges(n_rows: int, rows_per_shard: int) -> list[str]:
     if rows_per_shard < 1:
         raise ValueError(f"data.rows_per_shard must be >= 1, got {rows_per_shard}")
     return [
-        range_name(a, min(a + rows_per_shard, n_rows))
-        for a in range(0, n_rows, rows_per_shard)
+        range_name(a, min(a + rows_per_shard, n_rows)) for a in range(0, n_rows, rows_per_shard)
     ]
 
 

@@ -94,7 +94,7 @@ def check(role: str, pins_file: Path, python: str, gpus: int) -> dict:
     """Probe the interpreter; raise EnvError with an actionable message, else return the stamp."""
     fix = (
         f"Point envs.{role}.python at an interpreter whose environment has the pins of "
-        f"{pins_file} (e.g. --config 'envs={{\"{role}\": {{\"python\": \"/path/to/venv/bin/python\"}}}}'), "
+        f'{pins_file} (e.g. --config \'envs={{"{role}": {{"python": "/path/to/venv/bin/python"}}}}\'), '
         f'install them there with `<python> -m pip install -r {pins_file}`, or set envs.{role}.python: "venv" '
         f"to let the workflow build one."
     )
