@@ -23,6 +23,6 @@ include: "rules/bench.smk"
 
 
 rule all:
+    default_target: True
     input:
         "results/bench/report.json",
-    default_target: True

@@ -11,7 +11,6 @@ sys.path.insert(0, workflow.basedir)
 from draftsmith.config import row_ranges  # noqa: E402
 from draftsmith.prompts import load_sources  # noqa: E402
 
-
 validate(config, "../schemas/config.schema.yaml")
 
 STAGES = ("regenerate", "capture", "train", "bench")
@@ -26,7 +25,9 @@ for _role in ROLES:
 SOURCES = load_sources(config)
 N_TRAIN_ROWS = len(SOURCES.train)
 if N_TRAIN_ROWS == 0:
-    raise ValueError("config: data.sources yield no training rows (see data.heldout_rows)")
+    raise ValueError(
+        "config: data.sources yield no training rows (see data.heldout_rows)"
+    )
 RANGES = row_ranges(N_TRAIN_ROWS, config["data"]["rows_per_shard"])
 
 

@@ -6,15 +6,15 @@ rule validate_env:
         "results/env/{role}.json",
     log:
         "logs/validate_env/{role}.log",
+    conda:
+        "../envs/{role}.yaml"
+    resources:
+        mem_mb=1000,
+        runtime=10,
     params:
         driver=f"env PYTHONPATH={workflow.basedir} {sys.executable}",
         python=lambda w: role_python(w.role),
         gpus=lambda w: role_gpus(w.role),
-    resources:
-        mem_mb=1000,
-        runtime=10,
-    conda:
-        "../envs/{role}.yaml"
     shell:
         "{params.driver} -m draftsmith.envcheck check --role {wildcards.role} "
         "--pins {input.pins} --python {params.python} --gpus {params.gpus} "
@@ -28,13 +28,13 @@ rule build_venv:
         "results/venv/{role}/pyvenv.cfg",
     log:
         "logs/build_venv/{role}.log",
-    params:
-        driver=f"env PYTHONPATH={workflow.basedir} {sys.executable}",
+    conda:
+        "../envs/{role}.yaml"
     resources:
         mem_mb=4000,
         runtime=60,
-    conda:
-        "../envs/{role}.yaml"
+    params:
+        driver=f"env PYTHONPATH={workflow.basedir} {sys.executable}",
     shell:
         "{params.driver} -m draftsmith.envcheck venv --pins {input.pins} "
         "--out results/venv/{wildcards.role} > {log} 2>&1"

