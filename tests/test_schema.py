@@ -71,3 +71,11 @@ def test_bad_config_fails_at_parse_time_naming_the_key(tmp_path: Path, section, 
     assert proc.returncode != 0
     assert needle in out, out[-3000:]
     assert "ValidationError" in out or "validation" in out.lower(), out[-3000:]
+
+
+def test_config_doc_is_generated_from_the_schema():
+    from draftsmith.configdoc import render
+
+    assert (ROOT / "docs" / "config.md").read_text() == render(SCHEMA), (
+        "docs/config.md is stale: run `python -m draftsmith.configdoc > docs/config.md`"
+    )
