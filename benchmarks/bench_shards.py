@@ -1,0 +1,319 @@
+"""Hidden-state shard benchmark: capture overhead, read throughput, bytes per token, peak RSS.
+
+    python benchmarks/bench_shards.py [--target results/target] [--rows 24] [--threads 2]
+
+(a) capture overhead: time to capture and write a range (hooks, dtype cast, pwrite, sha256)
+    divided by the bare forward of the target's base model over the same batches (and, for
+    reference, by the full forward with logits).
+(b) read throughput: every row of one shard materialized from our memory-mapped file, against
+    `torch.load` of the same rows as SpecForge per-sample `.ckpt` files, and against a plain
+    read of the shard file's bytes; warm (page cache) and cold (pages dropped with fadvise).
+(c) bytes per token: our shard against the SpecForge and speculators layouts of the same rows.
+(d) peak RSS of a capture subprocess for two shard sizes, and of the bare writer for two larger
+    sizes: flat means bounded by one batch.
+
+Baselines are measured in the same run. Figures go to benchmarks/results/shards.json and .md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from draftsmith.capture import capture_shard, decoder_parts, pad_rows, plan_batches  # noqa: E402
+from draftsmith.convert import specforge_path, to_specforge, to_speculators  # noqa: E402
+from draftsmith.shards import ShardWriter, open_shard  # noqa: E402
+
+CAPTURE_RSS = """
+import resource, sys, torch
+sys.path.insert(0, {root!r})
+from draftsmith.capture import capture_shard
+from draftsmith.target import load_target
+torch.set_num_threads({threads})
+model, _ = load_target({target!r})
+rows, length = int(sys.argv[2]), 256
+g = torch.Generator().manual_seed(0)
+t = rows * length
+tok = {{"input_ids": torch.randint(0, model.config.vocab_size, (t,), generator=g),
+        "loss_mask": torch.ones(t, dtype=torch.uint8),
+        "row_offsets": torch.arange(0, t + 1, length)}}
+capture_shard(model, tok, sys.argv[1], [1, 14, 26], "bfloat16", 2048, {{}}, progress=False)
+print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+"""
+
+WRITER_RSS = """
+import resource, sys, torch
+sys.path.insert(0, {root!r})
+from draftsmith.shards import ShardWriter
+rows, length, hidden = int(sys.argv[2]), 512, 1024
+t = rows * length
+aux, last = torch.randn(length, 3 * hidden), torch.randn(length, hidden)
+with ShardWriter(sys.argv[1], input_ids=torch.zeros(t, dtype=torch.long),
+                 loss_mask=torch.ones(t, dtype=torch.uint8),
+                 row_offsets=torch.arange(0, t + 1, length), hidden_size=hidden,
+                 dtype="bfloat16", manifest={{}}) as w:
+    for r in range(rows):
+        w.write(r * length, aux, last)
+print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+"""
+
+
+def timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def drop_cache(paths) -> None:
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def random_tokens(vocab: int, n_rows: int, seed: int = 0) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(64, 512, (n_rows,), generator=g)
+    offsets = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])
+    t = int(offsets[-1])
+    return {
+        "input_ids": torch.randint(0, vocab, (t,), generator=g),
+        "loss_mask": (torch.rand(t, generator=g) > 0.5).to(torch.uint8),
+        "row_offsets": offsets,
+    }
+
+
+def capture_overhead(model, tok, work: Path, batch_tokens: int, repeats: int) -> dict:
+    offsets = tok["row_offsets"].tolist()
+    lengths = [b - a for a, b in zip(offsets, offsets[1:], strict=False)]
+    batches = [pad_rows(tok["input_ids"], offsets, r) for r in plan_batches(lengths, batch_tokens)]
+    base, _ = decoder_parts(model)
+
+    @torch.inference_mode()
+    def bare(full: bool):
+        for b in batches:
+            (model if full else base)(input_ids=b, use_cache=False)
+
+    def cap():
+        out = work / f"rows_000000-{len(lengths):06d}.safetensors"
+        capture_shard(model, tok, out, [1, 14, 26], "bfloat16", batch_tokens, {}, progress=False)
+
+    bare(False)  # warm-up
+    t_base, t_full, t_cap = [], [], []
+    for _ in range(repeats):  # interleaved so drift hits all three alike
+        t_base.append(timed(lambda: bare(False)))
+        t_cap.append(timed(cap))
+        t_full.append(timed(lambda: bare(True)))
+    return {
+        "rows": len(lengths),
+        "tokens": sum(lengths),
+        "batches": len(batches),
+        "bare_base_forward_s": min(t_base),
+        "bare_full_forward_s": min(t_full),
+        "capture_and_write_s": min(t_cap),
+        "ratio_vs_base_forward": min(t_cap) / min(t_base),
+        "ratio_vs_full_forward": min(t_cap) / min(t_full),
+        "goal": "ratio_vs_base_forward <= 1.10",
+    }
+
+
+def read_throughput(shard_path: Path, work: Path, repeats: int) -> dict:
+    sf_dir = work / "specforge"
+    to_specforge(shard_path, sf_dir, 2000)
+    shard = open_shard(shard_path)
+    n = len(shard)
+    ckpts = [specforge_path(sf_dir, i, 2000) for i in range(n)]
+
+    def ours():
+        s = open_shard(shard_path)
+        for r in range(len(s)):
+            row = s.row(r)
+            for v in row.values():
+                v.clone()  # materialize (page in + copy), as a loader batch would
+
+    def specforge():
+        for p in ckpts:
+            torch.load(p, weights_only=True)
+
+    def plain():
+        buf = bytearray(1 << 24)
+        with open(shard_path, "rb", buffering=0) as f:
+            while f.readinto(buf):
+                pass
+
+    size = shard_path.stat().st_size
+    out = {"rows": n, "tokens": shard.n_tokens, "shard_bytes": size}
+    for mode in ("warm", "cold"):
+        res = {}
+        for name, fn, files in (
+            ("ours_mmap", ours, [shard_path]),
+            ("specforge_torch_load", specforge, ckpts),
+            ("plain_file_read", plain, [shard_path]),
+        ):
+            ts = []
+            fn()
+            for _ in range(repeats):
+                if mode == "cold":
+                    drop_cache(files)
+                ts.append(timed(fn))
+            res[name + "_s"] = min(ts)
+            res[name + "_MBps"] = size / min(ts) / 1e6
+        res["speedup_vs_specforge"] = res["specforge_torch_load_s"] / res["ours_mmap_s"]
+        res["ratio_vs_plain_read"] = res["ours_mmap_s"] / res["plain_file_read_s"]
+        out[mode] = res
+    out["goal"] = "speedup_vs_specforge >= 2, ratio_vs_plain_read close to 1"
+    return out
+
+
+def bytes_per_token(shard_path: Path, work: Path, target: Path) -> dict:
+    shard = open_shard(shard_path)
+    t, h = shard.n_tokens, shard.manifest["hidden_size"]
+    sp_dir = work / "speculators"
+    to_speculators(shard_path, target, sp_dir)
+    sf = sum(p.stat().st_size for p in (work / "specforge").rglob("*.ckpt"))
+    sp = sum(p.stat().st_size for p in sp_dir.glob("data_*.pt"))
+    ours = shard_path.stat().st_size + shard_path.with_suffix(".json").stat().st_size
+    return {
+        "hidden_size": h,
+        "states_bytes_per_token": 4 * h * 2,
+        "ours": ours / t,
+        "specforge": sf / t,
+        "speculators_v1": sp / t,
+        "ours_vs_specforge": (ours / t) / (sf / t),
+        "kimi_k25_bytes_per_token_bf16": 4 * 7168 * 2 + 9,
+    }
+
+
+def peak_rss(script: str, sizes: list[int], work: Path) -> list[dict]:
+    res = []
+    for rows in sizes:
+        out = work / f"rss_rows_000000-{rows:06d}.safetensors"
+        p = subprocess.run(
+            [sys.executable, "-c", script, str(out), str(rows)],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        res.append(
+            {
+                "rows": rows,
+                "shard_MiB": out.stat().st_size / 2**20,
+                "peak_rss_MiB": int(p.stdout.split()[-1]) / 2**20,
+            }
+        )
+        out.unlink()
+    return res
+
+
+def markdown(r: dict) -> str:
+    c, w, cold, b = r["capture"], r["read"]["warm"], r["read"]["cold"], r["bytes"]
+    rss = r["rss_capture"] + r["rss_writer"]
+    lines = [
+        "# Hidden-state shards benchmark",
+        "",
+        f"Target: `{r['target']}` ({r['threads']} threads, {r['cpu']}). Baselines measured in the same run.",
+        "",
+        "| figure | value | goal |",
+        "|---|---|---|",
+        f"| capture overhead (capture+write / bare base-model forward) | {c['ratio_vs_base_forward']:.3f} "
+        f"({c['capture_and_write_s']:.2f} s / {c['bare_base_forward_s']:.2f} s, {c['tokens']} tokens) | <= 1.10 |",
+        f"| capture vs full forward with logits | {c['ratio_vs_full_forward']:.3f} | - |",
+        f"| read speedup vs SpecForge torch.load, warm | {w['speedup_vs_specforge']:.1f}x | >= 2x |",
+        f"| read speedup vs SpecForge torch.load, cold | {cold['speedup_vs_specforge']:.1f}x | >= 2x |",
+        f"| read time / plain file read, warm | {w['ratio_vs_plain_read']:.2f} | close to 1 |",
+        f"| read time / plain file read, cold | {cold['ratio_vs_plain_read']:.2f} | close to 1 |",
+        f"| bytes/token ours vs SpecForge (H={b['hidden_size']}) | {b['ours']:.0f} vs {b['specforge']:.0f} "
+        f"({b['ours_vs_specforge']:.3f}) | <= 1 |",
+        f"| bytes/token speculators v1 | {b['speculators_v1']:.0f} | - |",
+        "",
+        "Peak RSS (flat = memory bounded by one batch):",
+        "",
+        "| what | shard MiB | peak RSS MiB |",
+        "|---|---|---|",
+        *[f"| {x['what']} | {x['shard_MiB']:.0f} | {x['peak_rss_MiB']:.0f} |" for x in rss],
+        "",
+        f"Read throughput MB/s (warm): ours {w['ours_mmap_MBps']:.0f}, SpecForge {w['specforge_torch_load_MBps']:.0f}, "
+        f"plain read {w['plain_file_read_MBps']:.0f}; cold: ours {cold['ours_mmap_MBps']:.0f}, "
+        f"SpecForge {cold['specforge_torch_load_MBps']:.0f}, plain {cold['plain_file_read_MBps']:.0f}.",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--target", type=Path, default=ROOT / "results" / "target")
+    ap.add_argument("--rows", type=int, default=8)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "shards.json")
+    args = ap.parse_args()
+    from draftsmith.common import atomic_write_json, atomic_write_text
+    from draftsmith.target import load_target
+
+    torch.set_num_threads(args.threads)
+    model, _ = load_target(args.target)
+    with tempfile.TemporaryDirectory(dir=ROOT / "benchmarks") as tmp:
+        work = Path(tmp)
+        tok = random_tokens(model.config.vocab_size, args.rows)
+        print("capture overhead ...", file=sys.stderr)
+        cap = capture_overhead(model, tok, work, 8192, args.repeats)
+        big = work / "big" / "rows_000000-000128.safetensors"
+        print("read throughput ...", file=sys.stderr)
+        capture_rows = random_tokens(model.config.vocab_size, 128, seed=1)
+        h = model.config.hidden_size
+        with ShardWriter(
+            big,
+            input_ids=capture_rows["input_ids"],
+            loss_mask=capture_rows["loss_mask"],
+            row_offsets=capture_rows["row_offsets"],
+            hidden_size=h,
+            dtype="bfloat16",
+            manifest={"row_range": [0, 128], "aux_layer_ids": [1, 14, 26], "target_layers": 30},
+        ) as w:
+            # states of unit RMS (post-norm-like) so the speculators conversion is meaningful
+            for a in range(0, capture_rows["input_ids"].numel(), 4096):
+                n = min(4096, capture_rows["input_ids"].numel() - a)
+                w.write(a, torch.randn(n, 3 * h), torch.randn(n, h))
+        read = read_throughput(big, work, args.repeats + 1)
+        per_token = bytes_per_token(big, work, args.target)
+        print("peak RSS ...", file=sys.stderr)
+        fmt = {"root": str(ROOT), "target": str(args.target), "threads": args.threads}
+        rss_cap = peak_rss(CAPTURE_RSS.format(**fmt), [4, 32], work)
+        rss_w = peak_rss(WRITER_RSS.format(**fmt), [128, 1024], work)
+    for x in rss_cap:
+        x["what"] = f"capture (SmolLM2 forward), {x['rows']} rows x 256 tokens"
+    for x in rss_w:
+        x["what"] = f"writer only, {x['rows']} rows x 512 tokens, H=1024"
+    result = {
+        "target": str(
+            args.target.relative_to(ROOT) if args.target.is_relative_to(ROOT) else args.target
+        ),
+        "threads": args.threads,
+        "cpu": f"{os.cpu_count()} CPUs",
+        "torch": torch.__version__,
+        "capture": cap,
+        "read": read,
+        "bytes": per_token,
+        "rss_capture": rss_cap,
+        "rss_writer": rss_w,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(args.out, result)
+    atomic_write_text(args.out.with_suffix(".md"), markdown(result))
+    print(markdown(result))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,545 @@
+"""The benchmark: speculative decoding with the trained draft on every benchmark set, the report.
+
+For each set (held-out rows of the data sources, HumanEval, user JSONL files) every prompt is
+generated twice in the same process: chain speculative decoding (`draftsmith.specdec`) and plain
+greedy decoding of the target with a KV cache. Both are timed (a warm-up prompt before the clock
+starts is excluded), so the speedup is a ratio measured in one run on one machine. The outputs of
+the two are compared token for token (greedy verification is lossless).
+
+The sanity gate: a set whose tau is under `bench.tau_floor`, or exactly 1.0, fails the rule with
+the list of likely causes. Nothing is written then: a broken draft never yields a report that
+looks like a result.
+
+CLI (rule bench):
+    python -m draftsmith.bench --cfg <json> --draft results/draft --target results/target
+        --metrics results/train/metrics.jsonl --env-stamp results/env/cpu.json
+        --threads N --report-json results/bench/report.json --report-md results/bench/report.md
+        --summary-html results/bench/summary.html --acceptance results/bench/acceptance.png
+        --hist results/bench/accept_hist.png --training results/bench/training.png
+summary.html is the table and the plots on one self-contained page (for `snakemake --report`,
+which shows HTML inline but offers markdown only as a download).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import time
+from pathlib import Path
+
+from draftsmith.common import (
+    atomic_path,
+    atomic_write_json,
+    atomic_write_text,
+    init_logging,
+    parse_cfg,
+    set_threads,
+    sha256_file,
+    versions,
+)
+
+log = logging.getLogger("draftsmith.bench")
+
+GATE_CAUSES = """\
+Likely causes, most common first:
+  - layer ids: the aux states the draft was trained on are not the ones captured here
+    (eagle_config.eagle_aux_hidden_state_layer_ids vs the capture manifests; SGLang "output of
+    layer i" = transformers output_hidden_states[i + 1]; vLLM numbers the same states one higher);
+  - wrong algorithm or feature path: the draft is fed something other than fc(concat of the 3 aux
+    states) at step 0 (with SGLang: --speculative-algorithm EAGLE instead of EAGLE3 skips the fc);
+  - vocab mapping: d2t is wrong or was recomputed on other data (draft id i -> target id
+    d2t[i] + i), or the draft lm_head rows belong to another vocabulary;
+  - a draft trained on another target (check the target fingerprint in the draft's export) or
+    not trained at all (results/train/metrics.jsonl: does the loss fall?);
+  - a chat template mismatch between training data and benchmark prompts."""
+
+
+class GateError(SystemExit):
+    """The benchmark ran but its figures say speculation is not working."""
+
+
+# ---------------------------------------------------------------- benchmark sets
+
+
+def load_sets(cfg: dict) -> dict[str, list[dict]]:
+    """name -> conversations (each {"id", "source", "conversations"}), in report order."""
+    from draftsmith.prompts import SourceError, load_humaneval, load_sources, read_source
+
+    bench = cfg["bench"]
+    sets: dict[str, list[dict]] = {}
+    try:
+        if bench["heldout_size"]:
+            heldout = load_sources(cfg).heldout
+            if bench["heldout_size"] > len(heldout):
+                raise SystemExit(
+                    f"bench.heldout_size={bench['heldout_size']} but data.heldout_rows holds "
+                    f"only {len(heldout)} rows; raise data.heldout_rows or lower heldout_size"
+                )
+            sets["heldout"] = heldout[: bench["heldout_size"]]
+        if bench["humaneval_size"]:
+            sets["humaneval"] = load_humaneval(bench["humaneval_size"])
+        for spec in bench.get("files", []):
+            name = spec["name"]
+            if not name or name in sets:
+                raise SystemExit(f"bench.files: set name {name!r} is empty or used twice")
+            rows, report = read_source(
+                {
+                    "format": spec.get("format", "prompt"),
+                    "path": spec["path"],
+                    "max_rows": spec.get("size", 0),
+                }
+            )
+            if not rows:
+                raise SystemExit(f"bench.files: {spec['path']} has no valid rows ({report})")
+            sets[name] = rows
+    except SourceError as e:
+        raise SystemExit(str(e)) from None
+    if not sets:
+        raise SystemExit("no benchmark set: bench.heldout_size, humaneval_size and files are empty")
+    return sets
+
+
+# ---------------------------------------------------------------- running
+
+
+def _sync(device) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def run_set(model, tokenizer, draft, rows, bench: dict, aux_ids: list[int]) -> dict:
+    """Speculative and baseline generation of every row; acceptance and timing figures."""
+    from tqdm import tqdm
+
+    from draftsmith.prompts import prompt_turns
+    from draftsmith.specdec import (
+        greedy_generate,
+        prompt_ids,
+        speculative_generate,
+        stop_ids,
+        summarize,
+    )
+
+    stops = stop_ids(model, tokenizer)
+    k, max_new = bench["num_steps"], bench["max_new_tokens"]
+    traces, spec_s, base_s, base_tokens, identical, first_diff = [], 0.0, 0.0, 0, 0, []
+    for i, row in enumerate(tqdm(rows, desc="prompts", unit="prompt")):
+        ids = prompt_ids(tokenizer, prompt_turns(row))
+        # alternate the order so drift (thermal, caches) does not favour one side
+        for first in ("spec", "base") if i % 2 == 0 else ("base", "spec"):
+            _sync(model.device)
+            t0 = time.perf_counter()
+            if first == "spec":
+                trace = speculative_generate(model, draft, ids, max_new, stops, k, aux_ids)
+            else:
+                base = greedy_generate(model, ids, max_new, stops)
+            _sync(model.device)
+            if first == "spec":
+                spec_s += time.perf_counter() - t0
+            else:
+                base_s += time.perf_counter() - t0
+        traces.append(trace)
+        base_tokens += len(base)
+        if trace.tokens == base:
+            identical += 1
+        else:
+            pairs = zip(trace.tokens, base, strict=False)
+            at = next(
+                (j for j, (a, b) in enumerate(pairs) if a != b), min(len(base), len(trace.tokens))
+            )
+            first_diff.append({"id": row["id"], "first_difference_at": at})
+    out = summarize(traces)
+    spec_tps = out["generated_tokens"] / spec_s
+    base_tps = base_tokens / base_s
+    out.update(
+        spec_seconds=spec_s,
+        baseline_seconds=base_s,
+        baseline_tokens=base_tokens,
+        spec_tokens_per_s=spec_tps,
+        baseline_tokens_per_s=base_tps,
+        speedup=spec_tps / base_tps,
+        identical_outputs=identical,
+        differing_outputs=first_diff,
+        mean_prompt_tokens=sum(t.prompt_len for t in traces) / len(traces),
+    )
+    if first_diff:
+        log.warning(
+            "%d of %d outputs differ from greedy decoding (numerics of batched vs one-token "
+            "forwards in %s): %s",
+            len(first_diff),
+            len(rows),
+            model.dtype,
+            first_diff[:3],
+        )
+    return out
+
+
+def warm_up(model, tokenizer, draft, row, bench: dict, aux_ids: list[int]) -> None:
+    """One untimed pass of both paths (allocator, kernels, lazy init)."""
+    from draftsmith.prompts import prompt_turns
+    from draftsmith.specdec import greedy_generate, prompt_ids, speculative_generate, stop_ids
+
+    ids = prompt_ids(tokenizer, prompt_turns(row))
+    stops = stop_ids(model, tokenizer)
+    n = min(bench["max_new_tokens"], 16)
+    speculative_generate(model, draft, ids, n, stops, bench["num_steps"], aux_ids)
+    greedy_generate(model, ids, n, stops)
+
+
+# ---------------------------------------------------------------- the gate
+
+
+def gate(results: dict[str, dict], floor: float) -> None:
+    """Raise GateError when any set's tau is under the floor or exactly 1.0."""
+    bad = {
+        name: r["tau"]
+        for name, r in results.items()
+        if math.isnan(r["tau"]) or r["tau"] < floor or r["tau"] == 1.0
+    }
+    if bad:
+        figures = ", ".join(f"{name}: tau {tau:.3f}" for name, tau in bad.items())
+        raise GateError(
+            f"sanity gate failed ({figures}; bench.tau_floor = {floor}). A tau this close to "
+            f"1.0 means the draft's proposals are almost never accepted, so speculation is not "
+            f"really active; this is an error, not a benchmark result.\n{GATE_CAUSES}"
+        )
+
+
+# ---------------------------------------------------------------- report
+
+
+def draft_fingerprint(draft_dir: Path) -> dict:
+    return {
+        name: sha256_file(draft_dir / name)
+        for name in ("config.json", "model.safetensors")
+        if (draft_dir / name).is_file()
+    }
+
+
+def read_metrics(path: Path) -> list[dict]:
+    records = []
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                raise SystemExit(f"{path}: line {lineno} is not JSON ({e.msg})") from None
+    if not records:
+        raise SystemExit(f"{path} has no training records")
+    return records
+
+
+def training_summary(records: list[dict]) -> dict:
+    tail = records[-max(1, len(records) // 10) :]  # last 10% of steps
+    k = len(tail[-1].get("acc_per_pos", []))
+    return {
+        "steps": int(records[-1]["step"]),
+        "final_loss": sum(r["loss"] for r in tail) / len(tail),
+        "final_acc_per_pos": [sum(r["acc_per_pos"][j] for r in tail) / len(tail) for j in range(k)],
+    }
+
+
+def _fmt_list(values: list[float]) -> str:
+    return " / ".join(f"{v:.2f}" for v in values)
+
+
+TABLE_HEAD = (
+    "set",
+    "prompts",
+    "tau",
+    "tau (SGLang count)",
+    "accept rate by position",
+    "tok/s spec",
+    "tok/s greedy",
+    "speedup",
+    "identical to greedy",
+)
+
+
+def table_rows(report: dict) -> list[list[str]]:
+    """The summary table, one row per set (shared by report.md and summary.html)."""
+    return [
+        [
+            name,
+            str(r["prompts"]),
+            f"{r['tau']:.3f}",
+            f"{r['tau_sglang']:.3f}",
+            _fmt_list(r["accept_rate_by_pos"]),
+            f"{r['spec_tokens_per_s']:.1f}",
+            f"{r['baseline_tokens_per_s']:.1f}",
+            f"{r['speedup']:.2f}x",
+            f"{r['identical_outputs']}/{r['prompts']}",
+        ]
+        for name, r in report["sets"].items()
+    ]
+
+
+def text_blocks(report: dict) -> dict[str, str]:
+    """The prose of the report (plain text, shared by report.md and summary.html)."""
+    bench = report["config"]["bench"]
+    tr = report["training"]
+    return {
+        "method": (
+            f"Chain speculative decoding, {bench['num_steps']} draft tokens per verification "
+            f"pass (top-k 1), greedy verification, at most {bench['max_new_tokens']} new tokens "
+            f"per prompt, batch size 1, on {report['device']} ({report['threads']} threads). "
+            "tau = tokens emitted by verification passes / verification passes (the prefill's "
+            "token excluded; the SGLang count includes it). Speedup = tokens/s with speculation "
+            "/ tokens/s of plain greedy decoding with KV cache, both measured in this run, "
+            "warm-up excluded."
+        ),
+        "hist": "; ".join(f"{n}: {r['accept_len_hist']}" for n, r in report["sets"].items()),
+        "training": (
+            f"Training: {tr['steps']} steps, final loss {tr['final_loss']:.3f}, per-position "
+            f"accuracy {_fmt_list(tr['final_acc_per_pos'])} (mean of the last 10% of steps)."
+        ),
+        "provenance": (
+            f"Target fingerprint {report['target_fingerprint'][:16]}, draft "
+            f"{report['draft_fingerprint'].get('model.safetensors', '?')[:16]}, aux layer ids "
+            f"{report['aux_layer_ids']}, draft vocab {report['draft_vocab_size']}; draftsmith "
+            f"{report['versions'].get('draftsmith')}, torch {report['versions'].get('torch')}, "
+            f"transformers {report['versions'].get('transformers')}."
+        ),
+    }
+
+
+def render_md(report: dict, *plots: Path) -> str:
+    text = text_blocks(report)
+    lines = ["# draftsmith benchmark", "", text["method"], ""]
+    lines.append("| " + " | ".join(TABLE_HEAD) + " |")
+    lines.append("|" + "---|" * len(TABLE_HEAD))
+    lines += ["| " + " | ".join(row) + " |" for row in table_rows(report)]
+    lines += [
+        "",
+        f"Accepted-length histogram (passes accepting 0, 1, ... proposals): {text['hist']}.",
+        "",
+        text["training"],
+        "",
+        *(f"![{p.stem}]({p.name})" for p in plots),
+        "",
+        text["provenance"],
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def render_html(report: dict, *plots: Path) -> str:
+    """One self-contained page: the table, the prose and the plots as data URIs."""
+    import base64
+    import html
+
+    text = {k: html.escape(v) for k, v in text_blocks(report).items()}
+    head = "".join(f"<th>{html.escape(h)}</th>" for h in TABLE_HEAD)
+    body = "".join(
+        "<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>"
+        for row in table_rows(report)
+    )
+    images = "".join(
+        f'<p><img alt="{p.stem}" style="max-width:100%" src="data:image/png;base64,'
+        f'{base64.b64encode(p.read_bytes()).decode()}"></p>'
+        for p in plots
+    )
+    style = (
+        "body{font-family:sans-serif;max-width:70em;margin:1em auto;line-height:1.4}"
+        "table{border-collapse:collapse}td,th{border:1px solid #bbb;padding:.3em .6em}"
+        "td{text-align:right}td:first-child{text-align:left}"
+    )
+    return (
+        f"<!doctype html><html><head><meta charset='utf-8'><title>draftsmith benchmark</title>"
+        f"<style>{style}</style></head><body><h1>draftsmith benchmark</h1>"
+        f"<p>{text['method']}</p><table><tr>{head}</tr>{body}</table>"
+        f"<p>Accepted-length histogram (passes accepting 0, 1, ... proposals): {text['hist']}.</p>"
+        f"<p>{text['training']}</p>{images}<p><small>{text['provenance']}</small></p>"
+        "</body></html>\n"
+    )
+
+
+def _save(fig, path: Path) -> None:
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, format="png", dpi=110, bbox_inches="tight")
+
+
+def plot_acceptance(sets: dict[str, dict], path: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 3.8))
+    width = 0.8 / len(sets)
+    for s, (name, r) in enumerate(sets.items()):
+        xs = [
+            j + 1 + (s - (len(sets) - 1) / 2) * width for j in range(len(r["accept_rate_by_pos"]))
+        ]
+        ax.bar(xs, r["accept_rate_by_pos"], width=width, label=f"{name} (tau {r['tau']:.2f})")
+        ax.plot(xs, r["reach_rate_by_pos"], "k.", markersize=6)
+    ax.set_xlabel("draft position")
+    ax.set_ylabel("P(accepted | previous accepted); dots: P(reached)")
+    ax.set_title("Acceptance by draft position")
+    ax.set_ylim(0, 1)
+    ax.set_xticks(range(1, len(next(iter(sets.values()))["accept_rate_by_pos"]) + 1))
+    ax.legend(fontsize=8)
+    ax.grid(axis="y", alpha=0.3)
+    _save(fig, path)
+    plt.close(fig)
+
+
+def plot_hist(sets: dict[str, dict], path: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 3.8))
+    width = 0.8 / len(sets)
+    for s, (name, r) in enumerate(sets.items()):
+        hist = r["accept_len_hist"]
+        total = sum(hist)
+        xs = [a + (s - (len(sets) - 1) / 2) * width for a in range(len(hist))]
+        ax.bar(xs, [n / total for n in hist], width=width, label=f"{name} ({total} passes)")
+    ax.set_xlabel("draft tokens accepted in a verification pass")
+    ax.set_ylabel("fraction of passes")
+    ax.set_title("Accepted-length histogram")
+    ax.set_xticks(range(len(next(iter(sets.values()))["accept_len_hist"])))
+    ax.legend(fontsize=8)
+    ax.grid(axis="y", alpha=0.3)
+    _save(fig, path)
+    plt.close(fig)
+
+
+def plot_training(records: list[dict], path: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    steps = [r["step"] for r in records]
+    window = max(1, len(records) // 50)
+
+    def smooth(values):
+        return [
+            sum(values[max(0, i - window + 1) : i + 1])
+            / len(values[max(0, i - window + 1) : i + 1])
+            for i in range(len(values))
+        ]
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.6))
+    ax1.plot(steps, smooth([r["loss"] for r in records]))
+    ax1.set_xlabel("step")
+    ax1.set_ylabel("loss (TTT-weighted)")
+    ax1.set_title("Training loss")
+    ax1.grid(alpha=0.3)
+    k = len(records[-1].get("acc_per_pos", []))
+    for j in range(k):
+        ax2.plot(steps, smooth([r["acc_per_pos"][j] for r in records]), label=f"step {j}")
+    ax2.set_xlabel("step")
+    ax2.set_ylabel("top-1 accuracy vs target")
+    ax2.set_title("Training accuracy per TTT position")
+    ax2.set_ylim(0, 1)
+    ax2.legend(fontsize=7, ncol=2)
+    ax2.grid(alpha=0.3)
+    _save(fig, path)
+    plt.close(fig)
+
+
+# ---------------------------------------------------------------- CLI
+
+
+def load_models(target_dir: Path, draft_dir: Path, cfg: dict, device: str):
+    """(target, tokenizer, draft), the draft checked against the target it must serve."""
+    import torch
+
+    from draftsmith.config import aux_layer_ids
+    from draftsmith.export import ExportError, load_export
+    from draftsmith.target import TargetError, load_target
+
+    dtype = getattr(torch, cfg.get("target", {}).get("dtype", "float32"))
+    try:
+        model, tokenizer = load_target(target_dir, dtype=dtype, device=device)
+        draft = load_export(draft_dir).to(device=device, dtype=dtype)
+    except (ExportError, TargetError) as e:
+        raise SystemExit(str(e)) from None
+    tc, dc = model.config, draft.config
+    try:
+        aux_layer_ids(dc.aux_layer_ids, tc.num_hidden_layers)
+    except ValueError as e:
+        raise SystemExit(f"{draft_dir}/config.json: {e}") from None
+    if (dc.vocab_size, dc.target_hidden_size) != (tc.vocab_size, tc.hidden_size):
+        raise SystemExit(
+            f"{draft_dir}/config.json: the draft expects a target with vocab {dc.vocab_size} and "
+            f"hidden size {dc.target_hidden_size}, {target_dir} has {tc.vocab_size} and "
+            f"{tc.hidden_size}: the draft was trained for another target"
+        )
+    return model, tokenizer, draft
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description="Benchmark the draft with speculative decoding.")
+    ap.add_argument("--cfg", required=True, help="JSON with the bench, data and target sections")
+    ap.add_argument("--draft", required=True, type=Path, help="results/draft")
+    ap.add_argument("--target", required=True, type=Path, help="results/target")
+    ap.add_argument("--metrics", required=True, type=Path, help="results/train/metrics.jsonl")
+    ap.add_argument("--env-stamp", required=True, type=Path, help="results/env/<role>.json")
+    ap.add_argument("--threads", type=int, default=0)
+    for name in ("report-json", "report-md", "summary-html", "acceptance", "hist", "training"):
+        ap.add_argument(f"--{name}", required=True, type=Path, help="output file")
+    args = ap.parse_args(argv)
+    init_logging("draftsmith.bench")
+    cfg = parse_cfg(args.cfg)
+    set_threads(args.threads)
+
+    import matplotlib
+    import torch
+
+    from draftsmith.target import fingerprint
+
+    matplotlib.use("Agg")
+    bench = cfg["bench"]
+    sets = load_sets(cfg)
+    records = read_metrics(args.metrics)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model, tokenizer, draft = load_models(args.target, args.draft, cfg, device)
+    aux_ids = list(draft.config.aux_layer_ids)
+    log.info(
+        "sets: %s; aux ids %s; device %s", {n: len(r) for n, r in sets.items()}, aux_ids, device
+    )
+
+    warm_up(model, tokenizer, draft, next(iter(sets.values()))[0], bench, aux_ids)
+    results = {}
+    for name, rows in sets.items():
+        results[name] = run_set(model, tokenizer, draft, rows, bench, aux_ids)
+        r = results[name]
+        log.info(
+            "%s: tau %.3f, accept by pos %s, %.1f tok/s vs %.1f greedy, speedup %.2fx",
+            name,
+            r["tau"],
+            _fmt_list(r["accept_rate_by_pos"]),
+            r["spec_tokens_per_s"],
+            r["baseline_tokens_per_s"],
+            r["speedup"],
+        )
+    gate(results, float(bench["tau_floor"]))
+
+    report = {
+        "sets": results,
+        "config": cfg,
+        "device": device,
+        "threads": torch.get_num_threads(),
+        "aux_layer_ids": aux_ids,
+        "draft_vocab_size": draft.config.draft_vocab_size,
+        "target_fingerprint": fingerprint(args.target),
+        "draft_fingerprint": draft_fingerprint(args.draft),
+        "env_stamp": json.loads(args.env_stamp.read_text()),
+        "versions": versions(),
+        "training": training_summary(records),
+        "set_ids": {name: [r["id"] for r in rows] for name, rows in sets.items()},
+    }
+    plot_acceptance(results, args.acceptance)
+    plot_hist(results, args.hist)
+    plot_training(records, args.training)
+    atomic_write_text(args.report_md, render_md(report, args.acceptance, args.hist, args.training))
+    atomic_write_text(
+        args.summary_html, render_html(report, args.acceptance, args.hist, args.training)
+    )
+    atomic_write_json(args.report_json, report)
+
+
+if __name__ == "__main__":
+    main()

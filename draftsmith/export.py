@@ -1,0 +1,317 @@
+"""Export the draft in SGLang's EAGLE-3 checkpoint contract, plus a speculators/vLLM copy.
+
+`results/draft/`:
+    config.json          LlamaForCausalLMEagle3 config (SGLang loads this directory)
+    model.safetensors    fc, midlayer.*, norm, lm_head, d2t, t2d (fp32; no embed_tokens)
+    speculators/         the same weights as layers.0.* with a speculators "eagle3" config
+                         (`vllm serve results/draft/speculators`); aux ids in vLLM's convention
+    draftsmith_draft.json provenance (training config, shard checksums, versions)
+
+SGLang 0.5.23's `LlamaForCausalLMEagle3.load_weights` silently skips names it does not know, so
+`check_export` replays its name mapping (legacy `midlayer` -> `layers.0`, q/k/v -> qkv_proj,
+gate/up -> gate_up_proj, then the name or `model.<name>` must be a parameter) against the
+parameter shapes that the config implies, and refuses anything unconsumed, missing or misshaped.
+
+CLI: `python -m draftsmith.export check results/draft`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from draftsmith.common import atomic_path, atomic_write_json, fsync_dir
+from draftsmith.model import DraftConfig, Eagle3Draft
+
+ARCH = "LlamaForCausalLMEagle3"
+WEIGHTS = "model.safetensors"
+PROVENANCE = "draftsmith_draft.json"
+# (SGLang fused parameter, checkpoint shard name, shard id), as in load_weights
+STACKED = [
+    (".qkv_proj", ".q_proj", "q"),
+    (".qkv_proj", ".k_proj", "k"),
+    (".qkv_proj", ".v_proj", "v"),
+    (".gate_up_proj", ".gate_proj", 0),
+    (".gate_up_proj", ".up_proj", 1),
+]
+LEGACY = {"midlayer": "layers.0"}
+
+
+class ExportError(ValueError):
+    """The exported draft is not what SGLang's loader will consume."""
+
+
+def sglang_config(cfg: DraftConfig) -> dict:
+    """The draft's config.json (Llama fields + EAGLE-3 keys) in SGLang's contract."""
+    return {
+        "architectures": [ARCH],
+        "model_type": "llama",
+        "num_hidden_layers": 1,
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_key_value_heads,
+        "head_dim": cfg.head_dim,
+        "hidden_act": cfg.hidden_act,
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "rope_scaling": cfg.rope_scaling,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "vocab_size": cfg.vocab_size,
+        "draft_vocab_size": cfg.draft_vocab_size,
+        "target_hidden_size": cfg.target_hidden_size,
+        "tie_word_embeddings": False,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "torch_dtype": "float32",
+        "eagle_config": {
+            "eagle_aux_hidden_state_layer_ids": list(cfg.aux_layer_ids),
+            "use_aux_hidden_state": True,
+        },
+    }
+
+
+def config_from_sglang(c: dict) -> DraftConfig:
+    """Inverse of `sglang_config` (checks the contract keys on the way)."""
+    problems = config_problems(c)
+    if problems:
+        raise ExportError("; ".join(problems))
+    return DraftConfig(
+        hidden_size=c["hidden_size"],
+        num_attention_heads=c["num_attention_heads"],
+        num_key_value_heads=c.get("num_key_value_heads", c["num_attention_heads"]),
+        head_dim=c.get("head_dim", c["hidden_size"] // c["num_attention_heads"]),
+        intermediate_size=c["intermediate_size"],
+        vocab_size=c["vocab_size"],
+        draft_vocab_size=c["draft_vocab_size"],
+        aux_layer_ids=list(c["eagle_config"]["eagle_aux_hidden_state_layer_ids"]),
+        target_hidden_size=c.get("target_hidden_size", c["hidden_size"]),
+        rms_norm_eps=c["rms_norm_eps"],
+        rope_theta=c.get("rope_theta", 10000.0),
+        rope_scaling=c.get("rope_scaling"),
+        max_position_embeddings=c.get("max_position_embeddings", 8192),
+        hidden_act=c.get("hidden_act", "silu"),
+    )
+
+
+def config_problems(c: dict) -> list[str]:
+    want = {"architectures": [ARCH], "model_type": "llama", "num_hidden_layers": 1,
+            "tie_word_embeddings": False, "hidden_act": "silu"}
+    out = [f"config.json {k} is {c.get(k)!r}, SGLang needs {v!r}"
+           for k, v in want.items() if c.get(k) != v]
+    for k in ("hidden_size", "intermediate_size", "num_attention_heads", "rms_norm_eps",
+              "vocab_size", "draft_vocab_size"):
+        if k not in c:
+            out.append(f"config.json has no {k!r}")
+    ids = (c.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    if not (isinstance(ids, list) and ids and all(isinstance(i, int) for i in ids)):
+        out.append(f"config.json eagle_config.eagle_aux_hidden_state_layer_ids is {ids!r}")
+    if (c.get("eagle_config") or {}).get("use_aux_hidden_state") is not True:
+        out.append("config.json eagle_config.use_aux_hidden_state must be true")
+    if c.get("rope_parameters") is not None:
+        out.append("config.json has rope_parameters: SGLang would prefer it over rope_theta")
+    return out
+
+
+def sglang_params(c: dict) -> dict[str, tuple]:
+    """Parameter name -> shape of SGLang's LlamaForCausalLMEagle3 (TP 1) for this config."""
+    h, i = c["hidden_size"], c["intermediate_size"]
+    nh = c["num_attention_heads"]
+    nkv = c.get("num_key_value_heads", nh)
+    hd = c.get("head_dim", h // nh)
+    ht = c.get("target_hidden_size", h)
+    n_aux = len(c["eagle_config"]["eagle_aux_hidden_state_layer_ids"])
+    p = "model.layers.0."
+    return {
+        "model.embed_tokens.weight": (c["vocab_size"], h),
+        "model.fc.weight": (h, ht * n_aux),
+        p + "self_attn.qkv_proj.weight": ((nh + 2 * nkv) * hd, 2 * h),
+        p + "self_attn.o_proj.weight": (h, nh * hd),
+        p + "mlp.gate_up_proj.weight": (2 * i, h),
+        p + "mlp.down_proj.weight": (h, i),
+        p + "input_layernorm.weight": (h,),
+        p + "post_attention_layernorm.weight": (h,),
+        p + "hidden_norm.weight": (h,),
+        "model.norm.weight": (h,),
+        "lm_head.weight": (c["draft_vocab_size"], h),
+    }
+
+
+def _shard_rows(c: dict, shard_id) -> int:
+    nh = c["num_attention_heads"]
+    hd = c.get("head_dim", c["hidden_size"] // nh)
+    return {"q": nh * hd, "k": c.get("num_key_value_heads", nh) * hd,
+            "v": c.get("num_key_value_heads", nh) * hd}.get(shard_id, c["intermediate_size"])
+
+
+def sglang_destination(name: str, params: dict) -> tuple[str, object] | None:
+    """Where SGLang's load_weights puts checkpoint tensor `name`: (param, shard id) or None."""
+    for legacy, new in LEGACY.items():
+        if legacy in name:
+            name = name.replace(legacy, new)
+    if "d2t" in name or "t2d" in name:
+        return ("d2t" if "d2t" in name else "t2d"), None
+    for param, shard, shard_id in STACKED:
+        if shard in name:
+            name = name.replace(shard, param)
+            full = name if name in params else f"model.{name}"
+            return (full, shard_id) if full in params else None
+    full = name if name in params else f"model.{name}"
+    return (full, None) if full in params else None
+
+
+def check_tensors(c: dict, tensors: dict[str, tuple[tuple, str]]) -> list[str]:
+    """Problems with {name: (shape, safetensors dtype tag)} against what SGLang consumes for config `c`."""
+    params = sglang_params(c)
+    problems, filled = [], {}
+    for name, (shape, dtype) in sorted(tensors.items()):
+        dest = sglang_destination(name, params)
+        if dest is None:
+            problems.append(f"tensor {name} {list(shape)}: SGLang's loader would skip it")
+            continue
+        param, shard_id = dest
+        if param == "model.embed_tokens.weight":
+            problems.append(f"tensor {name}: the draft must not carry embed_tokens (shared)")
+            continue
+        if param == "d2t":
+            want, want_dtype = (c["draft_vocab_size"],), "I64"
+        elif param == "t2d":
+            want, want_dtype = (c["vocab_size"],), "BOOL"
+        elif shard_id is None:
+            want, want_dtype = params[param], None
+        else:
+            full = params[param]
+            want, want_dtype = (_shard_rows(c, shard_id), full[1]), None
+        if tuple(shape) != tuple(want):
+            problems.append(f"tensor {name} is {list(shape)}, SGLang's {param} needs {list(want)}")
+        if want_dtype and dtype != want_dtype:
+            problems.append(f"tensor {name} is {dtype}, expected {want_dtype}")
+        filled.setdefault(param, set()).add(shard_id)
+    shards = {"model.layers.0.self_attn.qkv_proj.weight": {"q", "k", "v"},
+              "model.layers.0.mlp.gate_up_proj.weight": {0, 1}}
+    for param in [*params, "d2t", "t2d"]:
+        if param == "model.embed_tokens.weight":
+            continue
+        need = shards.get(param, {None})
+        missing = need - filled.get(param, set())
+        if missing:
+            problems.append(f"SGLang parameter {param} is not (fully) provided: {sorted(map(str, missing))}")
+    return problems
+
+
+def check_export(out_dir: str | os.PathLike) -> None:
+    """Raise ExportError listing every way `out_dir` breaks SGLang's EAGLE-3 contract."""
+    out = Path(out_dir)
+    cfg_path, w_path = out / "config.json", out / WEIGHTS
+    for p in (cfg_path, w_path):
+        if not p.is_file():
+            raise ExportError(f"{p} is missing")
+    c = json.loads(cfg_path.read_text())
+    problems = config_problems(c)
+    if not problems:
+        with safe_open(str(w_path), framework="pt") as f:
+            tensors = {k: (tuple(f.get_slice(k).get_shape()), f.get_slice(k).get_dtype())
+                       for k in f.keys()}
+            problems = check_tensors(c, tensors)
+            if not problems:
+                d2t, t2d = f.get_tensor("d2t"), f.get_tensor("t2d")
+                hot = d2t + torch.arange(d2t.shape[0])
+                if int(hot.min()) < 0 or int(hot.max()) >= c["vocab_size"]:
+                    problems.append("d2t maps draft ids outside the target vocabulary")
+                elif not bool(t2d[hot].all()) or int(t2d.sum()) != d2t.shape[0]:
+                    problems.append("t2d is not true exactly at d2t[i] + i")
+    if problems:
+        raise ExportError(f"{out}: not a valid SGLang EAGLE-3 draft:\n  " + "\n  ".join(problems))
+
+
+def speculators_config(cfg: DraftConfig, verifier: str, num_tokens: int) -> dict:
+    """speculators "eagle3" config for vLLM; vLLM's ids are input-of-layer (SGLang id + 1)."""
+    layer = sglang_config(cfg)
+    for k in ("architectures", "eagle_config", "draft_vocab_size", "target_hidden_size"):
+        layer.pop(k)
+    return {
+        "architectures": ["Eagle3Speculator"],
+        "speculators_model_type": "eagle3",
+        "transformer_layer_config": layer,
+        "draft_vocab_size": cfg.draft_vocab_size,
+        "target_hidden_size": cfg.target_hidden_size,
+        "norm_before_residual": False,
+        "eagle_aux_hidden_state_layer_ids": [i + 1 for i in cfg.aux_layer_ids],
+        "speculators_config": {
+            "algorithm": "eagle3",
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": num_tokens,
+                                  "verifier_accept_k": 1, "accept_tolerance": 0.0}],
+            "default_proposal_method": "greedy",
+            "verifier": {"name_or_path": verifier, "architectures": []},
+        },
+    }
+
+
+def export_draft(draft: Eagle3Draft, out_dir, provenance: dict, verifier: str = "",
+                 num_tokens: int = 4) -> None:
+    """Write `out_dir` atomically (staging dir, fsync, rename) and contract-check it first."""
+    out = Path(out_dir)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    stage = Path(tempfile.mkdtemp(prefix=f".tmp-{out.name}-", dir=out.parent))
+    try:
+        state = {k: v.detach().to("cpu").contiguous() for k, v in draft.state_dict().items()}
+        state = {k: (v.float() if v.is_floating_point() else v) for k, v in state.items()}
+        save_file(state, str(stage / WEIGHTS), metadata={"format": "pt"})
+        atomic_write_json(stage / "config.json", sglang_config(draft.config))
+        spec = stage / "speculators"
+        spec.mkdir()
+        renamed = {k.replace("midlayer.", "layers.0."): v for k, v in state.items()}
+        save_file(renamed, str(spec / WEIGHTS), metadata={"format": "pt"})
+        atomic_write_json(spec / "config.json",
+                          speculators_config(draft.config, verifier, num_tokens))
+        atomic_write_json(stage / PROVENANCE,
+                          {**provenance, "draft_config": draft.config.to_dict()})
+        check_export(stage)
+        for p in [*stage.iterdir(), *spec.iterdir()]:
+            if p.is_file():
+                with open(p, "rb") as f:
+                    os.fsync(f.fileno())
+        os.chmod(stage, 0o755)
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(stage, out)
+        fsync_dir(out.parent)
+    except BaseException:
+        shutil.rmtree(stage, ignore_errors=True)
+        raise
+
+
+def load_export(out_dir) -> Eagle3Draft:
+    """The exported draft back as an `Eagle3Draft` (contract-checked first)."""
+    from safetensors.torch import load_file
+
+    check_export(out_dir)
+    cfg = config_from_sglang(json.loads((Path(out_dir) / "config.json").read_text()))
+    draft = Eagle3Draft(cfg)
+    draft.load_state_dict(load_file(str(Path(out_dir) / WEIGHTS)), strict=True)
+    return draft.eval()
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m draftsmith.export", description=__doc__.split("\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    chk = sub.add_parser("check", help="contract-check an exported draft directory")
+    chk.add_argument("draft_dir")
+    args = ap.parse_args(argv)
+    try:
+        check_export(args.draft_dir)
+    except ExportError as e:
+        raise SystemExit(str(e)) from None
+    print(f"{args.draft_dir}: OK (SGLang {ARCH} contract)")
+
+
+if __name__ == "__main__":
+    main()

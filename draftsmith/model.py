@@ -1,0 +1,463 @@
+"""The EAGLE-3 draft: one Llama decoder layer, computed exactly as SGLang serves it.
+
+Reference: `sglang/srt/models/llama_eagle3.py` of the pinned sglang==0.5.23 wheel
+(`LlamaForCausalLMEagle3`). Per position the draft computes
+
+    residual = hidden                                  # fc(aux) at step 0, own output later
+    x        = cat([input_layernorm(embed), hidden_norm(hidden)], -1)     # 2H wide
+    residual = self_attn(x) + residual                 # q/k/v take 2H, o gives H
+    out      = mlp(post_attention_layernorm(residual)) + residual
+    logits   = lm_head(norm(out))                      # draft vocabulary
+    target   = draft_id + d2t[draft_id]
+
+`out` (pre-norm) is what SGLang feeds back as the next draft step's hidden state
+(`hidden_states_to_aux` of its fused final norm). The input embedding is the target's, frozen,
+and lives outside this module (it is never saved): callers pass `input_embeds`.
+
+Attention goes through a cache object with one method, `attend(q, k, v)`:
+`KVCache` for incremental decoding and `TTTCache` for training-time test, whose visibility
+rule (`ttt_visibility`) is spelled out as an explicit mask for tests.
+
+Pure PyTorch: no I/O, no logging, no torch.distributed.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+SUPPORTED_ROPE = ("default", "linear", "llama3")
+
+
+@dataclass
+class DraftConfig:
+    hidden_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int  # target vocabulary (t2d length)
+    draft_vocab_size: int
+    aux_layer_ids: list[int]
+    target_hidden_size: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None  # None | {"rope_type": "linear"|"llama3", ...}
+    max_position_embeddings: int = 8192
+    hidden_act: str = "silu"
+    extra: dict = field(default_factory=dict)  # provenance only (e.g. dropped rope scaling)
+
+    def __post_init__(self):
+        if self.hidden_act != "silu":
+            raise ValueError(f"draft hidden_act must be silu (SGLang's only one), got {self.hidden_act}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads {self.num_attention_heads} is not a multiple of "
+                f"num_key_value_heads {self.num_key_value_heads}"
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
+        if not 1 <= self.draft_vocab_size <= self.vocab_size:
+            raise ValueError(
+                f"draft_vocab_size {self.draft_vocab_size} must be in [1, {self.vocab_size}]"
+            )
+        if self.rope_scaling is not None:
+            kind = _rope_type(self.rope_scaling)
+            if kind not in SUPPORTED_ROPE:
+                raise ValueError(f"rope_scaling type {kind!r} is not one of {SUPPORTED_ROPE}")
+
+    @property
+    def num_aux(self) -> int:
+        return len(self.aux_layer_ids)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> DraftConfig:
+        return cls(**d)
+
+    @classmethod
+    def from_target_config(
+        cls, cfg: dict, draft_vocab_size: int, aux_layer_ids: list[int]
+    ) -> DraftConfig:
+        """Draft shapes from the target's HF `config.json` dict (Llama-like or DeepSeek-V3/MLA).
+
+        MLA targets (DeepSeek-V3, Kimi-K2.x) have no per-head K/V width; the draft uses
+        `v_head_dim` as its head_dim, as the published Kimi EAGLE-3 drafts do. RoPE scaling
+        kinds other than linear/llama3 (e.g. yarn) are not reproduced: the draft then uses plain
+        RoPE with the target's theta, and its exported config says so, so serving matches training.
+        """
+        cfg = dict(cfg.get("text_config") or cfg)
+        for key in ("hidden_size", "num_attention_heads", "intermediate_size", "vocab_size"):
+            if key not in cfg:
+                raise ValueError(f"target config has no {key!r}")
+        hidden = int(cfg["hidden_size"])
+        heads = int(cfg["num_attention_heads"])
+        kv_heads = int(cfg.get("num_key_value_heads") or heads)
+        if "kv_lora_rank" in cfg:  # MLA: no GQA width, use the value head width
+            head_dim = int(cfg.get("v_head_dim") or hidden // heads)
+        else:
+            head_dim = int(cfg.get("head_dim") or hidden // heads)
+        params = cfg.get("rope_parameters") or {}
+        theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+        scaling = cfg.get("rope_scaling") or (params if params else None)
+        extra = {}
+        if scaling is not None:
+            kind = _rope_type(scaling)
+            if kind == "default":
+                scaling = None
+            elif kind not in SUPPORTED_ROPE:
+                extra["target_rope_scaling_not_used"] = dict(scaling)
+                scaling = None
+            else:
+                scaling = {k: v for k, v in scaling.items() if k != "rope_theta"}
+        return cls(
+            hidden_size=hidden,
+            num_attention_heads=heads,
+            num_key_value_heads=kv_heads,
+            head_dim=head_dim,
+            intermediate_size=int(cfg["intermediate_size"]),
+            vocab_size=int(cfg["vocab_size"]),
+            draft_vocab_size=int(draft_vocab_size),
+            aux_layer_ids=[int(i) for i in aux_layer_ids],
+            target_hidden_size=hidden,
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 8192)),
+            extra=extra,
+        )
+
+    @classmethod
+    def tiny(cls, vocab_size: int = 256, draft_vocab_size: int = 64) -> DraftConfig:
+        """A few-thousand-parameter draft for unit tests (GQA 4:2, head_dim 16)."""
+        return cls(
+            hidden_size=64,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            intermediate_size=128,
+            vocab_size=vocab_size,
+            draft_vocab_size=draft_vocab_size,
+            aux_layer_ids=[1, 2, 3],
+            target_hidden_size=64,
+            rms_norm_eps=1e-6,
+            rope_theta=10000.0,
+            max_position_embeddings=2048,
+        )
+
+
+def _rope_type(scaling: dict) -> str:
+    return str(scaling.get("rope_type", scaling.get("type", "default")))
+
+
+class RMSNorm(nn.Module):
+    """SGLang's RMSNorm (forward_native): fp32 statistics, weight applied in fp32."""
+
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (x * self.weight.float()).to(dtype)
+
+
+class Rotary(nn.Module):
+    """Neox-style RoPE with SGLang's inverse frequencies (default, linear, llama3)."""
+
+    def __init__(self, cfg: DraftConfig):
+        super().__init__()
+        dim = cfg.head_dim
+        inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+        self.position_scale = 1.0
+        kind = _rope_type(cfg.rope_scaling) if cfg.rope_scaling else "default"
+        if kind == "linear":
+            self.position_scale = 1.0 / float(cfg.rope_scaling["factor"])
+        elif kind == "llama3":
+            inv_freq = _llama3_inv_freq(inv_freq, cfg.rope_scaling)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def forward(self, q, k, position_ids):
+        """q [B,nh,T,d], k [B,nkv,T,d], position_ids [B,T] -> rotated q, k."""
+        t = position_ids.float() * self.position_scale
+        freqs = t[..., None] * self.inv_freq  # [B,T,d/2]
+        cos = torch.cat([freqs.cos(), freqs.cos()], -1)[:, None].to(q.dtype)
+        sin = torch.cat([freqs.sin(), freqs.sin()], -1)[:, None].to(q.dtype)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    a, b = x.chunk(2, dim=-1)
+    return torch.cat([-b, a], dim=-1)
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
+    factor = float(s["factor"])
+    low, high = float(s["low_freq_factor"]), float(s["high_freq_factor"])
+    old_len = float(s["original_max_position_embeddings"])
+    low_wavelen, high_wavelen = old_len / low, old_len / high
+    wavelen = 2 * math.pi / inv_freq
+    smooth = (old_len / wavelen - low) / (high - low) if low != high else 0
+    return torch.where(
+        wavelen < high_wavelen,
+        inv_freq,
+        torch.where(
+            wavelen > low_wavelen,
+            inv_freq / factor,
+            (1 - smooth) * inv_freq / factor + smooth * inv_freq,
+        ),
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Attention: masks and caches
+
+
+def _expand_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
+    """[B,nkv,S,d] -> [B,nkv*groups,S,d]; query head h uses kv head h // groups."""
+    return x if groups == 1 else x.repeat_interleave(groups, dim=1)
+
+
+def masked_attention(q, k, v, visible: torch.Tensor) -> torch.Tensor:
+    """Softmax attention; `visible` [B,T,S] bool broadcasts over heads. Rows see >= 1 key."""
+    groups = q.shape[1] // k.shape[1]
+    k, v = _expand_kv(k, groups), _expand_kv(v, groups)
+    scores = (q @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5
+    scores = scores.masked_fill(~visible[:, None], float("-inf"))
+    return torch.softmax(scores.float(), dim=-1).to(q.dtype) @ v
+
+
+def block_causal_mask(segment_ids: torch.Tensor) -> torch.Tensor:
+    """[B,T] segment ids (rows packed in a sequence; -1 = padding) -> [B,T,T] bool.
+
+    Query i sees key p iff p <= i and both are in the same segment; padding sees only itself.
+    """
+    t = segment_ids.shape[-1]
+    causal = torch.ones(t, t, dtype=torch.bool, device=segment_ids.device).tril()
+    same = segment_ids[:, :, None] == segment_ids[:, None, :]
+    eye = torch.eye(t, dtype=torch.bool, device=segment_ids.device)
+    return (causal & same) | eye
+
+
+def ttt_visibility(step0: torch.Tensor, steps: int) -> torch.Tensor:
+    """The full TTT mask, for tests: [steps, T, steps*T] bool, key index = s*T + p.
+
+    A query of step j at position i sees the step-0 keys that `step0[i]` allows (the causal
+    prefix within its row) and the keys of steps 1..j at position i itself (the diagonal).
+    """
+    t = step0.shape[-1]
+    full = torch.zeros(steps, t, steps * t, dtype=torch.bool)
+    eye = torch.eye(t, dtype=torch.bool)
+    for j in range(steps):
+        full[j, :, :t] = step0
+        for s in range(1, j + 1):
+            full[j, :, s * t : (s + 1) * t] = eye
+    return full
+
+
+class CausalAttention:
+    """No cache: causal attention within the T given tokens (or a given [B,T,T] mask)."""
+
+    def __init__(self, visible: torch.Tensor | None = None):
+        self.visible = visible
+
+    def attend(self, q, k, v):
+        visible = self.visible
+        if visible is None:
+            t = q.shape[2]
+            visible = torch.ones(1, t, t, dtype=torch.bool, device=q.device).tril()
+        return masked_attention(q, k, v, visible)
+
+
+class KVCache:
+    """Incremental decoding: `attend` appends the new K/V, new token t sees all cached keys
+    plus new keys <= t. `truncate(n)` drops rejected speculative positions."""
+
+    def __init__(self):
+        self.k: torch.Tensor | None = None
+        self.v: torch.Tensor | None = None
+
+    def __len__(self) -> int:
+        return 0 if self.k is None else self.k.shape[2]
+
+    def truncate(self, n: int) -> None:
+        if self.k is not None:
+            self.k, self.v = self.k[:, :, :n], self.v[:, :, :n]
+
+    def attend(self, q, k, v):
+        past = len(self)
+        self.k = k if self.k is None else torch.cat([self.k, k], dim=2)
+        self.v = v if self.v is None else torch.cat([self.v, v], dim=2)
+        t, s = q.shape[2], self.k.shape[2]
+        visible = torch.ones(t, s, dtype=torch.bool, device=q.device).tril(diagonal=past)
+        return masked_attention(q, self.k, self.v, visible[None])
+
+
+class TTTCache:
+    """Training-time-test attention over an unrolled chain of draft steps (packed rows).
+
+    Tokens are in a compact layout: the model is called with [1, N, ...] tensors holding the
+    flat positions `index` (b * T + t, ascending) chosen with `select`; step 0 must hold every
+    position of the [B, T] batch, later steps any subset of the previous step's positions
+    (those that still have a loss to train: the rest is skipped, not masked).
+
+    A query of step j at position t sees the step-0 keys `step0_visible[b, t]` allows
+    (block-causal over the packed rows) and its own keys of steps 1..j (the diagonal):
+    [T] scores against step 0 concatenated with j diagonal scores, one softmax over both.
+    `ttt_visibility` is the same rule as an explicit mask.
+    """
+
+    def __init__(self, step0_visible: torch.Tensor):
+        self.visible = step0_visible
+        self.batch, self.length = step0_visible.shape[:2]
+        self.index = torch.arange(self.batch * self.length, device=step0_visible.device)
+        self.k0 = self.v0 = None  # [B, nkv, T, d]
+        self.diag: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # slot, k, v
+
+    def select(self, index: torch.Tensor) -> None:
+        """Flat positions (ascending) of the next step's queries."""
+        self.index = index
+
+    def attend(self, q, k, v):
+        """q [1, nh, N, d], k/v [1, nkv, N, d] at `self.index` -> [1, nh, N, d]."""
+        bsz, t = self.batch, self.length
+        idx = self.index
+        qn, kn, vn = (x[0].transpose(0, 1) for x in (q, k, v))  # [N, heads, d]
+        n, nh, d = qn.shape
+        nkv = kn.shape[1]
+        g = nh // nkv
+        if self.k0 is None:
+            if n != bsz * t:
+                raise ValueError(f"TTT step 0 needs all {bsz * t} positions, got {n}")
+            self.k0 = kn.reshape(bsz, t, nkv, d).transpose(1, 2)
+            self.v0 = vn.reshape(bsz, t, nkv, d).transpose(1, 2)
+        else:
+            slot = torch.full((bsz * t,), -1, dtype=torch.long, device=idx.device)
+            slot[idx] = torch.arange(n, device=idx.device)
+            self.diag.append((slot, kn, vn))
+        scale = d**-0.5
+        sizes = torch.bincount(idx // t, minlength=bsz).tolist()
+        outs = []
+        for b, (q_b, idx_b) in enumerate(zip(qn.split(sizes), idx.split(sizes))):
+            m = q_b.shape[0]
+            if m == 0:
+                continue
+            qg = q_b.view(m, nkv, g, d).permute(1, 2, 0, 3)  # [nkv, g, m, d]
+            s0 = (qg.reshape(nkv, g * m, d) @ self.k0[b].transpose(-1, -2)).view(nkv, g, m, t)
+            s0 = s0.masked_fill(~self.visible[b, idx_b % t][None, None], float("-inf"))
+            dk = [sk[slot[idx_b]] for slot, sk, _ in self.diag]  # [m, nkv, d] each
+            dv = [sv[slot[idx_b]] for slot, _, sv in self.diag]
+            sd = [(qg * kk.permute(1, 0, 2)[:, None]).sum(-1, keepdim=True) for kk in dk]
+            p = torch.softmax(torch.cat([s0, *sd], dim=-1).float() * scale, dim=-1).to(q.dtype)
+            o = (p[..., :t].reshape(nkv, g * m, t) @ self.v0[b]).view(nkv, g, m, d)
+            for s, vv in enumerate(dv):
+                o = o + p[..., t + s, None] * vv.permute(1, 0, 2)[:, None]
+            outs.append(o.permute(2, 0, 1, 3).reshape(m, nh, d))
+        return torch.cat(outs).transpose(0, 1)[None]
+
+
+# ---------------------------------------------------------------------------------------------
+# The model
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: DraftConfig):
+        super().__init__()
+        self.nh, self.nkv, self.hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        width = 2 * cfg.hidden_size
+        self.q_proj = nn.Linear(width, self.nh * self.hd, bias=False)
+        self.k_proj = nn.Linear(width, self.nkv * self.hd, bias=False)
+        self.v_proj = nn.Linear(width, self.nkv * self.hd, bias=False)
+        self.o_proj = nn.Linear(self.nh * self.hd, cfg.hidden_size, bias=False)
+        self.rotary = Rotary(cfg)
+
+    def forward(self, x, position_ids, cache):
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, self.nh, self.hd).transpose(1, 2)
+        k = self.k_proj(x).view(b, t, self.nkv, self.hd).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, self.nkv, self.hd).transpose(1, 2)
+        q, k = self.rotary(q, k, position_ids)
+        out = cache.attend(q, k, v)
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, self.nh * self.hd))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: DraftConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class MidLayer(nn.Module):
+    def __init__(self, cfg: DraftConfig):
+        super().__init__()
+        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, embeds, hidden, position_ids, cache):
+        residual = hidden
+        x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)
+        residual = self.self_attn(x, position_ids, cache) + residual
+        return self.mlp(self.post_attention_layernorm(residual)) + residual
+
+
+class Eagle3Draft(nn.Module):
+    """State-dict names are SGLang's checkpoint names (fc, midlayer.*, norm, lm_head, d2t, t2d)."""
+
+    def __init__(self, cfg: DraftConfig):
+        super().__init__()
+        self.config = cfg
+        self.fc = nn.Linear(cfg.num_aux * cfg.target_hidden_size, cfg.hidden_size, bias=False)
+        self.midlayer = MidLayer(cfg)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
+        self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
+        self.register_buffer("t2d", torch.zeros(cfg.vocab_size, dtype=torch.bool))
+
+    def set_vocab(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
+        """Install the vocabulary mapping (d2t offsets [K] int64, t2d [V] bool)."""
+        if tuple(d2t.shape) != tuple(self.d2t.shape) or tuple(t2d.shape) != tuple(self.t2d.shape):
+            raise ValueError(
+                f"vocab mapping shapes d2t {tuple(d2t.shape)}, t2d {tuple(t2d.shape)} do not match "
+                f"the draft config (d2t {tuple(self.d2t.shape)}, t2d {tuple(self.t2d.shape)})"
+            )
+        ids = d2t.long() + torch.arange(d2t.shape[0])
+        if not bool(t2d.bool()[ids].all()) or int(t2d.bool().sum()) != d2t.shape[0]:
+            raise ValueError("d2t and t2d disagree: t2d must be true exactly at d2t[i] + i")
+        self.d2t.copy_(d2t.long())
+        self.t2d.copy_(t2d.bool())
+
+    def project(self, aux: torch.Tensor) -> torch.Tensor:
+        """Target aux states [B,T,3*H_t] (SGLang layer-id order) -> step-0 hidden [B,T,H]."""
+        return self.fc(aux)
+
+    def step(self, input_embeds, hidden, position_ids, kv_cache=None) -> torch.Tensor:
+        """One draft step. input_embeds: target embedding of the token after each position;
+        hidden: project(aux) at step 0, else the previous step's output. Returns the pre-norm
+        output [B,T,H], which is both the next step's `hidden` and the input of `logits`."""
+        cache = CausalAttention() if kv_cache is None else kv_cache
+        return self.midlayer(input_embeds, hidden, position_ids, cache)
+
+    def logits(self, hidden_out: torch.Tensor) -> torch.Tensor:
+        """[..., H] -> draft-vocab logits [..., K] (final norm, then lm_head)."""
+        return self.lm_head(self.norm(hidden_out))
+
+    def draft_to_target(self, ids: torch.Tensor) -> torch.Tensor:
+        """Draft-vocab ids -> target ids (SGLang: hot_token_id = d2t + arange)."""
+        return ids + self.d2t[ids]

@@ -1,0 +1,138 @@
+"""Disk estimate for the hidden-state shards, before any capture runs.
+
+Reads only the token files' safetensors headers (row and token counts) and the target's
+config.json (hidden size, layer count), so it costs milliseconds even for a 1T-parameter target:
+
+    python -m draftsmith.plan --cfg '{"capture": {...}}' --target results/target \\
+        --out results/hidden/plan.json results/tokens/rows_*.safetensors
+
+Prints bytes per token, the total the shards will take, what is already built, and the free
+space where they go; fails when the shards still to build do not fit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import struct
+import sys
+from pathlib import Path
+
+from draftsmith.common import atomic_write_json, parse_cfg
+from draftsmith.config import aux_layer_ids
+
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+
+
+class PlanError(ValueError):
+    """A token file or target config the plan cannot read; the message names it."""
+
+
+def token_counts(path: Path) -> tuple[int, int]:
+    """(rows, tokens) of a token file, from its safetensors header alone."""
+    try:
+        with open(path, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(n))
+    except (OSError, struct.error, json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise PlanError(f"{path}: not a readable safetensors token file ({e})") from None
+    try:
+        return header["row_offsets"]["shape"][0] - 1, header["input_ids"]["shape"][0]
+    except KeyError as e:
+        raise PlanError(f"{path}: token file lacks tensor {e}") from None
+
+
+def shard_bytes(rows: int, tokens: int, hidden: int, dtype: str) -> int:
+    """Bytes of one shard: 4H states per token, 9 bytes of ids+mask, offsets, a 4 KiB header."""
+    from draftsmith.shards import estimate_bytes
+
+    return estimate_bytes(tokens, rows, hidden, dtype)
+
+
+def human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def make_plan(cfg: dict, token_files: list[Path], target: Path, out_dir: Path) -> dict:
+    from draftsmith.target import target_config
+
+    cap = cfg["capture"]
+    text_cfg = target_config(target)
+    hidden, n_layers = int(text_cfg["hidden_size"]), int(text_cfg["num_hidden_layers"])
+    dtype = cap.get("dtype", "bfloat16")
+    ids = aux_layer_ids(cap.get("aux_layer_ids", "auto"), n_layers)
+    shards, total, pending = [], 0, 0
+    for f in sorted(token_files):
+        rows, tokens = token_counts(f)
+        size = shard_bytes(rows, tokens, hidden, dtype)
+        built = (out_dir / f.name).is_file()
+        shards.append(
+            {"range": f.stem, "rows": rows, "tokens": tokens, "bytes": size, "built": built}
+        )
+        total += size
+        pending += 0 if built else size
+    probe = out_dir if out_dir.exists() else next(p for p in out_dir.parents if p.exists())
+    free = shutil.disk_usage(probe).free
+    n_tokens = sum(s["tokens"] for s in shards)
+    return {
+        "hidden_size": hidden,
+        "target_layers": n_layers,
+        "aux_layer_ids": ids,
+        "dtype": dtype,
+        "bytes_per_token": 4 * hidden * DTYPE_BYTES[dtype] + 9,
+        "rows": sum(s["rows"] for s in shards),
+        "tokens": n_tokens,
+        "total_bytes": total,
+        "pending_bytes": pending,
+        "free_bytes": free,
+        "free_path": str(probe),
+        "fits": pending <= free,
+        "shards": shards,
+    }
+
+
+def summary(plan: dict) -> str:
+    return (
+        f"hidden-state shards: {len(plan['shards'])} ranges, {plan['rows']} rows, "
+        f"{plan['tokens']} tokens x {plan['bytes_per_token']} B/token "
+        f"(4 x hidden {plan['hidden_size']} x {plan['dtype']} + ids/mask)\n"
+        f"  total {human(plan['total_bytes'])}, still to build {human(plan['pending_bytes'])}, "
+        f"free in {plan['free_path']}: {human(plan['free_bytes'])}"
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(
+        prog="python -m draftsmith.plan",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    ap.add_argument("--cfg", required=True, help="JSON with the `capture` section")
+    ap.add_argument("--target", type=Path, required=True)
+    ap.add_argument("--out", type=Path, required=True, help="results/hidden/plan.json")
+    ap.add_argument("tokens", type=Path, nargs="+", help="results/tokens/rows_*.safetensors")
+    args = ap.parse_args(argv)
+    cfg = parse_cfg(args.cfg)
+    if "capture" not in cfg:
+        raise SystemExit("--cfg has no `capture` section")
+    try:
+        plan = make_plan(cfg, args.tokens, args.target, args.out.parent)
+    except (PlanError, ValueError) as e:
+        raise SystemExit(f"error: {e}") from None
+    print(summary(plan))
+    print(summary(plan), file=sys.stderr)
+    if not plan["fits"]:
+        raise SystemExit(
+            f"error: the shards still to build need {human(plan['pending_bytes'])} "
+            f"but {plan['free_path']} has {human(plan['free_bytes'])} free"
+        )
+    atomic_write_json(args.out, plan)
+
+
+if __name__ == "__main__":
+    main()

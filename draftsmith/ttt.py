@@ -1,0 +1,181 @@
+"""Training-time test (TTT): packed batches, the shifted masks, the teacher and the loss.
+
+Alignment (EAGLE-3, as SGLang serves it). Within a row, the draft at position p and step j
+(RoPE position p + j) reads the embedding of token x[p+j+1] and is trained toward the target's
+distribution at position p+j+1, i.e. its prediction of token x[p+j+2]. So the loss mask of that
+prediction is `loss_mask[p+j+2]`: the mask shifts with the inputs and the targets, and the first
+assistant token (the one after the assistant header) is a trained prediction. A prediction is
+also dropped when the target's argmax at p+j+1 is outside the draft vocabulary, or when
+p+j+2 runs past the row.
+
+Teacher: the target's softmax restricted to the draft vocabulary, computed from the stored
+post-norm final states through the target's lm_head rows of the draft vocabulary, in chunks
+(the full-vocabulary logits exist only chunk by chunk, when the argmax flags are computed).
+
+Loss: sum over steps of 0.8**j * (soft cross-entropy summed over step j's kept predictions /
+their global count). Accuracy: the draft's argmax equals the teacher's, per step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from draftsmith.model import Eagle3Draft, TTTCache, block_causal_mask
+
+STEP_DECAY = 0.8
+
+
+@torch.no_grad()
+def teacher_argmax_in_vocab(
+    last: torch.Tensor, lm_head: torch.Tensor, t2d: torch.Tensor, need: torch.Tensor,
+    chunk: int = 512,
+) -> torch.Tensor:
+    """[N] bool: the target's full-vocabulary argmax at each needed token is in the draft vocab.
+
+    last [N, H] (any float dtype, may be memory-mapped), lm_head [V, H], need [N] bool.
+    """
+    ok = torch.zeros(last.shape[0], dtype=torch.bool)
+    idx = need.nonzero().flatten()
+    w = lm_head.float()
+    for s in range(0, idx.numel(), chunk):
+        sel = idx[s : s + chunk]
+        top = (last[sel].float() @ w.T).argmax(-1)
+        ok[sel] = t2d[top]
+    return ok
+
+
+@torch.no_grad()
+def teacher_logprobs(last: torch.Tensor, draft_rows: torch.Tensor, chunk: int = 1024):
+    """[..., H] post-norm states -> [..., K] fp32 log-softmax over the draft vocabulary rows."""
+    flat = last.reshape(-1, last.shape[-1])
+    out = torch.empty(flat.shape[0], draft_rows.shape[0], dtype=torch.float32)
+    w = draft_rows.float()
+    for s in range(0, flat.shape[0], chunk):
+        out[s : s + chunk] = F.log_softmax(flat[s : s + chunk].float() @ w.T, dim=-1)
+    return out.view(*last.shape[:-1], draft_rows.shape[0])
+
+
+def step_masks(seg: torch.Tensor, loss_mask: torch.Tensor, ok: torch.Tensor, steps: int, length: int):
+    """[steps, B, L] bool: which (step, position) predictions are trained.
+
+    seg, loss_mask, ok are [B, L + steps + 2] (tail-padded with seg -1). Step j at position p
+    predicts token p+j+2 of the same row from the teacher at p+j+1.
+    """
+    base = seg[:, :length]
+    out = []
+    for j in range(steps):
+        same_row = (base >= 0) & (seg[:, j + 2 : j + 2 + length] == base)
+        out.append(same_row & loss_mask[:, j + 2 : j + 2 + length] & ok[:, j + 1 : j + 1 + length])
+    return torch.stack(out)
+
+
+@dataclass
+class Batch:
+    """One process's share of an optimizer step: packs of rows, [B, L] (+ tail padding)."""
+
+    aux: torch.Tensor  # [B, L, 3H_t] float32
+    last: torch.Tensor  # [B, L, H_t] stored dtype
+    ids: torch.Tensor  # [B, L + S + 2] int64 (0 in padding)
+    seg: torch.Tensor  # [B, L + S + 2] row number within the pack, -1 = padding
+    pos: torch.Tensor  # [B, L] position within the row
+    loss_mask: torch.Tensor  # [B, L + S + 2] bool
+    ok: torch.Tensor  # [B, L + S + 2] bool (teacher argmax in the draft vocab)
+    tokens: int  # real tokens in the batch
+
+    @property
+    def length(self) -> int:
+        return self.pos.shape[1]
+
+
+def pack_batch(packs: list[list[dict]], steps: int, aux_width: int, hidden: int) -> Batch:
+    """packs: per pack, rows as dicts of 1-d/2-d tensors (input_ids, loss_mask, ok, aux, last).
+
+    An empty `packs` gives one all-padding pack (a process with no share still joins the step).
+    """
+    packs = packs or [[]]
+    length = max(1, max(sum(r["input_ids"].numel() for r in p) for p in packs))
+    b, tail = len(packs), length + steps + 2
+    dtype = next((r["last"].dtype for p in packs for r in p), torch.float32)
+    batch = Batch(
+        aux=torch.zeros(b, length, aux_width),
+        last=torch.zeros(b, length, hidden, dtype=dtype),
+        ids=torch.zeros(b, tail, dtype=torch.long),
+        seg=torch.full((b, tail), -1, dtype=torch.long),
+        pos=torch.zeros(b, length, dtype=torch.long),
+        loss_mask=torch.zeros(b, tail, dtype=torch.bool),
+        ok=torch.zeros(b, tail, dtype=torch.bool),
+        tokens=0,
+    )
+    for i, pack in enumerate(packs):
+        at = 0
+        for r, row in enumerate(pack):
+            n = row["input_ids"].numel()
+            sl = slice(at, at + n)
+            batch.aux[i, sl] = row["aux"].float()
+            batch.last[i, sl] = row["last"]
+            batch.ids[i, sl] = row["input_ids"]
+            batch.seg[i, sl] = r
+            batch.pos[i, sl] = torch.arange(n)
+            batch.loss_mask[i, sl] = row["loss_mask"].bool()
+            batch.ok[i, sl] = row["ok"]
+            at += n
+        batch.tokens += at
+    return batch
+
+
+class TTTObjective(nn.Module):
+    """Unrolled draft steps over a packed batch; forward returns per-step sums (for DDP)."""
+
+    def __init__(self, draft: Eagle3Draft, steps: int):
+        super().__init__()
+        self.draft = draft
+        self.steps = steps
+
+    def forward(self, aux, embeds, pos, seg, masks, teacher):
+        """aux [B,L,3H_t], embeds [B,L+S+1,H] (target embedding of ids), pos [B,L],
+        seg [B,L] row ids, masks [S,B,L] bool, teacher [B,L,K] log-probs.
+
+        Returns (ce [S] summed soft cross-entropy, correct [S] top-1 agreements) of kept
+        predictions. Step j >= 1 runs only on positions with a kept prediction at some step
+        >= j (compact layout, see TTTCache); the others cannot influence any loss.
+        """
+        n_batch, length = pos.shape
+        flat = masks.reshape(self.steps, n_batch * length)
+        later = flat.flip(0).cumsum(0).flip(0) > 0  # a kept prediction at this step or later
+        idx = torch.arange(n_batch * length, device=pos.device)
+        cache = TTTCache(block_causal_mask(seg))
+        hidden = self.draft.project(aux).reshape(1, n_batch * length, -1)
+        zero = hidden.sum() * 0  # keeps every step's output in the graph when nothing is kept
+        ce, correct = [], []
+        for j in range(self.steps):
+            if j > 0:
+                keep = later[j][idx]
+                idx, hidden = idx[keep], hidden[:, keep]
+                cache.select(idx)
+            if idx.numel() == 0:
+                ce.append(zero)
+                correct.append(zero.detach())
+                continue
+            b, t = idx // length, idx % length
+            out = self.draft.step(embeds[b, t + j + 1][None], hidden, (pos[b, t] + j)[None], cache)
+            kept = flat[j][idx]
+            logq = F.log_softmax(self.draft.logits(out[0, kept]).float(), dim=-1)
+            logp = teacher[b[kept], t[kept] + j + 1]
+            ce.append(-(logp.exp() * logq).sum())
+            correct.append((logq.argmax(-1) == logp.argmax(-1)).sum().float())
+            hidden = out
+        return torch.stack(ce), torch.stack(correct)
+
+
+def step_weights(steps: int) -> torch.Tensor:
+    return STEP_DECAY ** torch.arange(steps, dtype=torch.float32)
+
+
+def weighted_loss(ce: torch.Tensor, counts: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+    """sum_j 0.8**j * ce_j / count_j; counts are the global (all-process) kept predictions."""
+    w = step_weights(ce.shape[0]).to(ce.device)
+    return (w * ce / counts.clamp(min=1)).sum() * scale

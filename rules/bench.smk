@@ -1,0 +1,64 @@
+# Benchmark: chain speculative decoding with the trained draft against plain greedy decoding of
+# the target, on the held-out rows, HumanEval and any bench.files; the report and its plots.
+# The rule fails (sanity gate) when a set's tau is under bench.tau_floor or exactly 1.0.
+
+
+rule bench:
+    input:
+        draft="results/draft",
+        target="results/target",
+        metrics="results/train/metrics.jsonl",
+        sources=[
+            s["path"] for s in config["data"]["sources"] if s["format"] != "bundled"
+        ],
+        files=[f["path"] for f in config["bench"]["files"]],
+        stamp=stamp("bench"),
+    output:
+        json=report(
+            "results/bench/report.json",
+            caption="../report/report_json.rst",
+            category="Benchmark",
+            labels={"figure": "all numbers (JSON)"},
+        ),
+        md="results/bench/report.md",
+        html=report(
+            "results/bench/summary.html",
+            caption="../report/summary.rst",
+            category="Benchmark",
+            labels={"figure": "summary"},
+        ),
+        acceptance=report(
+            "results/bench/acceptance.png",
+            caption="../report/acceptance.rst",
+            category="Benchmark",
+            labels={"figure": "acceptance by position"},
+        ),
+        hist=report(
+            "results/bench/accept_hist.png",
+            caption="../report/accept_hist.rst",
+            category="Benchmark",
+            labels={"figure": "accepted length histogram"},
+        ),
+        training=report(
+            "results/bench/training.png",
+            caption="../report/training.rst",
+            category="Training",
+            labels={"figure": "training curves"},
+        ),
+    log:
+        "logs/bench/bench.log",
+    conda:
+        role_env("bench")
+    threads: 2
+    resources:
+        mem_mb=6000,
+        runtime=60,
+    params:
+        py=python_cmd("bench"),
+        cfg=cfg_json("bench", "data", "target"),
+    shell:
+        "{params.py} -m draftsmith.bench --cfg {params.cfg:q} --draft {input.draft} "
+        "--target {input.target} --metrics {input.metrics} --env-stamp {input.stamp} "
+        "--threads {threads} --report-json {output.json} --report-md {output.md} "
+        "--summary-html {output.html} --acceptance {output.acceptance} "
+        "--hist {output.hist} --training {output.training} > {log} 2>&1"

@@ -1,0 +1,52 @@
+# Hidden-state shards: one capture job per row range, plus the disk estimate.
+# Params carry only the `capture` and `target` sections, so a change to train.*, draft.* or
+# bench.* leaves every shard fresh, while new layer ids or a new storage dtype make all stale.
+# A corrupt shard: `python -m draftsmith.shards verify results/hidden --delete`, then rerun;
+# only the deleted ranges are rebuilt (docs/shards.md).
+
+
+rule hidden_plan:
+    input:
+        tokens=expand("results/tokens/{rows}.safetensors", rows=RANGES),
+        target="results/target",
+        stamp=stamp("capture"),
+    output:
+        "results/hidden/plan.json",
+    log:
+        "logs/hidden_plan.log",
+    localrule: True
+    conda:
+        role_env("capture")
+    resources:
+        mem_mb=1000,
+        runtime=5,
+    params:
+        py=python_cmd("capture"),
+        cfg=cfg_json("capture", "target"),
+    shell:
+        "{params.py} -m draftsmith.plan --cfg {params.cfg:q} --target {input.target} "
+        "--out {output} {input.tokens} 2> {log}"
+
+
+rule capture:
+    input:
+        tokens="results/tokens/{rows}.safetensors",
+        target="results/target",
+        stamp=stamp("capture"),
+    output:
+        shard="results/hidden/{rows}.safetensors",
+        manifest="results/hidden/{rows}.json",
+    log:
+        "logs/capture/{rows}.log",
+    conda:
+        role_env("capture")
+    threads: 1
+    resources:
+        mem_mb=4000,
+        runtime=60,
+    params:
+        py=python_cmd("capture"),
+        cfg=cfg_json("capture", "target"),
+    shell:
+        "{params.py} -m draftsmith.capture --cfg {params.cfg:q} --tokens {input.tokens} "
+        "--target {input.target} --out {output.shard} --threads {threads} > {log} 2>&1"

@@ -1,0 +1,142 @@
+"""Prompt sources: the four formats, bad-row accounting, the held-out split, the bundled set."""
+
+from __future__ import annotations
+
+import gzip
+import json
+from collections import Counter
+
+import pytest
+
+from draftsmith.prompts import (
+    BUNDLED_PATH,
+    SourceError,
+    load_humaneval,
+    load_sources,
+    main,
+    prompt_turns,
+    read_source,
+    rows_for_range,
+)
+
+
+def _write(path, lines):
+    path.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+    return str(path)
+
+
+def test_specforge_rows_and_bad_rows_are_counted_with_line_numbers(tmp_path):
+    good = {"id": "a", "conversations": [{"role": "user", "content": "hi"},
+                                         {"role": "assistant", "content": "hello"}]}
+    lines = [
+        json.dumps(good),
+        "{not json",
+        json.dumps({"id": "b", "conversations": [{"role": "user", "content": "  "}]}),
+        json.dumps({"id": "c", "conversations": [{"role": "assistant", "content": "x"}]}),
+        json.dumps({"id": "d", "conversations": [{"role": "user", "content": "q"},
+                                                 {"role": "user", "content": "q2"}]}),
+        "",
+        json.dumps({"conversations": [{"role": "system", "content": "s"},
+                                      {"role": "user", "content": "q"}]}),
+        json.dumps([1, 2]),
+    ]
+    path = _write(tmp_path / "sf.jsonl", lines)
+    rows, report = read_source({"format": "specforge", "path": path})
+    assert [r["id"] for r in rows] == ["a", f"specforge:{path}#7"]
+    assert rows[1]["conversations"][0] == {"role": "system", "content": "s"}
+    assert report["valid"] == 2 and report["skipped"] == 5 and report["rows_read"] == 7
+    bad = report["first_bad_rows"]
+    assert [b["line"] for b in bad] == [2, 3, 4, 5, 8]
+    assert "not JSON" in bad[0]["reason"]
+    assert "empty content" in bad[1]["reason"]
+    assert "role order" in bad[2]["reason"] and "role order" in bad[3]["reason"]
+    assert "not a JSON object" in bad[4]["reason"]
+
+
+def test_sharegpt_and_prompt_formats(tmp_path):
+    sg = _write(tmp_path / "sg.jsonl", [
+        json.dumps({"id": "s1", "conversations": [{"from": "human", "value": "hey"},
+                                                  {"from": "gpt", "value": "hi!"}]}),
+        json.dumps({"conversations": [{"from": "robot", "value": "?"}]}),
+    ])
+    rows, report = read_source({"format": "sharegpt", "path": sg})
+    assert rows[0]["conversations"] == [{"role": "user", "content": "hey"},
+                                        {"role": "assistant", "content": "hi!"}]
+    assert report["skipped"] == 1 and "robot" in report["first_bad_rows"][0]["reason"]
+
+    pr = tmp_path / "p.jsonl.gz"
+    with gzip.open(pr, "wt", encoding="utf-8") as f:
+        f.write(json.dumps({"prompt": "Tell me a joke", "id": 7}) + "\n")
+        f.write(json.dumps({"prompt": "Be short", "system": "You are terse."}) + "\n")
+        f.write(json.dumps({"prompt": ""}) + "\n")
+    rows, report = read_source({"format": "prompt", "path": str(pr)})
+    assert [r["id"] for r in rows] == ["7", f"prompt:{pr}#2"]
+    assert [t["role"] for t in rows[1]["conversations"]] == ["system", "user"]
+    assert report["skipped"] == 1 and report["with_answers"] == 0
+
+
+def test_missing_file_and_unknown_format_are_errors(tmp_path):
+    with pytest.raises(SourceError, match="file not found"):
+        read_source({"format": "prompt", "path": str(tmp_path / "nope.jsonl")})
+    with pytest.raises(SourceError, match="unknown format"):
+        read_source({"format": "alpaca", "path": "x"})
+
+
+def test_merge_split_caps_and_ranges(tmp_path):
+    p1 = _write(tmp_path / "a.jsonl", [json.dumps({"prompt": f"a{i}"}) for i in range(10)])
+    p2 = _write(tmp_path / "b.jsonl", [json.dumps({"prompt": f"b{i}"}) for i in range(10)])
+    cfg = {"data": {"sources": [{"format": "prompt", "path": p1, "max_rows": 4},
+                                {"format": "prompt", "path": p2}],
+                    "heldout_rows": 3, "max_rows": 0}}
+    s = load_sources(cfg)
+    contents = [r["conversations"][0]["content"] for r in s.train]
+    assert contents == ["a0", "a1", "a2", "a3", "b0", "b1", "b2", "b3", "b4", "b5", "b6"]
+    assert [r["conversations"][0]["content"] for r in s.heldout] == ["b7", "b8", "b9"]
+    assert s.report["train_rows"] == 11 and s.report["heldout_rows"] == 3
+    cfg["data"]["max_rows"] = 5
+    assert len(load_sources(cfg).train) == 5
+    assert [r["conversations"][0]["content"] for r in rows_for_range(s, 4, 6)] == ["b0", "b1"]
+    with pytest.raises(SourceError, match="outside"):
+        rows_for_range(s, 8, 16)
+    cfg["data"]["heldout_rows"] = 14
+    with pytest.raises(SourceError, match="no training rows"):
+        load_sources(cfg)
+
+
+def test_cli_writes_report(tmp_path):
+    p = _write(tmp_path / "a.jsonl", [json.dumps({"prompt": "x"}), "oops", json.dumps({"prompt": "y"})])
+    out = tmp_path / "sources.json"
+    cfg = {"data": {"sources": [{"format": "prompt", "path": p}], "heldout_rows": 1}}
+    main(["--cfg", json.dumps(cfg), "--out", str(out)])
+    rep = json.loads(out.read_text())
+    assert rep["train_rows"] == 1 and rep["skipped_rows"] == 1
+    assert rep["sources"][0]["first_bad_rows"][0]["line"] == 2
+
+
+def test_bundled_set_is_varied_and_valid():
+    rows, report = read_source({"format": "bundled"})
+    assert report["skipped"] == 0 and 400 <= len(rows) <= 600
+    ids = [r["id"] for r in rows]
+    assert len(set(ids)) == len(ids)
+    firsts = [r["conversations"][0]["content"] if r["conversations"][0]["role"] == "user"
+              else r["conversations"][1]["content"] for r in rows]
+    assert len(set(firsts)) == len(firsts)  # no duplicated prompts
+    # ~15% multi-turn (user, assistant, user) rows, every one ending with a user turn
+    assert 0.10 <= report["multi_turn"] / len(rows) <= 0.20
+    assert all(r["conversations"][-1]["role"] == "user" for r in rows)
+    # varied: many different first words, a wide spread of lengths, categories mixed in the tail
+    assert len(Counter(f.split()[0].lower() for f in firsts)) >= 80
+    lengths = sorted(len(f) for f in firsts)
+    assert lengths[len(lengths) // 10] < 40 and lengths[-len(lengths) // 10] > 120
+    assert lengths[-1] > 400
+    tail = Counter(json.loads(line)["category"] for line in BUNDLED_PATH.read_text().splitlines()[-40:])
+    assert len(tail) >= 6
+
+
+def test_prompt_turns_and_humaneval():
+    conv = {"conversations": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
+                              {"role": "user", "content": "c"}, {"role": "assistant", "content": "d"}]}
+    assert [t["content"] for t in prompt_turns(conv)] == ["a", "b", "c"]
+    he = load_humaneval(3)
+    assert [r["id"] for r in he] == ["HumanEval/0", "HumanEval/1", "HumanEval/2"]
+    assert "def has_close_elements" in he[0]["conversations"][0]["content"]

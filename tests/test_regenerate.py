@@ -1,0 +1,145 @@
+"""Regeneration: turn-by-turn driving of the seam, copying answers, batched left-padded generation."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from draftsmith.regenerate import HFGenerator, MissingAnswerError, copy_answers, regenerate
+
+
+def _conv(cid, *turns):
+    roles = {"s": "system", "u": "user", "a": "assistant"}
+    return {"id": cid, "source": "t",
+            "conversations": [{"role": roles[t[0]], "content": t[2:]} for t in turns]}
+
+
+def test_regenerate_turn_by_turn_with_fake_backend():
+    calls = []
+
+    def fake(prompts):
+        calls.append(prompts)
+        return [f"R{len(calls)}:{p[-1]['content']}" for p in prompts]
+
+    convs = [
+        _conv("one", "u:q1"),
+        _conv("multi", "s:sys", "u:first", "a:source answer", "u:second"),
+        _conv("full", "u:x", "a:y", "u:z", "a:w"),
+    ]
+    out = regenerate(convs, fake)
+    assert len(calls) == 2  # two rounds: every first turn together, then every second turn
+    assert [len(c) for c in calls] == [3, 2]
+    # round 2 sees the regenerated round-1 answer, never the source answer
+    multi_prompt = calls[1][0]
+    assert [t["content"] for t in multi_prompt] == ["sys", "first", "R1:first", "second"]
+    assert all("source answer" not in t["content"] for p in calls[1] for t in p)
+    assert out[0]["conversations"] == [{"role": "user", "content": "q1"},
+                                       {"role": "assistant", "content": "R1:q1"}]
+    assert [t["content"] for t in out[1]["conversations"]] == [
+        "sys", "first", "R1:first", "second", "R2:second"]
+    assert [t["role"] for t in out[2]["conversations"]] == ["user", "assistant"] * 2
+    assert [(c["id"], c["source"]) for c in out] == [("one", "t"), ("multi", "t"), ("full", "t")]
+    assert convs[1]["conversations"][2]["content"] == "source answer"  # input untouched
+
+
+def test_copy_answers_requires_source_answers():
+    ok = [_conv("a", "u:x", "a:y")]
+    assert copy_answers(ok) == ok
+    with pytest.raises(MissingAnswerError, match=r"row 'b' of source 't'"):
+        copy_answers([*ok, _conv("b", "u:x", "a:y", "u:z")])
+
+
+PROMPTS = [
+    [{"role": "user", "content": "Hi"}],
+    [{"role": "user", "content": "Explain how a binary search works and why it runs fast."}],
+    [{"role": "system", "content": "Be concise."},
+     {"role": "user", "content": "What is the capital of France?"}],
+    [{"role": "user", "content": "Write a short story about a lighthouse keeper."},
+     {"role": "assistant", "content": "Sure! Here is a short story."},
+     {"role": "user", "content": "Shorter."}],
+    [{"role": "user", "content": "1 + 1 = ?"}],
+]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny models run fastest on one thread (two OpenMP threads thrash on a busy 2-core box)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tiny_target):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_target)
+    model = AutoModelForCausalLM.from_pretrained(tiny_target, dtype=torch.float32).eval()
+    return model, tok
+
+
+def test_left_padded_batch_equals_unbatched_greedy(tiny_model):
+    model, tok = tiny_model
+    gen = HFGenerator(model, tok, max_new_tokens=12, batch_size=8, progress=False)
+    encoded = [gen._encode(p) for p in PROMPTS]
+    assert len({len(e) for e in encoded}) > 1  # lengths differ: padding is exercised
+    batched = gen.generate_ids(encoded)
+    single = [gen.generate_ids([e])[0] for e in encoded]
+    assert batched == single
+    for ids in batched:  # each row stops at its first stop token or at max_new_tokens
+        stops = [j for j, t in enumerate(ids) if t in gen.stop_ids]
+        assert stops in ([], [len(ids) - 1])
+        assert len(ids) <= 12
+
+
+def test_generator_returns_replies_in_input_order_and_counts_tokens(tiny_model):
+    model, tok = tiny_model
+    one_by_one = HFGenerator(model, tok, max_new_tokens=6, batch_size=1, progress=False)
+    batched = HFGenerator(model, tok, max_new_tokens=6, batch_size=3, progress=False)
+    expected = one_by_one(PROMPTS)
+    assert batched(PROMPTS) == expected  # sorting by length for batching keeps input order
+    assert batched.stats["prompts"] == len(PROMPTS)
+    assert 0 < batched.stats["new_tokens"] <= 6 * len(PROMPTS)
+    assert batched.tokens_per_second() > 0
+    eot = tok.convert_tokens_to_ids("<|im_end|>")
+    assert eot in batched.stop_ids
+
+
+def test_sampling_is_seeded(tiny_model):
+    model, tok = tiny_model
+    a = HFGenerator(model, tok, max_new_tokens=8, temperature=1.0, seed=3, progress=False)
+    b = HFGenerator(model, tok, max_new_tokens=8, temperature=1.0, seed=3, progress=False)
+    assert a(PROMPTS) == b(PROMPTS)
+
+
+def test_cli_regenerates_one_range(tiny_target, tmp_path):
+    from draftsmith.regenerate import main
+    from draftsmith.target import write_meta
+
+    target = tmp_path / "target"
+    shutil.copytree(tiny_target, target)
+    write_meta(target, "path", str(tiny_target))
+    src = tmp_path / "p.jsonl"
+    src.write_text("".join(json.dumps({"prompt": f"Question {i}?"}) + "\n" for i in range(7)))
+    cfg = {"data": {"sources": [{"format": "prompt", "path": str(src)}], "heldout_rows": 2},
+           "regenerate": {"enabled": True, "max_new_tokens": 5, "batch_size": 2}}
+    out, rep = tmp_path / "rows_000002-000005.jsonl", tmp_path / "rows.report.json"
+    main(["--cfg", json.dumps(cfg), "--range", "rows_000002-000005", "--target", str(target),
+          "--out", str(out), "--report", str(rep), "--threads", "1"])
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["conversations"][0]["content"] for r in rows] == [
+        "Question 2?", "Question 3?", "Question 4?"]
+    assert all(r["conversations"][-1]["role"] == "assistant" for r in rows)
+    report = json.loads(rep.read_text())
+    assert report["rows"] == 3 and report["prompts"] == 3 and report["tokens_per_second"] > 0
+
+    cfg["regenerate"]["enabled"] = False
+    with pytest.raises(SystemExit, match="no source answer"):
+        main(["--cfg", json.dumps(cfg), "--range", "rows_000002-000005", "--target",
+              str(target), "--out", str(out), "--report", str(rep)])

@@ -1,0 +1,212 @@
+"""Shard format: writer/reader round trip, zero copy, refusals, and the writer's memory bound."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from draftsmith.shards import (
+    STORAGE_DTYPES,
+    ShardError,
+    ShardWriter,
+    estimate_bytes,
+    main,
+    manifest_path,
+    open_shard,
+    verify,
+    verify_dir,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def make_shard(path, lengths=(5, 9, 3, 12), hidden=16, dtype="bfloat16", ids=(1, 2, 3), seed=0):
+    g = torch.Generator().manual_seed(seed)
+    t = sum(lengths)
+    data = {
+        "input_ids": torch.randint(0, 1000, (t,), generator=g),
+        "loss_mask": (torch.rand(t, generator=g) > 0.5).to(torch.uint8),
+        "row_offsets": torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()]),
+        "aux": torch.randn(t, 3 * hidden, generator=g),
+        "last": torch.randn(t, hidden, generator=g),
+    }
+    with ShardWriter(
+        path,
+        input_ids=data["input_ids"],
+        loss_mask=data["loss_mask"],
+        row_offsets=data["row_offsets"],
+        hidden_size=hidden,
+        dtype=dtype,
+        manifest={
+            "row_range": [0, len(lengths)],
+            "aux_layer_ids": list(ids),
+            "target_fingerprint": "abc",
+            "backend": "test",
+        },
+    ) as w:
+        offs = data["row_offsets"].tolist()
+        for r in reversed(range(len(lengths))):  # out of order on purpose
+            a, b = offs[r], offs[r + 1]
+            w.write(a, data["aux"][a:b], data["last"][a:b])
+    return data
+
+
+@pytest.mark.parametrize("dtype", list(STORAGE_DTYPES))
+def test_round_trip(tmp_path, dtype):
+    path = tmp_path / "rows_000000-000004.safetensors"
+    data = make_shard(path, dtype=dtype)
+    shard = open_shard(
+        path,
+        expect={
+            "aux_layer_ids": [1, 2, 3],
+            "dtype": dtype,
+            "hidden_size": 16,
+            "target_fingerprint": "abc",
+        },
+        verify_sha=True,
+    )
+    store = STORAGE_DTYPES[dtype][0]
+    assert len(shard) == 4 and shard.n_tokens == 29
+    assert torch.equal(shard.input_ids, data["input_ids"])
+    assert torch.equal(shard.loss_mask, data["loss_mask"])
+    assert torch.equal(shard.row_offsets, data["row_offsets"])
+    assert torch.equal(shard.aux_hidden_states, data["aux"].to(store))
+    assert torch.equal(shard.last_hidden_states, data["last"].to(store))
+    row = shard.row(1)
+    assert torch.equal(row["aux_hidden_states"], data["aux"][5:14].to(store))
+    # zero copy: a row is a view into the one mapped buffer
+    assert (
+        row["aux_hidden_states"].untyped_storage().data_ptr()
+        == shard.aux_hidden_states.untyped_storage().data_ptr()
+    )
+    m = json.loads(manifest_path(path).read_text())
+    assert m["convention"] == "sglang:output_of_layer" and m["norm"] == "post"
+    assert m["tokens"] == 29 and m["rows"] == 4 and m["dtype"] == dtype and len(m["sha256"]) == 64
+    # the file is plain safetensors
+    with safe_open(str(path), "pt") as f:
+        assert torch.equal(f.get_tensor("last_hidden_states"), data["last"].to(store))
+        assert json.loads(f.metadata()["draftsmith_manifest"])["aux_layer_ids"] == [1, 2, 3]
+    assert path.stat().st_size <= estimate_bytes(29, 4, 16, dtype)
+    assert not list(tmp_path.glob(".tmp-*"))
+
+
+def test_truncated_shard_refused(tmp_path):
+    path = tmp_path / "rows_000000-000004.safetensors"
+    make_shard(path)
+    size = path.stat().st_size
+    with open(path, "r+b") as f:
+        f.truncate(size - 10)
+    with pytest.raises(ShardError, match=r"rows_000000-000004.safetensors: truncated"):
+        open_shard(path)
+    with open(path, "r+b") as f:
+        f.truncate(5)
+    with pytest.raises(ShardError, match=r"rows_000000-000004.safetensors: truncated"):
+        open_shard(path)
+
+
+def test_wrong_layer_ids_refused(tmp_path):
+    path = tmp_path / "rows_000000-000004.safetensors"
+    make_shard(path, ids=(2, 16, 29))
+    with pytest.raises(
+        ShardError,
+        match=r"rows_000000-000004.safetensors: manifest aux_layer_ids "
+        r"is \[2, 16, 29\], expected \[1, 15, 28\]",
+    ):
+        open_shard(path, expect={"aux_layer_ids": [1, 15, 28]})
+    with pytest.raises(ShardError, match="manifest dtype is 'bfloat16', expected 'float16'"):
+        open_shard(path, expect={"dtype": "float16"})
+    with pytest.raises(ShardError, match="target_fingerprint"):
+        open_shard(path, expect={"target_fingerprint": "other"})
+    m = json.loads(manifest_path(path).read_text())
+    m["convention"] = "vllm:hf_index"
+    manifest_path(path).write_text(json.dumps(m))
+    with pytest.raises(ShardError, match="manifest convention is 'vllm:hf_index'"):
+        open_shard(path)
+
+
+def test_corrupt_shard_detected_and_deleted_alone(tmp_path):
+    good = tmp_path / "rows_000000-000004.safetensors"
+    bad = tmp_path / "rows_000004-000008.safetensors"
+    make_shard(good)
+    make_shard(bad, seed=1)
+    with open(bad, "r+b") as f:  # flip one byte inside the hidden states
+        f.seek(bad.stat().st_size // 2)
+        byte = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    open_shard(bad)  # structure is intact: only the checksum can tell
+    with pytest.raises(ShardError, match="rows_000004-000008.safetensors: checksum mismatch"):
+        verify(bad)
+    with pytest.raises(SystemExit):
+        main(["verify", str(tmp_path)])
+    assert bad.exists()
+    main(["verify", str(tmp_path), "--delete"])
+    assert good.exists() and not bad.exists() and not manifest_path(bad).exists()
+    assert verify_dir(tmp_path) == []
+
+
+def test_writer_refuses_incomplete_and_double_writes(tmp_path):
+    path = tmp_path / "rows_000000-000002.safetensors"
+    kw = dict(
+        input_ids=torch.arange(6),
+        loss_mask=torch.ones(6, dtype=torch.uint8),
+        row_offsets=torch.tensor([0, 2, 6]),
+        hidden_size=4,
+        dtype="float32",
+        manifest={"aux_layer_ids": [0, 1, 2]},
+    )
+    with pytest.raises(ShardError, match="4 of 6 tokens never written"):
+        with ShardWriter(path, **kw) as w:
+            w.write(0, torch.zeros(2, 12), torch.zeros(2, 4))
+    with pytest.raises(ShardError, match="written twice"):
+        with ShardWriter(path, **kw) as w:
+            w.write(0, torch.zeros(2, 12), torch.zeros(2, 4))
+            w.write(1, torch.zeros(2, 12), torch.zeros(2, 4))
+    assert not path.exists() and not manifest_path(path).exists()
+    assert not list(tmp_path.glob(".tmp-*"))
+
+
+RSS_SCRIPT = textwrap.dedent(
+    """
+    import resource, sys, torch
+    from draftsmith.shards import ShardWriter
+    rows, row_len, hidden = int(sys.argv[2]), 512, 1024
+    t = rows * row_len
+    offs = torch.arange(0, t + 1, row_len)
+    aux, last = torch.randn(row_len, 3 * hidden), torch.randn(row_len, hidden)
+    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    with ShardWriter(sys.argv[1], input_ids=torch.zeros(t, dtype=torch.long),
+                     loss_mask=torch.ones(t, dtype=torch.uint8), row_offsets=offs,
+                     hidden_size=hidden, dtype="bfloat16", manifest={}) as w:
+        for r in range(rows):
+            w.write(r * row_len, aux, last)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    print((peak - base) * 1024)
+    """
+)
+
+
+def test_writer_memory_is_flat(tmp_path):
+    """Peak RSS growth while writing a 16 MiB and a 128 MiB shard differs by far less."""
+    growth = []
+    for rows in (4, 32):  # 8 KiB of states per token: 16 MiB and 128 MiB shards
+        out = tmp_path / f"rows_000000-{rows:06d}.safetensors"
+        res = subprocess.run(
+            [sys.executable, "-c", RSS_SCRIPT, str(out), str(rows)],
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
+            check=True,
+        )
+        growth.append(int(res.stdout.strip()))
+        assert out.stat().st_size > rows * 512 * 4096 * 2
+        out.unlink()
+    small, large = growth
+    assert large - small < 32 << 20, f"RSS growth {small} -> {large} bytes"

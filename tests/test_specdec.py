@@ -1,0 +1,296 @@
+"""Speculative decoding: lossless against greedy, tau arithmetic, the sanity gate."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from draftsmith import specdec
+from draftsmith.bench import GateError, gate
+from draftsmith.model import DraftConfig, Eagle3Draft
+from draftsmith.specdec import (
+    Trace,
+    greedy_generate,
+    prompt_ids,
+    speculative_generate,
+    stop_ids,
+    summarize,
+)
+
+AUX_IDS = [1, 2, 3]
+PROMPTS = [
+    "Explain how a binary search works.",
+    "Write a short story about a lighthouse keeper.",
+    "def add(a, b):",
+    "What is the capital of France?",
+]
+
+
+@pytest.fixture(scope="module")
+def target(tiny_target):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny forwards: thread sync costs more than it saves
+    model = AutoModelForCausalLM.from_pretrained(tiny_target, dtype=torch.float32).eval()
+    yield model, AutoTokenizer.from_pretrained(tiny_target)
+    torch.set_num_threads(threads)
+
+
+def random_draft(model, draft_vocab: int = 96, seed: int = 1, aux_ids=AUX_IDS) -> Eagle3Draft:
+    """An untrained draft over a random draft vocabulary (lossless must hold regardless)."""
+    cfg = DraftConfig.from_target_config(model.config.to_dict(), draft_vocab, aux_ids)
+    torch.manual_seed(seed)
+    draft = Eagle3Draft(cfg).eval()
+    with torch.no_grad():
+        for p in draft.parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.1)
+    ids = torch.randperm(cfg.vocab_size)[:draft_vocab].sort().values
+    t2d = torch.zeros(cfg.vocab_size, dtype=torch.bool)
+    t2d[ids] = True
+    draft.set_vocab(ids - torch.arange(draft_vocab), t2d)
+    return draft
+
+
+def _ids(tokenizer, text):
+    return prompt_ids(tokenizer, [{"role": "user", "content": text}])
+
+
+@pytest.mark.parametrize("num_steps", [1, 3, 5])
+def test_lossless_random_draft(target, num_steps):
+    model, tokenizer = target
+    draft = random_draft(model)
+    stops = stop_ids(model, tokenizer)
+    for text in PROMPTS:
+        ids = _ids(tokenizer, text)
+        base = greedy_generate(model, ids, 24, stops)
+        trace = speculative_generate(model, draft, ids, 24, stops, num_steps, AUX_IDS)
+        assert trace.tokens == base, text
+        assert trace.passes == len(trace.tokens) - 1  # every pass emitted >= 1 token
+        assert sum(trace.emitted) == len(trace.tokens) - 1
+        assert all(0 <= a <= num_steps for a in trace.accepted)
+
+
+def install_oracle(monkeypatch, model, tokenizer, error_rate: float, seed: int = 0) -> None:
+    """Make speculative_generate's draft propose the target's own greedy continuation, each
+    token replaced by a wrong one with probability `error_rate` (the real draft still runs).
+
+    The runner sees every token after the prompt's first, which is ChatML's <|im_start|>."""
+    rng = random.Random(seed)
+    vocab = model.config.vocab_size
+    first = tokenizer.convert_tokens_to_ids("<|im_start|>")
+
+    class OracleRunner(specdec.DraftRunner):
+        def extend(self, next_tokens, aux):
+            self.seen = getattr(self, "seen", [first]) + list(next_tokens)
+            super().extend(next_tokens, aux)
+
+        def propose(self, k):
+            assert len(super().propose(k)) == k
+            props = greedy_generate(model, self.seen, k, set())
+            return [(t + 1) % vocab if rng.random() < error_rate else t for t in props]
+
+    monkeypatch.setattr(specdec, "DraftRunner", OracleRunner)
+
+
+@pytest.mark.parametrize("num_steps,error_rate", [(2, 0.3), (4, 0.2), (6, 0.5)])
+def test_lossless_with_accepting_draft(target, monkeypatch, num_steps, error_rate):
+    """A draft that proposes greedy's continuation with random errors: every acceptance length
+    happens, so both caches are cropped at every offset; the output must still equal greedy."""
+    model, tokenizer = target
+    draft = random_draft(model)
+    stops = stop_ids(model, tokenizer)
+    install_oracle(monkeypatch, model, tokenizer, error_rate, seed=num_steps)
+    lengths = set()
+    for text in PROMPTS:
+        ids = _ids(tokenizer, text)
+        assert ids[0] == tokenizer.convert_tokens_to_ids("<|im_start|>")
+        base = greedy_generate(model, ids, 40, stops)
+        trace = speculative_generate(model, draft, ids, 40, stops, num_steps, AUX_IDS)
+        assert trace.tokens == base, text
+        assert sum(trace.emitted) == len(trace.tokens) - 1
+        lengths.update(trace.accepted)
+        if len(base) == 40:
+            assert trace.tau > 1.2  # the oracle's proposals were accepted
+    assert {0, num_steps} <= lengths
+
+
+def test_lossless_deepseek_v3(tiny_deepseek_target, monkeypatch):
+    """The MLA target of Kimi-K2.5's architecture: its cache crops and aux capture work too."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    model = AutoModelForCausalLM.from_pretrained(tiny_deepseek_target).eval()
+    tokenizer = AutoTokenizer.from_pretrained(tiny_deepseek_target)
+    draft = random_draft(model, draft_vocab=64, aux_ids=[0, 1, 2])
+    stops = stop_ids(model, tokenizer)
+    install_oracle(monkeypatch, model, tokenizer, error_rate=0.3)
+    try:
+        for text in PROMPTS[:2]:
+            ids = _ids(tokenizer, text)
+            base = greedy_generate(model, ids, 24, stops)
+            trace = speculative_generate(model, draft, ids, 24, stops, 3, [0, 1, 2])
+            assert trace.tokens == base, text
+            assert max(trace.accepted) == 3 and min(trace.accepted) == 0
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_tau_arithmetic_hand_made_trace():
+    # K = 3; four passes accepting 3, 0, 1, 2 proposals; the last pass was cut by max_new.
+    t1 = Trace(num_steps=3, prompt_len=10, tokens=list(range(10)), accepted=[3, 0, 1, 2])
+    t1.emitted = [4, 1, 2, 2]
+    assert t1.passes == 4
+    assert t1.tau == pytest.approx(9 / 4)
+    assert t1.tau_sglang == pytest.approx(10 / 4)
+    t2 = Trace(num_steps=3, prompt_len=5, tokens=list(range(5)), accepted=[3], emitted=[4])
+    s = summarize([t1, t2])
+    assert s["verify_passes"] == 5
+    assert s["generated_tokens"] == 15
+    assert s["tau"] == pytest.approx(13 / 5)
+    assert s["accept_len_hist"] == [1, 1, 1, 2]
+    # reached position 1: 4 passes of 5; position 2: 3 of 4; position 3: 2 of 3
+    assert s["accept_rate_by_pos"] == pytest.approx([4 / 5, 3 / 4, 2 / 3])
+    assert s["reach_rate_by_pos"] == pytest.approx([4 / 5, 3 / 5, 2 / 5])
+    assert s["mean_accepted"] == pytest.approx((3 + 0 + 1 + 2 + 3) / 5)
+    with pytest.raises(ValueError, match="num_steps"):
+        summarize([t1, Trace(num_steps=2, prompt_len=1, accepted=[1], emitted=[2])])
+    with pytest.raises(ValueError, match="outside"):
+        summarize([Trace(num_steps=2, prompt_len=1, accepted=[3], emitted=[4])])
+
+
+def test_trace_of_real_run_is_consistent(target):
+    model, tokenizer = target
+    draft = random_draft(model)
+    stops = stop_ids(model, tokenizer)
+    traces = [
+        speculative_generate(model, draft, _ids(tokenizer, p), 16, stops, 3, AUX_IDS)
+        for p in PROMPTS
+    ]
+    s = summarize(traces)
+    assert s["verify_passes"] == sum(t.passes for t in traces)
+    assert sum(s["accept_len_hist"]) == s["verify_passes"]
+    assert s["tau"] == pytest.approx(sum(sum(t.emitted) for t in traces) / s["verify_passes"])
+
+
+def _set(tau):
+    return {"tau": tau}
+
+
+def test_gate_rejects_tau_near_one():
+    with pytest.raises(GateError) as err:
+        gate({"heldout": _set(1.8), "humaneval": _set(1.02)}, 1.05)
+    msg = str(err.value)
+    assert "humaneval: tau 1.020" in msg and "heldout" not in msg.split("(")[1].split(";")[0]
+    for cause in ("layer ids", "EAGLE3", "d2t"):
+        assert cause in msg
+    with pytest.raises(GateError, match="tau 1.000"):  # exactly 1.0 fails whatever the floor
+        gate({"heldout": _set(1.0)}, 0.5)
+    with pytest.raises(GateError):
+        gate({"heldout": _set(float("nan"))}, 1.05)
+    gate({"heldout": _set(1.8), "humaneval": _set(1.3)}, 1.05)  # passes
+
+
+# --------------------------------------------------------------------------- the bench CLI
+
+
+def _bench_inputs(tmp_path, tiny_target, model, num_heldout=3):
+    """A target dir with its meta file, an exported random draft, metrics, stamp, sources."""
+    import json
+    import shutil
+
+    from draftsmith.export import export_draft
+    from draftsmith.target import write_meta
+
+    target_dir = tmp_path / "target"
+    shutil.copytree(tiny_target, target_dir)
+    write_meta(target_dir, "path", str(tiny_target))
+    draft_dir = tmp_path / "draft"
+    export_draft(random_draft(model), draft_dir, provenance={})
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text(
+        "".join(
+            json.dumps(
+                {"step": i, "loss": 5.0 / i, "acc_per_pos": [0.1 * i / 20, 0.05], "lr": 1e-3}
+            )
+            + "\n"
+            for i in range(1, 21)
+        )
+    )
+    stamp = tmp_path / "cpu.json"
+    stamp.write_text(json.dumps({"role": "cpu", "ok": True}))
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text(
+        "".join(
+            json.dumps({"id": f"r{i}", "conversations": [{"role": "user", "content": p}]}) + "\n"
+            for i, p in enumerate(PROMPTS * 2)
+        )
+    )
+    cfg = {
+        "bench": {
+            "role": "cpu",
+            "num_steps": 3,
+            "max_new_tokens": 12,
+            "tau_floor": 1.05,
+            "heldout_size": num_heldout,
+            "humaneval_size": 2,
+            "files": [],
+        },
+        "data": {
+            "sources": [{"format": "specforge", "path": str(rows)}],
+            "heldout_rows": num_heldout,
+        },
+        "target": {"dtype": "float32"},
+    }
+    out = tmp_path / "bench"
+    argv = [
+        "--cfg", json.dumps(cfg), "--draft", str(draft_dir), "--target", str(target_dir),
+        "--metrics", str(metrics), "--env-stamp", str(stamp), "--threads", "1",
+        "--report-json", str(out / "report.json"), "--report-md", str(out / "report.md"),
+        "--summary-html", str(out / "summary.html"), "--acceptance", str(out / "acc.png"),
+        "--hist", str(out / "hist.png"), "--training", str(out / "training.png"),
+    ]  # fmt: skip
+    return argv, out
+
+
+def test_bench_cli_report(target, tiny_target, tmp_path, monkeypatch):
+    import json
+
+    from draftsmith import bench
+
+    model, tokenizer = target
+    install_oracle(monkeypatch, model, tokenizer, error_rate=0.3)
+    argv, out = _bench_inputs(tmp_path, tiny_target, model)
+    bench.main(argv)
+    report = json.loads((out / "report.json").read_text())
+    assert list(report["sets"]) == ["heldout", "humaneval"]
+    held = report["sets"]["heldout"]
+    assert held["prompts"] == 3 and report["set_ids"]["heldout"] == ["r5", "r6", "r7"]
+    assert held["identical_outputs"] == 3  # lossless on the real CLI path as well
+    assert held["tau"] > 1.05 and held["speedup"] > 0
+    assert sum(held["accept_len_hist"]) == held["verify_passes"]
+    assert report["training"]["steps"] == 20
+    assert report["env_stamp"] == {"role": "cpu", "ok": True}
+    assert len(report["target_fingerprint"]) == 64
+    md = (out / "report.md").read_text()
+    assert "| heldout | 3 |" in md and "![acc](acc.png)" in md
+    assert (out / "summary.html").read_text().count("data:image/png;base64,") == 3
+    for name in ("acc.png", "hist.png", "training.png"):
+        assert (out / name).read_bytes()[:4] == b"\x89PNG"
+
+
+def test_bench_cli_gate_writes_nothing(target, tiny_target, tmp_path):
+    """An untrained draft on a random target is (almost) never accepted: the gate fails the job
+    with the causes and leaves no report behind."""
+    from draftsmith import bench
+
+    model, _ = target
+    argv, out = _bench_inputs(tmp_path, tiny_target, model, num_heldout=2)
+    with pytest.raises(SystemExit) as err:
+        bench.main(argv)
+    assert "sanity gate failed" in str(err.value) and "layer ids" in str(err.value)
+    assert not out.exists() or not any(out.iterdir())
