@@ -30,12 +30,18 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from draftsmith.capture import capture_shard, decoder_parts, pad_rows, plan_batches  # noqa: E402
+from draftsmith.capture import (  # noqa: E402
+    capture_shard,
+    decoder_parts,
+    forward_states,
+    pad_rows,
+    plan_batches,
+)
 from draftsmith.convert import specforge_path, to_specforge, to_speculators  # noqa: E402
 from draftsmith.shards import ShardWriter, open_shard  # noqa: E402
 
 CAPTURE_RSS = """
-import resource, sys, torch
+import sys, torch
 sys.path.insert(0, {root!r})
 from draftsmith.capture import capture_shard
 from draftsmith.target import load_target
@@ -48,11 +54,11 @@ tok = {{"input_ids": torch.randint(0, model.config.vocab_size, (t,), generator=g
         "loss_mask": torch.ones(t, dtype=torch.uint8),
         "row_offsets": torch.arange(0, t + 1, length)}}
 capture_shard(model, tok, sys.argv[1], [1, 14, 26], "bfloat16", 2048, {{}}, progress=False)
-print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+print([int(x.split()[1]) * 1024 for x in open("/proc/self/status") if x.startswith("VmHWM")][0])
 """
 
 WRITER_RSS = """
-import resource, sys, torch
+import sys, torch
 sys.path.insert(0, {root!r})
 from draftsmith.shards import ShardWriter
 rows, length, hidden = int(sys.argv[2]), 512, 1024
@@ -64,7 +70,7 @@ with ShardWriter(sys.argv[1], input_ids=torch.zeros(t, dtype=torch.long),
                  dtype="bfloat16", manifest={{}}) as w:
     for r in range(rows):
         w.write(r * length, aux, last)
-print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+print([int(x.split()[1]) * 1024 for x in open("/proc/self/status") if x.startswith("VmHWM")][0])
 """
 
 
@@ -96,35 +102,88 @@ def random_tokens(vocab: int, n_rows: int, seed: int = 0) -> dict:
 
 
 def capture_overhead(model, tok, work: Path, batch_tokens: int, repeats: int) -> dict:
+    """Per batch, the bare base-model forward and the hooked capture forward run back to back
+    (alternating which goes first) and the minimum over repeats is kept, so the other load on a
+    shared machine hits both alike; the write (cast, pwrite, sha256, fsync) is timed on its own.
+    One end-to-end `capture_shard` run is reported too (noisier)."""
     offsets = tok["row_offsets"].tolist()
     lengths = [b - a for a, b in zip(offsets, offsets[1:], strict=False)]
-    batches = [pad_rows(tok["input_ids"], offsets, r) for r in plan_batches(lengths, batch_tokens)]
+    groups = plan_batches(lengths, batch_tokens)
+    batches = [pad_rows(tok["input_ids"], offsets, r) for r in groups]
     base, _ = decoder_parts(model)
+    ids = [1, 14, 26]
 
     @torch.inference_mode()
-    def bare(full: bool):
-        for b in batches:
-            (model if full else base)(input_ids=b, use_cache=False)
+    def bare(x, full=False):
+        (model if full else base)(input_ids=x, use_cache=False)
 
-    def cap():
+    inf = float("inf")
+    t_bare, t_cap, t_full, states = (
+        [inf] * len(batches),
+        [inf] * len(batches),
+        [inf] * len(batches),
+        {},
+    )
+    bare(batches[0])  # warm-up
+    for rep in range(repeats):
+        for k, x in enumerate(batches):
+
+            def cap(k=k, x=x):
+                states[k] = forward_states(model, x, ids)
+
+            steps = [
+                ("bare", lambda x=x: bare(x)),
+                ("cap", cap),
+                ("full", lambda x=x: bare(x, True)),
+            ]
+            for name, fn in steps if (rep + k) % 2 == 0 else steps[::-1]:
+                t = timed(fn)
+                store = {"bare": t_bare, "cap": t_cap, "full": t_full}[name]
+                store[k] = min(store[k], t)
+
+    def write():
         out = work / f"rows_000000-{len(lengths):06d}.safetensors"
-        capture_shard(model, tok, out, [1, 14, 26], "bfloat16", batch_tokens, {}, progress=False)
+        with ShardWriter(
+            out,
+            input_ids=tok["input_ids"],
+            loss_mask=tok["loss_mask"],
+            row_offsets=tok["row_offsets"],
+            hidden_size=model.config.hidden_size,
+            dtype="bfloat16",
+            manifest={},
+        ) as w:
+            for k, rows in enumerate(groups):
+                aux, last = states[k]
+                for b, r in enumerate(rows):
+                    w.write(offsets[r], aux[b, : lengths[r]], last[b, : lengths[r]])
 
-    bare(False)  # warm-up
-    t_base, t_full, t_cap = [], [], []
-    for _ in range(repeats):  # interleaved so drift hits all three alike
-        t_base.append(timed(lambda: bare(False)))
-        t_cap.append(timed(cap))
-        t_full.append(timed(lambda: bare(True)))
+    t_write = min(timed(write) for _ in range(repeats))
+    t_e2e = timed(
+        lambda: capture_shard(
+            model,
+            tok,
+            work / f"rows_000000-{len(lengths):06d}.safetensors",
+            ids,
+            "bfloat16",
+            batch_tokens,
+            {},
+            progress=False,
+        )
+    )
+    base_s, cap_s, full_s = sum(t_bare), sum(t_cap), sum(t_full)
     return {
         "rows": len(lengths),
         "tokens": sum(lengths),
         "batches": len(batches),
-        "bare_base_forward_s": min(t_base),
-        "bare_full_forward_s": min(t_full),
-        "capture_and_write_s": min(t_cap),
-        "ratio_vs_base_forward": min(t_cap) / min(t_base),
-        "ratio_vs_full_forward": min(t_cap) / min(t_full),
+        "batch_tokens": batch_tokens,
+        "bare_base_forward_s": base_s,
+        "bare_full_forward_s": full_s,
+        "capture_forward_s": cap_s,
+        "write_s": t_write,
+        "ratio_vs_base_forward": (cap_s + t_write) / base_s,
+        "ratio_vs_full_forward": (cap_s + t_write) / full_s,
+        "end_to_end_capture_shard_s": t_e2e,
+        "end_to_end_ratio_vs_base_forward": t_e2e / base_s,
         "goal": "ratio_vs_base_forward <= 1.10",
     }
 
@@ -227,8 +286,11 @@ def markdown(r: dict) -> str:
         "",
         "| figure | value | goal |",
         "|---|---|---|",
-        f"| capture overhead (capture+write / bare base-model forward) | {c['ratio_vs_base_forward']:.3f} "
-        f"({c['capture_and_write_s']:.2f} s / {c['bare_base_forward_s']:.2f} s, {c['tokens']} tokens) | <= 1.10 |",
+        f"| capture overhead ((capture forward + write) / bare base-model forward) | "
+        f"{c['ratio_vs_base_forward']:.3f} ({c['capture_forward_s']:.2f} s + {c['write_s']:.2f} s / "
+        f"{c['bare_base_forward_s']:.2f} s, {c['tokens']} tokens, {c['batches']} batches) | <= 1.10 |",
+        f"| same, one end-to-end capture_shard run / bare base forward | "
+        f"{c['end_to_end_ratio_vs_base_forward']:.3f} | - |",
         f"| capture vs full forward with logits | {c['ratio_vs_full_forward']:.3f} | - |",
         f"| read speedup vs SpecForge torch.load, warm | {w['speedup_vs_specforge']:.1f}x | >= 2x |",
         f"| read speedup vs SpecForge torch.load, cold | {cold['speedup_vs_specforge']:.1f}x | >= 2x |",
@@ -256,7 +318,7 @@ def main() -> None:
     ap.add_argument("--target", type=Path, default=ROOT / "results" / "target")
     ap.add_argument("--rows", type=int, default=8)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "shards.json")
     args = ap.parse_args()
     from draftsmith.common import atomic_write_json, atomic_write_text
@@ -268,7 +330,7 @@ def main() -> None:
         work = Path(tmp)
         tok = random_tokens(model.config.vocab_size, args.rows)
         print("capture overhead ...", file=sys.stderr)
-        cap = capture_overhead(model, tok, work, 8192, args.repeats)
+        cap = capture_overhead(model, tok, work, 1024, args.repeats)
         big = work / "big" / "rows_000000-000128.safetensors"
         print("read throughput ...", file=sys.stderr)
         capture_rows = random_tokens(model.config.vocab_size, 128, seed=1)
@@ -286,7 +348,9 @@ def main() -> None:
             for a in range(0, capture_rows["input_ids"].numel(), 4096):
                 n = min(4096, capture_rows["input_ids"].numel() - a)
                 w.write(a, torch.randn(n, 3 * h), torch.randn(n, h))
+        torch.set_num_threads(1)  # one loader thread: OpenMP copies thrash on a loaded 2-core box
         read = read_throughput(big, work, args.repeats + 1)
+        torch.set_num_threads(args.threads)
         per_token = bytes_per_token(big, work, args.target)
         print("peak RSS ...", file=sys.stderr)
         fmt = {"root": str(ROOT), "target": str(args.target), "threads": args.threads}

@@ -126,22 +126,24 @@ def run_set(model, tokenizer, draft, rows, bench: dict, aux_ids: list[int]) -> d
 
     stops = stop_ids(model, tokenizer)
     k, max_new = bench["num_steps"], bench["max_new_tokens"]
-    traces, spec_s, base_s, base_tokens, identical, first_diff = [], 0.0, 0.0, 0, 0, []
+    traces, seconds, base_tokens, identical, first_diff = [], {"spec": 0.0, "base": 0.0}, 0, 0, []
     for i, row in enumerate(tqdm(rows, desc="prompts", unit="prompt")):
         ids = prompt_ids(tokenizer, prompt_turns(row))
+        runs = {
+            "spec": lambda ids=ids: speculative_generate(
+                model, draft, ids, max_new, stops, k, aux_ids
+            ),
+            "base": lambda ids=ids: greedy_generate(model, ids, max_new, stops),
+        }
+        results = {}
         # alternate the order so drift (thermal, caches) does not favour one side
-        for first in ("spec", "base") if i % 2 == 0 else ("base", "spec"):
+        for name in ("spec", "base") if i % 2 == 0 else ("base", "spec"):
             _sync(model.device)
             t0 = time.perf_counter()
-            if first == "spec":
-                trace = speculative_generate(model, draft, ids, max_new, stops, k, aux_ids)
-            else:
-                base = greedy_generate(model, ids, max_new, stops)
+            results[name] = runs[name]()
             _sync(model.device)
-            if first == "spec":
-                spec_s += time.perf_counter() - t0
-            else:
-                base_s += time.perf_counter() - t0
+            seconds[name] += time.perf_counter() - t0
+        trace, base = results["spec"], results["base"]
         traces.append(trace)
         base_tokens += len(base)
         if trace.tokens == base:
@@ -153,11 +155,11 @@ def run_set(model, tokenizer, draft, rows, bench: dict, aux_ids: list[int]) -> d
             )
             first_diff.append({"id": row["id"], "first_difference_at": at})
     out = summarize(traces)
-    spec_tps = out["generated_tokens"] / spec_s
-    base_tps = base_tokens / base_s
+    spec_tps = out["generated_tokens"] / seconds["spec"]
+    base_tps = base_tokens / seconds["base"]
     out.update(
-        spec_seconds=spec_s,
-        baseline_seconds=base_s,
+        spec_seconds=seconds["spec"],
+        baseline_seconds=seconds["base"],
         baseline_tokens=base_tokens,
         spec_tokens_per_s=spec_tps,
         baseline_tokens_per_s=base_tps,

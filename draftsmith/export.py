@@ -28,7 +28,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from draftsmith.common import atomic_path, atomic_write_json, fsync_dir
+from draftsmith.common import atomic_write_json, fsync_dir
 from draftsmith.model import DraftConfig, Eagle3Draft
 
 ARCH = "LlamaForCausalLMEagle3"
@@ -103,12 +103,26 @@ def config_from_sglang(c: dict) -> DraftConfig:
 
 
 def config_problems(c: dict) -> list[str]:
-    want = {"architectures": [ARCH], "model_type": "llama", "num_hidden_layers": 1,
-            "tie_word_embeddings": False, "hidden_act": "silu"}
-    out = [f"config.json {k} is {c.get(k)!r}, SGLang needs {v!r}"
-           for k, v in want.items() if c.get(k) != v]
-    for k in ("hidden_size", "intermediate_size", "num_attention_heads", "rms_norm_eps",
-              "vocab_size", "draft_vocab_size"):
+    want = {
+        "architectures": [ARCH],
+        "model_type": "llama",
+        "num_hidden_layers": 1,
+        "tie_word_embeddings": False,
+        "hidden_act": "silu",
+    }
+    out = [
+        f"config.json {k} is {c.get(k)!r}, SGLang needs {v!r}"
+        for k, v in want.items()
+        if c.get(k) != v
+    ]
+    for k in (
+        "hidden_size",
+        "intermediate_size",
+        "num_attention_heads",
+        "rms_norm_eps",
+        "vocab_size",
+        "draft_vocab_size",
+    ):
         if k not in c:
             out.append(f"config.json has no {k!r}")
     ids = (c.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
@@ -148,8 +162,11 @@ def sglang_params(c: dict) -> dict[str, tuple]:
 def _shard_rows(c: dict, shard_id) -> int:
     nh = c["num_attention_heads"]
     hd = c.get("head_dim", c["hidden_size"] // nh)
-    return {"q": nh * hd, "k": c.get("num_key_value_heads", nh) * hd,
-            "v": c.get("num_key_value_heads", nh) * hd}.get(shard_id, c["intermediate_size"])
+    return {
+        "q": nh * hd,
+        "k": c.get("num_key_value_heads", nh) * hd,
+        "v": c.get("num_key_value_heads", nh) * hd,
+    }.get(shard_id, c["intermediate_size"])
 
 
 def sglang_destination(name: str, params: dict) -> tuple[str, object] | None:
@@ -195,15 +212,19 @@ def check_tensors(c: dict, tensors: dict[str, tuple[tuple, str]]) -> list[str]:
         if want_dtype and dtype != want_dtype:
             problems.append(f"tensor {name} is {dtype}, expected {want_dtype}")
         filled.setdefault(param, set()).add(shard_id)
-    shards = {"model.layers.0.self_attn.qkv_proj.weight": {"q", "k", "v"},
-              "model.layers.0.mlp.gate_up_proj.weight": {0, 1}}
+    shards = {
+        "model.layers.0.self_attn.qkv_proj.weight": {"q", "k", "v"},
+        "model.layers.0.mlp.gate_up_proj.weight": {0, 1},
+    }
     for param in [*params, "d2t", "t2d"]:
         if param == "model.embed_tokens.weight":
             continue
         need = shards.get(param, {None})
         missing = need - filled.get(param, set())
         if missing:
-            problems.append(f"SGLang parameter {param} is not (fully) provided: {sorted(map(str, missing))}")
+            problems.append(
+                f"SGLang parameter {param} is not (fully) provided: {sorted(map(str, missing))}"
+            )
     return problems
 
 
@@ -218,8 +239,9 @@ def check_export(out_dir: str | os.PathLike) -> None:
     problems = config_problems(c)
     if not problems:
         with safe_open(str(w_path), framework="pt") as f:
-            tensors = {k: (tuple(f.get_slice(k).get_shape()), f.get_slice(k).get_dtype())
-                       for k in f.keys()}
+            tensors = {
+                k: (tuple(f.get_slice(k).get_shape()), f.get_slice(k).get_dtype()) for k in f.keys()
+            }
             problems = check_tensors(c, tensors)
             if not problems:
                 d2t, t2d = f.get_tensor("d2t"), f.get_tensor("t2d")
@@ -247,16 +269,23 @@ def speculators_config(cfg: DraftConfig, verifier: str, num_tokens: int) -> dict
         "eagle_aux_hidden_state_layer_ids": [i + 1 for i in cfg.aux_layer_ids],
         "speculators_config": {
             "algorithm": "eagle3",
-            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": num_tokens,
-                                  "verifier_accept_k": 1, "accept_tolerance": 0.0}],
+            "proposal_methods": [
+                {
+                    "proposal_type": "greedy",
+                    "speculative_tokens": num_tokens,
+                    "verifier_accept_k": 1,
+                    "accept_tolerance": 0.0,
+                }
+            ],
             "default_proposal_method": "greedy",
             "verifier": {"name_or_path": verifier, "architectures": []},
         },
     }
 
 
-def export_draft(draft: Eagle3Draft, out_dir, provenance: dict, verifier: str = "",
-                 num_tokens: int = 4) -> None:
+def export_draft(
+    draft: Eagle3Draft, out_dir, provenance: dict, verifier: str = "", num_tokens: int = 4
+) -> None:
     """Write `out_dir` atomically (staging dir, fsync, rename) and contract-check it first."""
     out = Path(out_dir)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -270,10 +299,12 @@ def export_draft(draft: Eagle3Draft, out_dir, provenance: dict, verifier: str = 
         spec.mkdir()
         renamed = {k.replace("midlayer.", "layers.0."): v for k, v in state.items()}
         save_file(renamed, str(spec / WEIGHTS), metadata={"format": "pt"})
-        atomic_write_json(spec / "config.json",
-                          speculators_config(draft.config, verifier, num_tokens))
-        atomic_write_json(stage / PROVENANCE,
-                          {**provenance, "draft_config": draft.config.to_dict()})
+        atomic_write_json(
+            spec / "config.json", speculators_config(draft.config, verifier, num_tokens)
+        )
+        atomic_write_json(
+            stage / PROVENANCE, {**provenance, "draft_config": draft.config.to_dict()}
+        )
         check_export(stage)
         for p in [*stage.iterdir(), *spec.iterdir()]:
             if p.is_file():
@@ -301,7 +332,9 @@ def load_export(out_dir) -> Eagle3Draft:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m draftsmith.export", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(
+        prog="python -m draftsmith.export", description=__doc__.split("\n")[0]
+    )
     sub = ap.add_subparsers(dest="cmd", required=True)
     chk = sub.add_parser("check", help="contract-check an exported draft directory")
     chk.add_argument("draft_dir")

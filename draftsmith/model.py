@@ -53,7 +53,9 @@ class DraftConfig:
 
     def __post_init__(self):
         if self.hidden_act != "silu":
-            raise ValueError(f"draft hidden_act must be silu (SGLang's only one), got {self.hidden_act}")
+            raise ValueError(
+                f"draft hidden_act must be silu (SGLang's only one), got {self.hidden_act}"
+            )
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"num_attention_heads {self.num_attention_heads} is not a multiple of "
@@ -347,7 +349,7 @@ class TTTCache:
         scale = d**-0.5
         sizes = torch.bincount(idx // t, minlength=bsz).tolist()
         outs = []
-        for b, (q_b, idx_b) in enumerate(zip(qn.split(sizes), idx.split(sizes))):
+        for b, (q_b, idx_b) in enumerate(zip(qn.split(sizes), idx.split(sizes), strict=True)):
             m = q_b.shape[0]
             if m == 0:
                 continue

@@ -128,6 +128,12 @@ def _open_text(path: Path):
     return open(path, encoding="utf-8")
 
 
+def source_files(config: dict) -> list[str]:
+    """The files the configured sources read (the bundled set's package file included)."""
+    specs = config.get("data", {}).get("sources") or [{"format": "bundled"}]
+    return [str(BUNDLED_PATH) if s["format"] == "bundled" else s["path"] for s in specs]
+
+
 def source_name(spec: dict) -> str:
     return "bundled" if spec["format"] == "bundled" else f"{spec['format']}:{spec['path']}"
 
@@ -176,8 +182,13 @@ def read_source(spec: dict) -> tuple[list[dict], dict]:
                 break
     if bad:
         shown = ", ".join(f"line {b['line']}: {b['reason']}" for b in bad[:BAD_ROWS_LISTED])
-        log.warning("%s: skipped %d bad rows (%s%s)", name, len(bad), shown,
-                    ", ..." if len(bad) > BAD_ROWS_LISTED else "")
+        log.warning(
+            "%s: skipped %d bad rows (%s%s)",
+            name,
+            len(bad),
+            shown,
+            ", ..." if len(bad) > BAD_ROWS_LISTED else "",
+        )
     report = {
         "name": name,
         "format": fmt,
@@ -187,7 +198,9 @@ def read_source(spec: dict) -> tuple[list[dict], dict]:
         "skipped": len(bad),
         "first_bad_rows": bad[:BAD_ROWS_LISTED],
         "with_answers": sum(1 for r in rows if r["conversations"][-1]["role"] == "assistant"),
-        "multi_turn": sum(1 for r in rows if sum(t["role"] == "user" for t in r["conversations"]) > 1),
+        "multi_turn": sum(
+            1 for r in rows if sum(t["role"] == "user" for t in r["conversations"]) > 1
+        ),
     }
     return rows, report
 
@@ -267,11 +280,13 @@ def load_humaneval(n: int = 0) -> list[dict]:
                 "Complete the following Python function. Reply with the full function.\n\n"
                 f"```python\n{obj['prompt']}```"
             )
-            rows.append({
-                "id": obj["task_id"],
-                "source": "humaneval",
-                "conversations": [{"role": "user", "content": text}],
-            })
+            rows.append(
+                {
+                    "id": obj["task_id"],
+                    "source": "humaneval",
+                    "conversations": [{"role": "user", "content": text}],
+                }
+            )
             if n and len(rows) >= n:
                 break
     return rows

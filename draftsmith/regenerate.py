@@ -51,7 +51,9 @@ def regenerate(conversations: list[dict], generate_fn: GenerateFn) -> list[dict]
         prompts = [history[i] + [pending[i][r]] for i in active]
         replies = generate_fn(prompts)
         if len(replies) != len(prompts):
-            raise RuntimeError(f"generate_fn returned {len(replies)} replies for {len(prompts)} prompts")
+            raise RuntimeError(
+                f"generate_fn returned {len(replies)} replies for {len(prompts)} prompts"
+            )
         for i, prompt, reply in zip(active, prompts, replies, strict=True):
             history[i] = prompt + [{"role": "assistant", "content": reply}]
     return [
@@ -79,8 +81,17 @@ class HFGenerator:
     seconds, rows that hit `max_new_tokens` and empty replies.
     """
 
-    def __init__(self, model, tokenizer, *, max_new_tokens: int = 128, temperature: float = 0.0,
-                 batch_size: int = 32, seed: int = 0, progress: bool = True):
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        *,
+        max_new_tokens: int = 128,
+        temperature: float = 0.0,
+        batch_size: int = 32,
+        seed: int = 0,
+        progress: bool = True,
+    ):
         from draftsmith.tokens import end_of_turn_id
 
         self.model, self.tokenizer = model, tokenizer
@@ -92,9 +103,17 @@ class HFGenerator:
         gen_eos = getattr(model.generation_config, "eos_token_id", None)
         stop.update([gen_eos] if isinstance(gen_eos, int) else (gen_eos or []))
         self.stop_ids = sorted(stop)
-        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.stop_ids[0]
-        self.stats = {"prompts": 0, "new_tokens": 0, "prompt_tokens": 0, "seconds": 0.0,
-                      "hit_limit": 0, "empty": 0}
+        self.pad_id = (
+            tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.stop_ids[0]
+        )
+        self.stats = {
+            "prompts": 0,
+            "new_tokens": 0,
+            "prompt_tokens": 0,
+            "seconds": 0.0,
+            "hit_limit": 0,
+            "empty": 0,
+        }
 
     def _generation_config(self):
         from transformers import GenerationConfig
@@ -102,8 +121,13 @@ class HFGenerator:
         kw = {"do_sample": self.temperature > 0}
         if self.temperature > 0:
             kw.update(temperature=self.temperature, top_k=0, top_p=1.0)
-        return GenerationConfig(max_new_tokens=self.max_new_tokens, eos_token_id=self.stop_ids,
-                                pad_token_id=self.pad_id, use_cache=True, **kw)
+        return GenerationConfig(
+            max_new_tokens=self.max_new_tokens,
+            eos_token_id=self.stop_ids,
+            pad_token_id=self.pad_id,
+            use_cache=True,
+            **kw,
+        )
 
     def _encode(self, prompt: list[dict]) -> list[int]:
         from draftsmith.tokens import render
@@ -119,12 +143,13 @@ class HFGenerator:
         input_ids = torch.full((len(batch), width), self.pad_id, dtype=torch.long)
         attention = torch.zeros((len(batch), width), dtype=torch.long)
         for i, p in enumerate(batch):
-            input_ids[i, width - len(p):] = torch.tensor(p, dtype=torch.long)
-            attention[i, width - len(p):] = 1
+            input_ids[i, width - len(p) :] = torch.tensor(p, dtype=torch.long)
+            attention[i, width - len(p) :] = 1
         device = next(self.model.parameters()).device
         with torch.inference_mode():
             out = self.model.generate(
-                input_ids=input_ids.to(device), attention_mask=attention.to(device),
+                input_ids=input_ids.to(device),
+                attention_mask=attention.to(device),
                 generation_config=self._generation_config(),
             )
         replies = []
@@ -202,7 +227,9 @@ def main(argv: list[str] | None = None) -> None:
             out = copy_answers(rows)
         except MissingAnswerError as e:
             raise SystemExit(str(e)) from None
-        log.info("%s: regeneration off, %d rows copied with their source answers", args.range, len(out))
+        log.info(
+            "%s: regeneration off, %d rows copied with their source answers", args.range, len(out)
+        )
     else:
         if regen.get("backend", "hf") != "hf":
             raise SystemExit(f"regenerate.backend {regen.get('backend')!r} is not implemented")
@@ -211,7 +238,8 @@ def main(argv: list[str] | None = None) -> None:
 
         model, tokenizer = load_target(args.target)
         gen = HFGenerator(
-            model, tokenizer,
+            model,
+            tokenizer,
             max_new_tokens=regen.get("max_new_tokens", 128),
             temperature=regen.get("temperature", 0.0),
             batch_size=regen.get("batch_size", 32),
@@ -221,16 +249,27 @@ def main(argv: list[str] | None = None) -> None:
         out = regenerate(rows, gen)
         wall = time.perf_counter() - t0
         report.update(
-            backend="hf", threads=args.threads, device=str(next(model.parameters()).device),
-            max_new_tokens=gen.max_new_tokens, temperature=gen.temperature,
-            batch_size=gen.batch_size, **gen.stats, wall_seconds=wall,
+            backend="hf",
+            threads=args.threads,
+            device=str(next(model.parameters()).device),
+            max_new_tokens=gen.max_new_tokens,
+            temperature=gen.temperature,
+            batch_size=gen.batch_size,
+            **gen.stats,
+            wall_seconds=wall,
             tokens_per_second=gen.tokens_per_second(),
         )
         log.info(
             "%s: %d rows, %d turns, %d new tokens in %.1f s generate (%.1f s wall): "
             "%.1f tokens/s; %d hit max_new_tokens, %d empty",
-            args.range, len(rows), gen.stats["prompts"], gen.stats["new_tokens"],
-            gen.stats["seconds"], wall, gen.tokens_per_second(), gen.stats["hit_limit"],
+            args.range,
+            len(rows),
+            gen.stats["prompts"],
+            gen.stats["new_tokens"],
+            gen.stats["seconds"],
+            wall,
+            gen.tokens_per_second(),
+            gen.stats["hit_limit"],
             gen.stats["empty"],
         )
     report["versions"] = versions()

@@ -177,11 +177,17 @@ class ShardWriter:
         self._ctx = atomic_path(self.path)
         tmp = self._ctx.__enter__()
         self._tmp = tmp
-        self._fd = os.open(tmp, os.O_RDWR)
-        os.ftruncate(self._fd, self._total)
-        os.pwrite(self._fd, self._header, 0)
-        for name, t in self._inputs.items():
-            self._pwrite(t.numpy().tobytes(), self._offsets[name])
+        try:
+            self._fd = os.open(tmp, os.O_RDWR)
+            os.ftruncate(self._fd, self._total)  # sparse until written: no memory, no zero-fill
+            os.pwrite(self._fd, self._header, 0)
+            for name, t in self._inputs.items():
+                self._pwrite(t.numpy().tobytes(), self._offsets[name])
+        except BaseException as e:
+            if self._fd is not None:
+                os.close(self._fd)
+            self._ctx.__exit__(type(e), e, e.__traceback__)
+            raise
         return self
 
     def _pwrite(self, data, offset: int) -> None:

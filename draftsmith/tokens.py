@@ -201,8 +201,14 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"{args.rows}: {e}") from None
     log.info(
         "%s: %d/%d rows, %d tokens, %d masked, %d truncated, %d dropped, %d without loss",
-        args.rows, stats["kept"], stats["rows"], stats["tokens"], stats["masked_tokens"],
-        len(stats["truncated"]), len(stats["dropped"]), len(stats["rows_without_loss"]),
+        args.rows,
+        stats["kept"],
+        stats["rows"],
+        stats["tokens"],
+        stats["masked_tokens"],
+        len(stats["truncated"]),
+        len(stats["dropped"]),
+        len(stats["rows_without_loss"]),
     )
     write_tokens(args.out, tensors, stats)
 

@@ -109,8 +109,10 @@ def plan_epochs(lengths: list[int], cfg: dict) -> tuple[list[list[list[list[int]
     pack_len = max(lengths)
     packs_per_batch = cfg["batch_tokens"] // pack_len
     if packs_per_batch < 1:
-        raise SystemExit(f"train.batch_tokens {cfg['batch_tokens']} is smaller than the longest "
-                         f"row ({pack_len} tokens); raise it")
+        raise SystemExit(
+            f"train.batch_tokens {cfg['batch_tokens']} is smaller than the longest "
+            f"row ({pack_len} tokens); raise it"
+        )
     plans = []
     for epoch in range(cfg["epochs"]):
         gen = torch.Generator().manual_seed(cfg["seed"] * 1_000_003 + epoch)
@@ -147,8 +149,10 @@ def save_checkpoint(run_dir: Path, step: int, draft, opt, meta: dict) -> None:
     final = run_dir / f"step-{step:06d}"
     stage = Path(tempfile.mkdtemp(prefix=f".tmp-step-{step:06d}-", dir=run_dir))
     try:
-        save_file({k: v.detach().cpu().contiguous() for k, v in draft.state_dict().items()},
-                  str(stage / "model.safetensors"))
+        save_file(
+            {k: v.detach().cpu().contiguous() for k, v in draft.state_dict().items()},
+            str(stage / "model.safetensors"),
+        )
         tensors = {"rng.torch": torch.get_rng_state()}
         params = list(draft.parameters())
         for i, p in enumerate(params):
@@ -213,15 +217,17 @@ def all_sum(x: torch.Tensor, world: int) -> torch.Tensor:
     return x
 
 
-def teacher_flags(shards, names, heads, t2d, run_dir: Path, rank: int, world: int) -> dict:
+def teacher_flags(shards, names, heads, t2d, run_dir, rank: int, world: int, device) -> dict:
     """Per shard [T] bool: target argmax in the draft vocab (needed tokens only), cached."""
     path = run_dir / "teacher_ok.safetensors"
     if rank == 0 and not path.exists():
-        flags = {}
-        for name, s in tqdm(list(zip(names, shards)), desc="teacher argmax", disable=None):
+        flags, lm_head = {}, heads["lm_head"].to(device)
+        for name, s in tqdm(
+            list(zip(names, shards, strict=True)), desc="teacher argmax", disable=None
+        ):
             need = torch.zeros(s.n_tokens, dtype=torch.bool)
             need[:-1] = s.loss_mask[1:].bool()
-            flags[name] = teacher_argmax_in_vocab(s.last_hidden_states, heads["lm_head"], t2d, need)
+            flags[name] = teacher_argmax_in_vocab(s.last_hidden_states, lm_head, t2d, need)
         with atomic_path(path) as tmp:
             save_file(flags, str(tmp))
     if world > 1:
@@ -229,12 +235,23 @@ def teacher_flags(shards, names, heads, t2d, run_dir: Path, rank: int, world: in
     return load_file(str(path))
 
 
-def train(cfg: dict, shard_paths: list[Path], vocab_path: Path, target_dir: Path, out_dir: Path,
-          metrics_path: Path, state_root: Path) -> None:
+def train(
+    cfg: dict,
+    shard_paths: list[Path],
+    vocab_path: Path,
+    target_dir: Path,
+    out_dir: Path,
+    metrics_path: Path,
+    state_root: Path,
+    device: str | None = None,
+) -> None:
     tcfg, steps = cfg["train"], cfg["train"]["ttt_steps"]
     rank, world = dist_info()
-    device = torch.device(f"cuda:{os.environ.get('LOCAL_RANK', '0')}"
-                          if torch.cuda.is_available() else "cpu")
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(
+        f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if device == "cuda" else device
+    )
     torch.use_deterministic_algorithms(True, warn_only=True)
 
     # inputs: target pieces, vocab, shards (layer ids and target checked against the manifests)
@@ -243,8 +260,10 @@ def train(cfg: dict, shard_paths: list[Path], vocab_path: Path, target_dir: Path
     ids = aux_layer_ids(cfg["capture"]["aux_layer_ids"], int(target_cfg["num_hidden_layers"]))
     d2t, t2d = load_vocab(vocab_path)
     if d2t.shape[0] != cfg["draft"]["vocab_size"]:
-        raise SystemExit(f"{vocab_path}: {d2t.shape[0]} draft tokens, draft.vocab_size is "
-                         f"{cfg['draft']['vocab_size']}")
+        raise SystemExit(
+            f"{vocab_path}: {d2t.shape[0]} draft tokens, draft.vocab_size is "
+            f"{cfg['draft']['vocab_size']}"
+        )
     heads = target_tensors(target_dir)
     expect = {"aux_layer_ids": ids, "hidden_size": int(target_cfg["hidden_size"])}
     meta_file = target_dir / "draftsmith_target.json"
@@ -255,9 +274,12 @@ def train(cfg: dict, shard_paths: list[Path], vocab_path: Path, target_dir: Path
     key = run_key(cfg, shard_paths, vocab_path, target_dir)
     run_dir = state_root / key
     run_dir.mkdir(parents=True, exist_ok=True)
-    ok = teacher_flags(shards, names, heads, t2d, run_dir, rank, world)
-    rows = [(s, a, b) for s, sh in enumerate(shards)
-            for a, b in zip(sh.row_offsets[:-1].tolist(), sh.row_offsets[1:].tolist())]
+    ok = teacher_flags(shards, names, heads, t2d, run_dir, rank, world, device)
+    rows = [
+        (s, a, b)
+        for s, sh in enumerate(shards)
+        for a, b in zip(sh.row_offsets[:-1].tolist(), sh.row_offsets[1:].tolist(), strict=True)
+    ]
     plans, pack_len = plan_epochs([b - a for _, a, b in rows], tcfg)
     total = sum(len(p) for p in plans)
     total = min(total, tcfg["max_steps"]) if tcfg["max_steps"] else total
@@ -272,6 +294,7 @@ def train(cfg: dict, shard_paths: list[Path], vocab_path: Path, target_dir: Path
         with torch.no_grad():
             draft.lm_head.weight.copy_(heads["lm_head"][hot])
             draft.norm.weight.copy_(heads["norm"])
+    draft.to(device)
     opt = torch.optim.AdamW(draft.parameters(), lr=tcfg["lr"], weight_decay=0.0)
     step, epoch, batch_idx = 0, 0, 0
     metrics_tmp = run_dir / "metrics.jsonl"
@@ -283,24 +306,43 @@ def train(cfg: dict, shard_paths: list[Path], vocab_path: Path, target_dir: Path
     if rank == 0:
         kept = []
         if metrics_tmp.exists():
-            kept = [ln for ln in metrics_tmp.read_text().splitlines()
-                    if ln.strip() and json.loads(ln)["step"] <= step]
+            kept = [
+                ln
+                for ln in metrics_tmp.read_text().splitlines()
+                if ln.strip() and json.loads(ln)["step"] <= step
+            ]
         atomic_write_text(metrics_tmp, "".join(ln + "\n" for ln in kept))
-    draft.to(device)
     embed, draft_rows = heads["embed"].to(device), heads["lm_head"][hot].to(device)
     objective = TTTObjective(draft, steps)
     model = objective
     if world > 1:
         model = torch.nn.parallel.DistributedDataParallel(objective, broadcast_buffers=False)
-    provenance = {"key": key, "config": cfg, "total_steps": total, "pack_len": pack_len,
-                  "shards": {n: json.loads(p.with_suffix(".json").read_text()).get("sha256")
-                             for n, p in zip(names, shard_paths)},
-                  "vocab_sha256": sha256_file(vocab_path)}
+    provenance = {
+        "key": key,
+        "config": cfg,
+        "total_steps": total,
+        "pack_len": pack_len,
+        "shards": {
+            n: json.loads(p.with_suffix(".json").read_text()).get("sha256")
+            for n, p in zip(names, shard_paths, strict=True)
+        },
+        "vocab_sha256": sha256_file(vocab_path),
+        "target_fingerprint": expect.get("target_fingerprint"),
+    }
 
-    log.info("run %s: %d rows, %d steps, pack length %d, %d process(es), device %s",
-              key, len(rows), total, pack_len, world, device)
+    log.info(
+        "run %s: %d rows, %d steps, pack length %d, %d process(es), device %s",
+        key,
+        len(rows),
+        total,
+        pack_len,
+        world,
+        device,
+    )
     bar = tqdm(total=total, initial=step, desc="train", disable=None if rank == 0 else True)
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
+    precision = tcfg.get("precision", "auto")
+    use_bf16 = precision == "bf16" or (precision == "auto" and device.type == "cuda")
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_bf16)
     while step < total:
         if batch_idx >= len(plans[epoch]):
             epoch, batch_idx = epoch + 1, 0
@@ -309,8 +351,10 @@ def train(cfg: dict, shard_paths: list[Path], vocab_path: Path, target_dir: Path
         lr = lr_at(step, total, tcfg["lr"], tcfg["warmup_ratio"])
         for g in opt.param_groups:
             g["lr"] = lr
-        packs = [[_row(shards, names, ok, rows[r]) for r in pack]
-                 for pack in plans[epoch][batch_idx][rank::world]]
+        packs = [
+            [_row(shards, names, ok, rows[r]) for r in pack]
+            for pack in plans[epoch][batch_idx][rank::world]
+        ]
         b = pack_batch(packs, steps, 3 * dcfg.target_hidden_size, dcfg.target_hidden_size)
         masks = step_masks(b.seg, b.loss_mask, b.ok, steps, b.length).to(device)
         counts = all_sum(masks.sum(dim=(1, 2)).float(), world)
@@ -321,8 +365,14 @@ def train(cfg: dict, shard_paths: list[Path], vocab_path: Path, target_dir: Path
         teacher = teacher_logprobs(b.last.to(device), draft_rows)
         embeds = embed[b.ids[:, : b.length + steps + 1].to(device)]
         with autocast:
-            ce, correct = model(aux.to(device), embeds, b.pos.to(device),
-                                b.seg[:, : b.length].to(device), masks, teacher)
+            ce, correct = model(
+                aux.to(device),
+                embeds,
+                b.pos.to(device),
+                b.seg[:, : b.length].to(device),
+                masks,
+                teacher,
+            )
         loss = weighted_loss(ce, counts, scale=world)
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -335,11 +385,14 @@ def train(cfg: dict, shard_paths: list[Path], vocab_path: Path, target_dir: Path
         if rank == 0:
             per_pos = (ce_all / counts.clamp(min=1)).tolist()
             record = {
-                "step": step, "epoch": epoch,
+                "step": step,
+                "epoch": epoch,
                 "loss": float(weighted_loss(ce_all, counts)),
                 "loss_per_pos": per_pos,
                 "acc_per_pos": (correct_all / counts.clamp(min=1)).tolist(),
-                "lr": lr, "grad_norm": float(grad_norm), "tokens": tokens,
+                "lr": lr,
+                "grad_norm": float(grad_norm),
+                "tokens": tokens,
                 "tokens_per_s": tokens / (time.perf_counter() - t0),
                 "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
             }
@@ -349,13 +402,28 @@ def train(cfg: dict, shard_paths: list[Path], vocab_path: Path, target_dir: Path
             bar.set_postfix(loss=f"{record['loss']:.3f}", acc0=f"{record['acc_per_pos'][0]:.2f}")
             every = tcfg["checkpoint_every"]
             if step == total or (every and step % every == 0):
-                save_checkpoint(run_dir, step, draft, opt,
-                                {"key": key, "epoch": epoch, "batch": batch_idx,
-                                 "total_steps": total, "config": cfg})
+                save_checkpoint(
+                    run_dir,
+                    step,
+                    draft,
+                    opt,
+                    {
+                        "key": key,
+                        "epoch": epoch,
+                        "batch": batch_idx,
+                        "total_steps": total,
+                        "config": cfg,
+                    },
+                )
     bar.close()
     if rank == 0:
-        export_draft(draft.cpu(), out_dir, {**provenance, "versions": versions()},
-                     verifier=str(target_dir.resolve()), num_tokens=steps)
+        export_draft(
+            draft.cpu(),
+            out_dir,
+            {**provenance, "versions": versions()},
+            verifier=str(target_dir.resolve()),
+            num_tokens=steps,
+        )
         with atomic_path(metrics_path) as tmp:
             shutil.copyfile(metrics_tmp, tmp)
         log.info("wrote %s and %s", out_dir, metrics_path)
@@ -377,7 +445,9 @@ def _row(shards, names, ok, row) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m draftsmith.train", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(
+        prog="python -m draftsmith.train", description=__doc__.split("\n")[0]
+    )
     ap.add_argument("--cfg", required=True, help="JSON of the train, draft and capture sections")
     ap.add_argument("--shards", nargs="+", required=True, type=Path)
     ap.add_argument("--vocab", required=True, type=Path)
@@ -386,6 +456,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--metrics", required=True, type=Path)
     ap.add_argument("--state", type=Path, default=Path("state/train"))
     ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda when available")
     args = ap.parse_args(argv)
     init_logging("draftsmith.train")
     cfg = parse_cfg(args.cfg)
@@ -393,7 +464,16 @@ def main(argv: list[str] | None = None) -> None:
         if section not in cfg:
             raise SystemExit(f"--cfg has no {section!r} section")
     set_threads(args.threads)
-    train(cfg, sorted(args.shards), args.vocab, args.target, args.out, args.metrics, args.state)
+    train(
+        cfg,
+        sorted(args.shards),
+        args.vocab,
+        args.target,
+        args.out,
+        args.metrics,
+        args.state,
+        args.device,
+    )
 
 
 if __name__ == "__main__":

@@ -31,20 +31,24 @@ STEP_DECAY = 0.8
 
 @torch.no_grad()
 def teacher_argmax_in_vocab(
-    last: torch.Tensor, lm_head: torch.Tensor, t2d: torch.Tensor, need: torch.Tensor,
+    last: torch.Tensor,
+    lm_head: torch.Tensor,
+    t2d: torch.Tensor,
+    need: torch.Tensor,
     chunk: int = 512,
 ) -> torch.Tensor:
     """[N] bool: the target's full-vocabulary argmax at each needed token is in the draft vocab.
 
-    last [N, H] (any float dtype, may be memory-mapped), lm_head [V, H], need [N] bool.
+    last [N, H] (any float dtype, may be memory-mapped, on CPU), lm_head [V, H] on the compute
+    device, t2d [V] and need [N] bool on CPU. Only [chunk, V] logits exist at a time.
     """
     ok = torch.zeros(last.shape[0], dtype=torch.bool)
     idx = need.nonzero().flatten()
-    w = lm_head.float()
+    w = lm_head.float()  # its device is where the logits are computed
     for s in range(0, idx.numel(), chunk):
         sel = idx[s : s + chunk]
-        top = (last[sel].float() @ w.T).argmax(-1)
-        ok[sel] = t2d[top]
+        top = (last[sel].to(w.device).float() @ w.T).argmax(-1)
+        ok[sel] = t2d[top.cpu()]
     return ok
 
 
@@ -59,7 +63,9 @@ def teacher_logprobs(last: torch.Tensor, draft_rows: torch.Tensor, chunk: int = 
     return out.view(*last.shape[:-1], draft_rows.shape[0])
 
 
-def step_masks(seg: torch.Tensor, loss_mask: torch.Tensor, ok: torch.Tensor, steps: int, length: int):
+def step_masks(
+    seg: torch.Tensor, loss_mask: torch.Tensor, ok: torch.Tensor, steps: int, length: int
+):
     """[steps, B, L] bool: which (step, position) predictions are trained.
 
     seg, loss_mask, ok are [B, L + steps + 2] (tail-padded with seg -1). Step j at position p

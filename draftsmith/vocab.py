@@ -168,12 +168,21 @@ def main(argv: list[str] | None = None) -> None:
     covered = int(vocab["counts"].sum())
     log.info(
         "%d assistant tokens, %d distinct; draft vocab %d of %d covers %.2f%% of them%s",
-        total, distinct, k, vocab_size, 100.0 * covered / max(total, 1),
+        total,
+        distinct,
+        k,
+        vocab_size,
+        100.0 * covered / max(total, 1),
         f" ({k - distinct} padding ids)" if distinct < k else "",
     )
-    meta = {"draft_vocab_size": str(k), "target_vocab_size": str(vocab_size),
-            "assistant_tokens": str(total), "distinct_tokens": str(distinct),
-            "coverage": f"{covered / max(total, 1):.6f}", "token_files": str(len(args.tokens))}
+    meta = {
+        "draft_vocab_size": str(k),
+        "target_vocab_size": str(vocab_size),
+        "assistant_tokens": str(total),
+        "distinct_tokens": str(distinct),
+        "coverage": f"{covered / max(total, 1):.6f}",
+        "token_files": str(len(args.tokens)),
+    }
     save_vocab(args.out, vocab, meta)
 
 

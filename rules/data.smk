@@ -1,16 +1,16 @@
 # Conversation data: prompt sources -> regenerated rows -> tokens + loss mask -> draft vocabulary.
 # Row ranges (RANGES) are fixed at DAG-build time by draftsmith.prompts.load_sources (common.smk).
 # Each job's --cfg carries only the keys it reads, so e.g. a data.max_length change re-tokenizes
-# without regenerating, and a draft.vocab_size change rebuilds only the vocabulary.
+# without regenerating, and a draft.vocab_size change rebuilds only the vocabulary. Source files
+# (the bundled set's package file included) are inputs: editing one makes every range stale.
 # `rule data` requests every artifact of the stage: Snakemake rebuilds a deleted intermediate
 # (e.g. one range's rows) only when it is requested, so `rule all` includes rules.data.input.
+from draftsmith.prompts import source_files
 
 
 rule data_report:
     input:
-        sources=[
-            s["path"] for s in config["data"]["sources"] if s["format"] != "bundled"
-        ],
+        sources=source_files(config),
         stamp=stamp("data"),
     output:
         "results/data/sources.json",
@@ -39,9 +39,7 @@ rule data_report:
 
 rule regenerate:
     input:
-        sources=[
-            s["path"] for s in config["data"]["sources"] if s["format"] != "bundled"
-        ],
+        sources=source_files(config),
         target="results/target",
         stamp=stamp("regenerate"),
     output:

@@ -1,1 +1,42 @@
-# placeholder: owned by the train-stage engineer
+# Draft training (TTT) and the SGLang export, in one package call.
+# Params carry the train, draft and capture sections: a train.* or draft.* change retrains
+# without touching the shards. Resumable state lives in state/train/<run key>/, outside the
+# declared outputs (Snakemake deletes a failed job's outputs, never the checkpoints), so a
+# killed or failed job resumes from its newest checkpoint when rerun (docs/training.md).
+
+
+rule train:
+    input:
+        shards=expand("results/hidden/{rows}.safetensors", rows=RANGES),
+        manifests=expand("results/hidden/{rows}.json", rows=RANGES),
+        vocab="results/vocab/vocab.safetensors",
+        target="results/target",
+        stamp=stamp("train"),
+    output:
+        draft=directory("results/draft"),
+        metrics="results/train/metrics.jsonl",
+    log:
+        "logs/train.log",
+    conda:
+        role_env("train")
+    threads: 2
+    resources:
+        mem_mb=8000,
+        runtime=240,
+    params:
+        py=python_cmd("train"),
+        # torchrun through the role interpreter when train.nproc > 1
+        launch=(
+            f"-m torch.distributed.run --standalone --nproc-per-node {config['train']['nproc']}"
+            if config["train"]["nproc"] > 1
+            else ""
+        ),
+        cfg=cfg_json("train", "draft", "capture"),
+        threads_per_proc=lambda wildcards, threads: max(
+            1, threads // config["train"]["nproc"]
+        ),
+    shell:
+        "{params.py} {params.launch} -m draftsmith.train --cfg {params.cfg:q} "
+        "--shards {input.shards} --vocab {input.vocab} --target {input.target} "
+        "--out {output.draft} --metrics {output.metrics} --state state/train "
+        "--threads {params.threads_per_proc} > {log} 2>&1"

@@ -21,12 +21,20 @@ from draftsmith.model import (
 )
 
 SMOLLM2 = {  # results/target/config.json of the embedded default (transformers 5 layout)
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "head_dim": 64,
-    "hidden_act": "silu", "hidden_size": 576, "intermediate_size": 1536,
-    "max_position_embeddings": 8192, "num_attention_heads": 9, "num_hidden_layers": 30,
-    "num_key_value_heads": 3, "rms_norm_eps": 1e-05,
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "head_dim": 64,
+    "hidden_act": "silu",
+    "hidden_size": 576,
+    "intermediate_size": 1536,
+    "max_position_embeddings": 8192,
+    "num_attention_heads": 9,
+    "num_hidden_layers": 30,
+    "num_key_value_heads": 3,
+    "rms_norm_eps": 1e-05,
     "rope_parameters": {"rope_theta": 100000.0, "rope_type": "default"},
-    "tie_word_embeddings": True, "vocab_size": 49152,
+    "tie_word_embeddings": True,
+    "vocab_size": 49152,
 }
 
 
@@ -87,18 +95,23 @@ def test_ttt_cache_equals_explicit_mask_attention():
             idx = idx[torch.rand(idx.numel(), generator=g) < 0.8]
             cache.select(idx)
 
-        def compact(x):
-            return x.permute(1, 0, 2, 3).reshape(x.shape[1], b * t, d)[:, idx][None]
-
-        got.append((idx, cache.attend(compact(qs[j]), compact(ks[j]), compact(vs[j]))))
+        q, k, v = (
+            x.permute(1, 0, 2, 3).reshape(x.shape[1], b * t, d)[:, idx][None]
+            for x in (qs[j], ks[j], vs[j])
+        )
+        got.append((idx, cache.attend(q, k, v)))
     k_all, v_all = torch.cat(ks, dim=2), torch.cat(vs, dim=2)
     for j, (idx, out) in enumerate(got):
         assert out.shape == (1, nh, idx.numel(), d)
         for n, flat in enumerate(idx.tolist()):
             bi, ti = divmod(flat, t)
             full = ttt_visibility(visible[bi], steps)[j, ti]
-            want = masked_attention(qs[j][bi : bi + 1, :, ti : ti + 1], k_all[bi : bi + 1],
-                                    v_all[bi : bi + 1], full[None, None])
+            want = masked_attention(
+                qs[j][bi : bi + 1, :, ti : ti + 1],
+                k_all[bi : bi + 1],
+                v_all[bi : bi + 1],
+                full[None, None],
+            )
             torch.testing.assert_close(out[0, :, n], want[0, :, 0], rtol=1e-5, atol=1e-6)
 
 
@@ -151,8 +164,9 @@ def sglang_reference(draft: Eagle3Draft, aux_or_hidden, embeds, positions):
             out[i, h] = torch.softmax(s, dim=0) @ v[: i + 1, h // group]
     attn = out.reshape(-1, q_size) @ sd[p + "self_attn.o_proj.weight"].T
     hs, residual = rms(attn, sd[p + "post_attention_layernorm.weight"], residual)
-    gate, up = (hs @ torch.cat([sd[p + "mlp.gate_proj.weight"], sd[p + "mlp.up_proj.weight"]]).T
-                ).chunk(2, dim=-1)
+    gate, up = (
+        hs @ torch.cat([sd[p + "mlp.gate_proj.weight"], sd[p + "mlp.up_proj.weight"]]).T
+    ).chunk(2, dim=-1)
     hs = (F.silu(gate) * up) @ sd[p + "mlp.down_proj.weight"].T
     to_logits, to_aux = rms(hs, sd["norm.weight"], residual)
     return to_logits @ sd["lm_head.weight"].T, to_aux
@@ -190,8 +204,10 @@ def test_kv_cache_incremental_equals_full():
     pos = torch.arange(t)[None]
     full = draft.step(embeds, hidden, pos)
     cache = KVCache()
-    parts = [draft.step(embeds[:, a:b], hidden[:, a:b], pos[:, a:b], cache)
-             for a, b in ((0, 5), (5, 6), (6, 12))]
+    parts = [
+        draft.step(embeds[:, a:b], hidden[:, a:b], pos[:, a:b], cache)
+        for a, b in ((0, 5), (5, 6), (6, 12))
+    ]
     torch.testing.assert_close(torch.cat(parts, dim=1), full, rtol=1e-5, atol=1e-6)
     cache.truncate(6)  # roll back rejected positions, then redo them
     assert len(cache) == 6
@@ -201,8 +217,14 @@ def test_kv_cache_incremental_equals_full():
 
 def test_config_from_targets(tiny_target, tiny_deepseek_target):
     cfg = DraftConfig.from_target_config(SMOLLM2, 4096, [1, 14, 26])
-    assert (cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
-            cfg.intermediate_size, cfg.vocab_size) == (576, 9, 3, 64, 1536, 49152)
+    assert (
+        cfg.hidden_size,
+        cfg.num_attention_heads,
+        cfg.num_key_value_heads,
+        cfg.head_dim,
+        cfg.intermediate_size,
+        cfg.vocab_size,
+    ) == (576, 9, 3, 64, 1536, 49152)
     assert cfg.rope_theta == 100000.0 and cfg.rope_scaling is None
     draft = Eagle3Draft(cfg)
     assert draft.fc.weight.shape == (576, 3 * 576)
@@ -219,10 +241,19 @@ def test_llama3_rope_matches_transformers():
     from transformers import LlamaConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-               "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
-    hf = LlamaConfig(hidden_size=512, num_attention_heads=4, head_dim=128,
-                     rope_parameters={"rope_theta": 500000.0, **scaling})
+    scaling = {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
+    hf = LlamaConfig(
+        hidden_size=512,
+        num_attention_heads=4,
+        head_dim=128,
+        rope_parameters={"rope_theta": 500000.0, **scaling},
+    )
     want, _ = ROPE_INIT_FUNCTIONS["llama3"](hf, "cpu")
     cfg = DraftConfig.from_target_config(hf.to_dict(), 16, [1, 2, 3])
     assert cfg.rope_scaling["rope_type"] == "llama3"

@@ -17,6 +17,7 @@ from draftsmith.prompts import (
     prompt_turns,
     read_source,
     rows_for_range,
+    source_files,
 )
 
 
@@ -26,18 +27,36 @@ def _write(path, lines):
 
 
 def test_specforge_rows_and_bad_rows_are_counted_with_line_numbers(tmp_path):
-    good = {"id": "a", "conversations": [{"role": "user", "content": "hi"},
-                                         {"role": "assistant", "content": "hello"}]}
+    good = {
+        "id": "a",
+        "conversations": [
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": "hello"},
+        ],
+    }
     lines = [
         json.dumps(good),
         "{not json",
         json.dumps({"id": "b", "conversations": [{"role": "user", "content": "  "}]}),
         json.dumps({"id": "c", "conversations": [{"role": "assistant", "content": "x"}]}),
-        json.dumps({"id": "d", "conversations": [{"role": "user", "content": "q"},
-                                                 {"role": "user", "content": "q2"}]}),
+        json.dumps(
+            {
+                "id": "d",
+                "conversations": [
+                    {"role": "user", "content": "q"},
+                    {"role": "user", "content": "q2"},
+                ],
+            }
+        ),
         "",
-        json.dumps({"conversations": [{"role": "system", "content": "s"},
-                                      {"role": "user", "content": "q"}]}),
+        json.dumps(
+            {
+                "conversations": [
+                    {"role": "system", "content": "s"},
+                    {"role": "user", "content": "q"},
+                ]
+            }
+        ),
         json.dumps([1, 2]),
     ]
     path = _write(tmp_path / "sf.jsonl", lines)
@@ -54,14 +73,26 @@ def test_specforge_rows_and_bad_rows_are_counted_with_line_numbers(tmp_path):
 
 
 def test_sharegpt_and_prompt_formats(tmp_path):
-    sg = _write(tmp_path / "sg.jsonl", [
-        json.dumps({"id": "s1", "conversations": [{"from": "human", "value": "hey"},
-                                                  {"from": "gpt", "value": "hi!"}]}),
-        json.dumps({"conversations": [{"from": "robot", "value": "?"}]}),
-    ])
+    sg = _write(
+        tmp_path / "sg.jsonl",
+        [
+            json.dumps(
+                {
+                    "id": "s1",
+                    "conversations": [
+                        {"from": "human", "value": "hey"},
+                        {"from": "gpt", "value": "hi!"},
+                    ],
+                }
+            ),
+            json.dumps({"conversations": [{"from": "robot", "value": "?"}]}),
+        ],
+    )
     rows, report = read_source({"format": "sharegpt", "path": sg})
-    assert rows[0]["conversations"] == [{"role": "user", "content": "hey"},
-                                        {"role": "assistant", "content": "hi!"}]
+    assert rows[0]["conversations"] == [
+        {"role": "user", "content": "hey"},
+        {"role": "assistant", "content": "hi!"},
+    ]
     assert report["skipped"] == 1 and "robot" in report["first_bad_rows"][0]["reason"]
 
     pr = tmp_path / "p.jsonl.gz"
@@ -85,9 +116,16 @@ def test_missing_file_and_unknown_format_are_errors(tmp_path):
 def test_merge_split_caps_and_ranges(tmp_path):
     p1 = _write(tmp_path / "a.jsonl", [json.dumps({"prompt": f"a{i}"}) for i in range(10)])
     p2 = _write(tmp_path / "b.jsonl", [json.dumps({"prompt": f"b{i}"}) for i in range(10)])
-    cfg = {"data": {"sources": [{"format": "prompt", "path": p1, "max_rows": 4},
-                                {"format": "prompt", "path": p2}],
-                    "heldout_rows": 3, "max_rows": 0}}
+    cfg = {
+        "data": {
+            "sources": [
+                {"format": "prompt", "path": p1, "max_rows": 4},
+                {"format": "prompt", "path": p2},
+            ],
+            "heldout_rows": 3,
+            "max_rows": 0,
+        }
+    }
     s = load_sources(cfg)
     contents = [r["conversations"][0]["content"] for r in s.train]
     assert contents == ["a0", "a1", "a2", "a3", "b0", "b1", "b2", "b3", "b4", "b5", "b6"]
@@ -104,7 +142,9 @@ def test_merge_split_caps_and_ranges(tmp_path):
 
 
 def test_cli_writes_report(tmp_path):
-    p = _write(tmp_path / "a.jsonl", [json.dumps({"prompt": "x"}), "oops", json.dumps({"prompt": "y"})])
+    p = _write(
+        tmp_path / "a.jsonl", [json.dumps({"prompt": "x"}), "oops", json.dumps({"prompt": "y"})]
+    )
     out = tmp_path / "sources.json"
     cfg = {"data": {"sources": [{"format": "prompt", "path": p}], "heldout_rows": 1}}
     main(["--cfg", json.dumps(cfg), "--out", str(out)])
@@ -118,8 +158,12 @@ def test_bundled_set_is_varied_and_valid():
     assert report["skipped"] == 0 and 400 <= len(rows) <= 600
     ids = [r["id"] for r in rows]
     assert len(set(ids)) == len(ids)
-    firsts = [r["conversations"][0]["content"] if r["conversations"][0]["role"] == "user"
-              else r["conversations"][1]["content"] for r in rows]
+    firsts = [
+        r["conversations"][0]["content"]
+        if r["conversations"][0]["role"] == "user"
+        else r["conversations"][1]["content"]
+        for r in rows
+    ]
     assert len(set(firsts)) == len(firsts)  # no duplicated prompts
     # ~15% multi-turn (user, assistant, user) rows, every one ending with a user turn
     assert 0.10 <= report["multi_turn"] / len(rows) <= 0.20
@@ -129,14 +173,27 @@ def test_bundled_set_is_varied_and_valid():
     lengths = sorted(len(f) for f in firsts)
     assert lengths[len(lengths) // 10] < 40 and lengths[-len(lengths) // 10] > 120
     assert lengths[-1] > 400
-    tail = Counter(json.loads(line)["category"] for line in BUNDLED_PATH.read_text().splitlines()[-40:])
+    tail = Counter(
+        json.loads(line)["category"] for line in BUNDLED_PATH.read_text().splitlines()[-40:]
+    )
     assert len(tail) >= 6
 
 
 def test_prompt_turns_and_humaneval():
-    conv = {"conversations": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
-                              {"role": "user", "content": "c"}, {"role": "assistant", "content": "d"}]}
+    conv = {
+        "conversations": [
+            {"role": "user", "content": "a"},
+            {"role": "assistant", "content": "b"},
+            {"role": "user", "content": "c"},
+            {"role": "assistant", "content": "d"},
+        ]
+    }
     assert [t["content"] for t in prompt_turns(conv)] == ["a", "b", "c"]
     he = load_humaneval(3)
     assert [r["id"] for r in he] == ["HumanEval/0", "HumanEval/1", "HumanEval/2"]
     assert "def has_close_elements" in he[0]["conversations"][0]["content"]
+
+
+def test_source_files_lists_every_input_file():
+    cfg = {"data": {"sources": [{"format": "bundled"}, {"format": "prompt", "path": "x.jsonl"}]}}
+    assert source_files(cfg) == [str(BUNDLED_PATH), "x.jsonl"]

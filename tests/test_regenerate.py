@@ -12,8 +12,11 @@ from draftsmith.regenerate import HFGenerator, MissingAnswerError, copy_answers,
 
 def _conv(cid, *turns):
     roles = {"s": "system", "u": "user", "a": "assistant"}
-    return {"id": cid, "source": "t",
-            "conversations": [{"role": roles[t[0]], "content": t[2:]} for t in turns]}
+    return {
+        "id": cid,
+        "source": "t",
+        "conversations": [{"role": roles[t[0]], "content": t[2:]} for t in turns],
+    }
 
 
 def test_regenerate_turn_by_turn_with_fake_backend():
@@ -35,10 +38,17 @@ def test_regenerate_turn_by_turn_with_fake_backend():
     multi_prompt = calls[1][0]
     assert [t["content"] for t in multi_prompt] == ["sys", "first", "R1:first", "second"]
     assert all("source answer" not in t["content"] for p in calls[1] for t in p)
-    assert out[0]["conversations"] == [{"role": "user", "content": "q1"},
-                                       {"role": "assistant", "content": "R1:q1"}]
+    assert out[0]["conversations"] == [
+        {"role": "user", "content": "q1"},
+        {"role": "assistant", "content": "R1:q1"},
+    ]
     assert [t["content"] for t in out[1]["conversations"]] == [
-        "sys", "first", "R1:first", "second", "R2:second"]
+        "sys",
+        "first",
+        "R1:first",
+        "second",
+        "R2:second",
+    ]
     assert [t["role"] for t in out[2]["conversations"]] == ["user", "assistant"] * 2
     assert [(c["id"], c["source"]) for c in out] == [("one", "t"), ("multi", "t"), ("full", "t")]
     assert convs[1]["conversations"][2]["content"] == "source answer"  # input untouched
@@ -54,11 +64,15 @@ def test_copy_answers_requires_source_answers():
 PROMPTS = [
     [{"role": "user", "content": "Hi"}],
     [{"role": "user", "content": "Explain how a binary search works and why it runs fast."}],
-    [{"role": "system", "content": "Be concise."},
-     {"role": "user", "content": "What is the capital of France?"}],
-    [{"role": "user", "content": "Write a short story about a lighthouse keeper."},
-     {"role": "assistant", "content": "Sure! Here is a short story."},
-     {"role": "user", "content": "Shorter."}],
+    [
+        {"role": "system", "content": "Be concise."},
+        {"role": "user", "content": "What is the capital of France?"},
+    ],
+    [
+        {"role": "user", "content": "Write a short story about a lighthouse keeper."},
+        {"role": "assistant", "content": "Sure! Here is a short story."},
+        {"role": "user", "content": "Shorter."},
+    ],
     [{"role": "user", "content": "1 + 1 = ?"}],
 ]
 
@@ -127,19 +141,50 @@ def test_cli_regenerates_one_range(tiny_target, tmp_path):
     write_meta(target, "path", str(tiny_target))
     src = tmp_path / "p.jsonl"
     src.write_text("".join(json.dumps({"prompt": f"Question {i}?"}) + "\n" for i in range(7)))
-    cfg = {"data": {"sources": [{"format": "prompt", "path": str(src)}], "heldout_rows": 2},
-           "regenerate": {"enabled": True, "max_new_tokens": 5, "batch_size": 2}}
+    cfg = {
+        "data": {"sources": [{"format": "prompt", "path": str(src)}], "heldout_rows": 2},
+        "regenerate": {"enabled": True, "max_new_tokens": 5, "batch_size": 2},
+    }
     out, rep = tmp_path / "rows_000002-000005.jsonl", tmp_path / "rows.report.json"
-    main(["--cfg", json.dumps(cfg), "--range", "rows_000002-000005", "--target", str(target),
-          "--out", str(out), "--report", str(rep), "--threads", "1"])
+    main(
+        [
+            "--cfg",
+            json.dumps(cfg),
+            "--range",
+            "rows_000002-000005",
+            "--target",
+            str(target),
+            "--out",
+            str(out),
+            "--report",
+            str(rep),
+            "--threads",
+            "1",
+        ]
+    )
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["conversations"][0]["content"] for r in rows] == [
-        "Question 2?", "Question 3?", "Question 4?"]
+        "Question 2?",
+        "Question 3?",
+        "Question 4?",
+    ]
     assert all(r["conversations"][-1]["role"] == "assistant" for r in rows)
     report = json.loads(rep.read_text())
     assert report["rows"] == 3 and report["prompts"] == 3 and report["tokens_per_second"] > 0
 
     cfg["regenerate"]["enabled"] = False
     with pytest.raises(SystemExit, match="no source answer"):
-        main(["--cfg", json.dumps(cfg), "--range", "rows_000002-000005", "--target",
-              str(target), "--out", str(out), "--report", str(rep)])
+        main(
+            [
+                "--cfg",
+                json.dumps(cfg),
+                "--range",
+                "rows_000002-000005",
+                "--target",
+                str(target),
+                "--out",
+                str(out),
+                "--report",
+                str(rep),
+            ]
+        )

@@ -210,3 +210,44 @@ def test_writer_memory_is_flat(tmp_path):
         out.unlink()
     small, large = growth
     assert large - small < 32 << 20, f"RSS growth {small} -> {large} bytes"
+
+
+def test_plan_estimate(tiny_target, tmp_path, capsys, monkeypatch):
+    import shutil
+    from collections import namedtuple
+
+    from safetensors.torch import save_file
+
+    from draftsmith import plan
+    from draftsmith.target import write_meta
+
+    target = shutil.copytree(tiny_target, tmp_path / "target")
+    write_meta(target, source="path", origin=str(tiny_target))
+    tokens = []
+    for name, lengths in (("rows_000000-000002", [5, 9]), ("rows_000002-000003", [12])):
+        t = sum(lengths)
+        f = tmp_path / "tokens" / f"{name}.safetensors"
+        f.parent.mkdir(exist_ok=True)
+        save_file(
+            {
+                "input_ids": torch.zeros(t, dtype=torch.long),
+                "loss_mask": torch.ones(t, dtype=torch.uint8),
+                "row_offsets": torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()]),
+            },
+            str(f),
+        )
+        tokens.append(str(f))
+    out = tmp_path / "hidden" / "plan.json"
+    cfg = json.dumps({"capture": {"aux_layer_ids": "auto", "dtype": "float16"}})
+    plan.main(["--cfg", cfg, "--target", str(target), "--out", str(out), *tokens])
+    p = json.loads(out.read_text())
+    assert p["tokens"] == 26 and p["rows"] == 3 and p["hidden_size"] == 64
+    assert p["bytes_per_token"] == 4 * 64 * 2 + 9 and p["aux_layer_ids"] == [1, 2, 2]
+    assert p["total_bytes"] == estimate_bytes(14, 2, 64, "float16") + estimate_bytes(
+        12, 1, 64, "float16"
+    )
+    assert "free in" in capsys.readouterr().out
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(plan.shutil, "disk_usage", lambda p: usage(10, 10, 100))
+    with pytest.raises(SystemExit, match="the shards still to build need .* but .* has 100 B free"):
+        plan.main(["--cfg", cfg, "--target", str(target), "--out", str(out), *tokens])

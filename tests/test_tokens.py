@@ -59,12 +59,21 @@ KIMI_K2 = (
 
 FAMILIES = {
     "chatml": (CHATML, ["<|im_start|>", "<|im_end|>"], None),
-    "llama3": (LLAMA3, ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>",
-                        "<|eot_id|>"], "<|begin_of_text|>"),
-    "deepseek_v3": (DEEPSEEK_V3, ["<｜begin▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>",
-                                  "<｜end▁of▁sentence｜>"], "<｜begin▁of▁sentence｜>"),
-    "kimi_k2": (KIMI_K2, ["<|im_system|>", "<|im_user|>", "<|im_assistant|>", "<|im_middle|>",
-                          "<|im_end|>"], None),
+    "llama3": (
+        LLAMA3,
+        ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"],
+        "<|begin_of_text|>",
+    ),
+    "deepseek_v3": (
+        DEEPSEEK_V3,
+        ["<｜begin▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>", "<｜end▁of▁sentence｜>"],
+        "<｜begin▁of▁sentence｜>",
+    ),
+    "kimi_k2": (
+        KIMI_K2,
+        ["<|im_system|>", "<|im_user|>", "<|im_assistant|>", "<|im_middle|>", "<|im_end|>"],
+        None,
+    ),
 }
 
 TWO_TURNS = [
@@ -75,6 +84,7 @@ TWO_TURNS = [
 ]
 
 # Expected (token, mask) per family for TWO_TURNS: assistant content + end-of-turn token only.
+# fmt: off
 GOLDEN = {
     "chatml": [
         ("<|im_start|>", 0), ("system", 0), ("You", 0), ("are", 0), ("SmolLM", 0),
@@ -117,6 +127,7 @@ GOLDEN = {
         ("plus", 1), ("two", 1), ("is", 1), ("four", 1), (".", 1), ("<|im_end|>", 1),
     ],
 }
+# fmt: on
 
 WORDS = (
     "system user assistant You are SmolLM Kimi Hi there Hello friend Add two Two plus is four . "
@@ -135,7 +146,9 @@ def word_tokenizer(template: str, specials: list[str], bos: str | None):
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, unk_token="[UNK]", bos_token=bos,
+        tokenizer_object=tok,
+        unk_token="[UNK]",
+        bos_token=bos,
         additional_special_tokens=[s for s in specials if s != bos],
     )
     fast.chat_template = template
@@ -194,8 +207,10 @@ def test_byte_level_bpe_chatml_masks_exact_spans():
     if cur:
         runs.append(cur)
     decoded = [tok.decode(r) for r in runs]
-    assert decoded == ["Paris is the capital of France.<|im_end|>",
-                       "Madrid, with a short answer.<|im_end|>"]
+    assert decoded == [
+        "Paris is the capital of France.<|im_end|>",
+        "Madrid, with a short answer.<|im_end|>",
+    ]
     # Nothing outside the assistant turns is masked: unmasked text still holds every header.
     unmasked = tok.decode([i for i, m in zip(ids, mask, strict=True) if not m])
     assert unmasked.count("<|im_start|>assistant\n") == 2
@@ -209,8 +224,10 @@ def test_template_without_special_end_of_turn_is_rejected():
 
 
 def _rows(n):
-    return [{"id": f"r{i}", "source": "t", "conversations": TWO_TURNS[: 2 + 2 * (i % 2)]}
-            for i in range(n)]
+    return [
+        {"id": f"r{i}", "source": "t", "conversations": TWO_TURNS[: 2 + 2 * (i % 2)]}
+        for i in range(n)
+    ]
 
 
 def test_pack_truncate_and_drop(tmp_path):

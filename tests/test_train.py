@@ -28,9 +28,18 @@ ROOT = Path(__file__).resolve().parents[1]
 REFERENCE = ROOT / "tests" / "assets" / "losses" / "tiny_cpu.json"
 H, V, K, LAYERS = 32, 96, 48, 6
 TRAIN = {
-    "role": "cpu", "ttt_steps": 3, "epochs": 3, "lr": 0.003, "warmup_ratio": 0.1,
-    "batch_tokens": 192, "max_steps": 0, "seed": 0, "checkpoint_every": 4,
-    "noise_std": 0.0, "nproc": 1,
+    "role": "cpu",
+    "ttt_steps": 3,
+    "epochs": 3,
+    "lr": 0.003,
+    "warmup_ratio": 0.1,
+    "batch_tokens": 192,
+    "max_steps": 0,
+    "seed": 0,
+    "checkpoint_every": 4,
+    "noise_std": 0.0,
+    "nproc": 1,
+    "precision": "fp32",
 }
 
 
@@ -42,28 +51,43 @@ def make_inputs(root: Path, n_shards: int = 2, rows: int = 12, seed: int = 0) ->
     mix = torch.randn(3, H, H, generator=g) / H**0.5
     target = root / "target"
     target.mkdir(parents=True)
-    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": H,
-           "intermediate_size": 2 * H, "num_attention_heads": 4, "num_key_value_heads": 2,
-           "head_dim": H // 4, "num_hidden_layers": LAYERS, "vocab_size": V,
-           "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "max_position_embeddings": 512,
-           "hidden_act": "silu", "tie_word_embeddings": True}
+    cfg = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": H,
+        "intermediate_size": 2 * H,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": H // 4,
+        "num_hidden_layers": LAYERS,
+        "vocab_size": V,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "max_position_embeddings": 512,
+        "hidden_act": "silu",
+        "tie_word_embeddings": True,
+    }
     (target / "config.json").write_text(json.dumps(cfg))
-    save_file({"model.embed_tokens.weight": embed, "model.norm.weight": norm_w},
-              str(target / "model.safetensors"))
+    save_file(
+        {"model.embed_tokens.weight": embed, "model.norm.weight": norm_w},
+        str(target / "model.safetensors"),
+    )
     # Zipf tokens; the draft vocabulary is the K most frequent (lowest) ids
     probs = 1.0 / torch.arange(1, V + 1).float()
     d2t = torch.zeros(K, dtype=torch.long)  # draft id i -> target id i
     t2d = torch.zeros(V, dtype=torch.bool)
     t2d[:K] = True
-    save_file({"d2t": d2t, "t2d": t2d, "counts": torch.ones(K, dtype=torch.long)},
-              str(root / "vocab.safetensors"))
+    save_file(
+        {"d2t": d2t, "t2d": t2d, "counts": torch.ones(K, dtype=torch.long)},
+        str(root / "vocab.safetensors"),
+    )
     shards = []
     for s in range(n_shards):
         lengths = torch.randint(10, 40, (rows,), generator=g)
         ids = torch.multinomial(probs, int(lengths.sum()), replacement=True, generator=g)
         offsets = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])
         mask = torch.zeros_like(ids, dtype=torch.uint8)
-        for a, n in zip(offsets[:-1].tolist(), lengths.tolist()):
+        for a, n in zip(offsets[:-1].tolist(), lengths.tolist(), strict=True):
             mask[a + n // 3 : a + n] = 1
         e = embed[ids]
         prev = torch.cat([e[:1], e[:-1]])
@@ -73,26 +97,51 @@ def make_inputs(root: Path, n_shards: int = 2, rows: int = 12, seed: int = 0) ->
         name = f"rows_{s * rows:06d}-{(s + 1) * rows:06d}"
         path = root / "hidden" / f"{name}.safetensors"
         path.parent.mkdir(exist_ok=True)
-        with ShardWriter(path, input_ids=ids, loss_mask=mask, row_offsets=offsets,
-                         hidden_size=H, dtype="float32",
-                         manifest={"row_range": [s * rows, (s + 1) * rows],
-                                   "aux_layer_ids": [1, 2, 2]}) as w:
+        with ShardWriter(
+            path,
+            input_ids=ids,
+            loss_mask=mask,
+            row_offsets=offsets,
+            hidden_size=H,
+            dtype="float32",
+            manifest={"row_range": [s * rows, (s + 1) * rows], "aux_layer_ids": [1, 2, 2]},
+        ) as w:
             w.write(0, torch.cat(states, -1), last)
         shards.append(path)
     return {"target": target, "vocab": root / "vocab.safetensors", "shards": shards}
 
 
 def cfg_json(**train) -> str:
-    return json.dumps({"train": {**TRAIN, **train},
-                       "draft": {"vocab_size": K, "init_from_target": True},
-                       "capture": {"aux_layer_ids": "auto"}})
+    return json.dumps(
+        {
+            "train": {**TRAIN, **train},
+            "draft": {"vocab_size": K, "init_from_target": True},
+            "capture": {"aux_layer_ids": "auto"},
+        }
+    )
 
 
 def train_args(inputs: dict, out: Path, cfg: str) -> list[str]:
-    return ["--cfg", cfg, "--shards", *map(str, inputs["shards"]), "--vocab", str(inputs["vocab"]),
-            "--target", str(inputs["target"]), "--out", str(out / "draft"),
-            "--metrics", str(out / "metrics.jsonl"), "--state", str(out / "state"),
-            "--threads", "1"]
+    return [
+        "--cfg",
+        cfg,
+        "--shards",
+        *map(str, inputs["shards"]),
+        "--vocab",
+        str(inputs["vocab"]),
+        "--target",
+        str(inputs["target"]),
+        "--out",
+        str(out / "draft"),
+        "--metrics",
+        str(out / "metrics.jsonl"),
+        "--state",
+        str(out / "state"),
+        "--threads",
+        "1",
+        "--device",
+        "cpu",
+    ]
 
 
 def read_metrics(path: Path) -> list[dict]:
@@ -140,21 +189,30 @@ def test_mask_shift_trains_first_assistant_token():
 
 
 def test_baseline_learns_and_exports(baseline, tmp_path):
-    from draftsmith.export import check_export
 
     assert len(baseline) == baseline[-1]["step"]
     first, last = baseline[0], baseline[-1]
     assert last["loss"] < 0.8 * first["loss"]
     assert last["acc_per_pos"][0] > first["acc_per_pos"][0]
     for rec in baseline:
-        assert set(rec) >= {"step", "epoch", "loss", "loss_per_pos", "acc_per_pos", "lr",
-                            "grad_norm", "tokens", "tokens_per_s", "peak_rss_mb"}
+        assert set(rec) >= {
+            "step",
+            "epoch",
+            "loss",
+            "loss_per_pos",
+            "acc_per_pos",
+            "lr",
+            "grad_norm",
+            "tokens",
+            "tokens_per_s",
+            "peak_rss_mb",
+        }
         assert len(rec["loss_per_pos"]) == TRAIN["ttt_steps"]
 
 
 def test_kill_and_resume_equals_uninterrupted(inputs, tmp_path):
     """SIGKILL a training process after its first checkpoint; the rerun's curve is identical."""
-    cfg = cfg_json(epochs=40, noise_std=0.05)  # long enough to be killed mid-run
+    cfg = cfg_json(epochs=16, noise_std=0.05)  # long enough to be killed mid-run
     baseline = run_train(inputs, tmp_path / "uninterrupted", cfg)
     out = tmp_path / "killed"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
@@ -184,26 +242,37 @@ def test_kill_and_resume_equals_uninterrupted(inputs, tmp_path):
 def test_two_process_gloo_matches_single(inputs, baseline, tmp_path):
     out = tmp_path / "ddp"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "-m", "draftsmith.train", *train_args(inputs, out, cfg_json(nproc=2))]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "-m",
+        "draftsmith.train",
+        *train_args(inputs, out, cfg_json(nproc=2)),
+    ]
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     ddp = read_metrics(out / "metrics.jsonl")
     assert [r["step"] for r in ddp] == [r["step"] for r in baseline]
     assert [r["tokens"] for r in ddp] == [r["tokens"] for r in baseline]
-    for a, b in zip(ddp, baseline):
+    for a, b in zip(ddp, baseline, strict=True):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-4, abs=1e-5)
         assert a["loss_per_pos"] == pytest.approx(b["loss_per_pos"], rel=1e-4, abs=1e-5)
 
 
 def test_reference_curve(baseline):
     """The seeded tiny run's first losses and accuracies are pinned (tests/assets/losses)."""
-    got = {"loss": [r["loss"] for r in baseline[:10]],
-           "acc_per_pos": [r["acc_per_pos"] for r in baseline[:10]]}
+    got = {
+        "loss": [r["loss"] for r in baseline[:10]],
+        "acc_per_pos": [r["acc_per_pos"] for r in baseline[:10]],
+    }
     if os.environ.get("DRAFTSMITH_UPDATE_REFERENCE"):
         REFERENCE.parent.mkdir(parents=True, exist_ok=True)
         REFERENCE.write_text(json.dumps({"config": json.loads(cfg_json()), **got}, indent=1) + "\n")
     ref = json.loads(REFERENCE.read_text())
     assert got["loss"] == pytest.approx(ref["loss"], rel=1e-4)
-    for a, b in zip(got["acc_per_pos"], ref["acc_per_pos"]):
+    for a, b in zip(got["acc_per_pos"], ref["acc_per_pos"], strict=True):
         assert a == pytest.approx(b, abs=1e-6)

@@ -92,8 +92,18 @@ def test_cli_end_to_end_and_load(tmp_path):
         mask = (torch.rand(200, generator=gen) < 0.5).to(torch.uint8).tolist()
         files.append(str(_tokens_file(tmp_path / f"rows_{i}.safetensors", ids, mask)))
     out = tmp_path / "vocab" / "vocab.safetensors"
-    main(["--cfg", '{"draft": {"vocab_size": 16}}', "--target", str(tmp_path / "target"),
-          "--out", str(out), "--tokens", *files])
+    main(
+        [
+            "--cfg",
+            '{"draft": {"vocab_size": 16}}',
+            "--target",
+            str(tmp_path / "target"),
+            "--out",
+            str(out),
+            "--tokens",
+            *files,
+        ]
+    )
     d2t, t2d = load_vocab(out)
     assert d2t.shape == (16,) and t2d.shape == (50,)
     target_ids = d2t + torch.arange(16)
@@ -105,8 +115,15 @@ def test_cli_end_to_end_and_load(tmp_path):
 
 def test_stale_tokens_file_is_refused(tmp_path):
     tok = _tokens_file(tmp_path / "rows_000000-000002.safetensors", [1, 2], [1, 1])
-    write_tokens(tok, {"input_ids": torch.tensor([1, 2]), "loss_mask": torch.tensor(
-        [1, 1], dtype=torch.uint8), "row_offsets": torch.tensor([0, 1, 2])}, {"rows": 2})
+    write_tokens(
+        tok,
+        {
+            "input_ids": torch.tensor([1, 2]),
+            "loss_mask": torch.tensor([1, 1], dtype=torch.uint8),
+            "row_offsets": torch.tensor([0, 1, 2]),
+        },
+        {"rows": 2},
+    )
     rows = tmp_path / "rows_000000-000002.jsonl"
     rows.write_text("{}\n{}\n")
     check_row_counts([rows], [tok])

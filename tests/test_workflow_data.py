@@ -21,6 +21,7 @@ def stale(workdir: Path, *targets: str) -> dict[str, int]:
     return jobs
 
 
+@pytest.mark.slow
 def test_data_stage_builds_and_rebuilds_only_what_is_stale(tmp_path: Path, tiny_target: Path):
     write_config(tmp_path, tiny_config(tiny_target))  # 40 bundled rows, 8 held out, 16 per range
     snakemake(tmp_path, "--cores", "2", "data")
@@ -59,18 +60,15 @@ def test_data_stage_builds_and_rebuilds_only_what_is_stale(tmp_path: Path, tiny_
     assert stale(tmp_path, "data") == {}
 
     # Config changes re-run exactly the jobs that read the changed keys.
-    assert planned_jobs(tmp_path, VOCAB, args=("--config", "draft={vocab_size: 32}")) == {
-        "vocab": 1
-    }
-    retok = planned_jobs(
-        tmp_path, VOCAB, args=("--config", "data={max_length: 64, sources: [{format: bundled,"
-                               " max_rows: 40}], heldout_rows: 8, rows_per_shard: 16}")
-    )
-    assert retok == {"tokenize": 2, "vocab": 1}
-    regen = planned_jobs(
-        tmp_path, VOCAB, args=("--config", "regenerate={max_new_tokens: 4, batch_size: 8}")
-    )
-    assert regen == {"regenerate": 2, "tokenize": 2, "vocab": 1}
+    for section, change, expected in [
+        ("draft", {"vocab_size": 32}, {"vocab": 1}),
+        ("data", {"max_length": 64}, {"tokenize": 2, "vocab": 1}),
+        ("regenerate", {"max_new_tokens": 4}, {"regenerate": 2, "tokenize": 2, "vocab": 1}),
+    ]:
+        write_config(tmp_path, tiny_config(tiny_target, **{section: change}))
+        assert stale(tmp_path, "data") == expected, section
+    write_config(tmp_path, tiny_config(tiny_target))
+    assert stale(tmp_path, "data") == {}
 
 
 def test_missing_answers_with_regeneration_off_fail_naming_the_row(
@@ -88,12 +86,27 @@ def test_bad_rows_are_reported_and_the_ranges_follow_the_valid_count(
     tmp_path: Path, tiny_target: Path
 ):
     src = tmp_path / "mine.jsonl"
-    good = [json.dumps({"id": f"g{i}", "conversations": [
-        {"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"a{i}"}]})
-        for i in range(21)]
+    good = [
+        json.dumps(
+            {
+                "id": f"g{i}",
+                "conversations": [
+                    {"role": "user", "content": f"q{i}"},
+                    {"role": "assistant", "content": f"a{i}"},
+                ],
+            }
+        )
+        for i in range(21)
+    ]
     src.write_text("\n".join([*good[:5], "{broken", *good[5:], '{"conversations": []}']) + "\n")
-    cfg = tiny_config(tiny_target, data={"sources": [{"format": "specforge", "path": str(src)}],
-                                         "heldout_rows": 5, "rows_per_shard": 8})
+    cfg = tiny_config(
+        tiny_target,
+        data={
+            "sources": [{"format": "specforge", "path": str(src)}],
+            "heldout_rows": 5,
+            "rows_per_shard": 8,
+        },
+    )
     write_config(tmp_path, cfg)
     jobs = planned_jobs(tmp_path, VOCAB)
     assert jobs["regenerate"] == 2  # 21 valid rows - 5 held out = 16 = 2 ranges of 8
