@@ -307,64 +307,71 @@ class KVCache:
 class TTTCache:
     """Training-time-test attention over an unrolled chain of draft steps (packed rows).
 
-    Tokens are in a compact layout: the model is called with [1, N, ...] tensors holding the
-    flat positions `index` (b * T + t, ascending) chosen with `select`; step 0 must hold every
-    position of the [B, T] batch, later steps any subset of the previous step's positions
-    (those that still have a loss to train: the rest is skipped, not masked).
+    The model is called with [1, N, ...] tensors holding the flat positions `index`
+    (b * T + t, ascending) chosen with `select`: step 0 holds every position of the [B, T]
+    batch, later steps any subset of the previous step's positions (those that still have a
+    loss to train; the others are skipped, so the projections and the MLP run only where they
+    matter). Attention itself is batched over the whole [B, T] layout: queries and keys are
+    scattered into it once per step (zeros elsewhere, never seen by a selected query) and the
+    outputs gathered back, so there is no per-row loop and no per-step gather of old keys.
 
     A query of step j at position t sees the step-0 keys `step0_visible[b, t]` allows
-    (block-causal over the packed rows) and its own keys of steps 1..j (the diagonal):
-    [T] scores against step 0 concatenated with j diagonal scores, one softmax over both.
-    `ttt_visibility` is the same rule as an explicit mask.
+    (block-causal over the packed rows, kept as an additive 0/-inf mask made once) and its own
+    keys of steps 1..j (the diagonal): [T] scores against step 0 concatenated with j diagonal
+    scores `(q * k_s).sum(-1)`, one softmax over both, output `p0 @ v0 + sum_s p_s * v_s`.
+    `ttt_visibility` is the same rule as an explicit mask. Grouped-query heads are views
+    ([B, nkv, g, T, d]: query head h uses kv head h // g); K and V are never repeated.
     """
 
     def __init__(self, step0_visible: torch.Tensor):
-        self.visible = step0_visible
         self.batch, self.length = step0_visible.shape[:2]
-        self.index = torch.arange(self.batch * self.length, device=step0_visible.device)
+        bias = torch.zeros(step0_visible.shape, device=step0_visible.device)
+        self.bias = bias.masked_fill_(~step0_visible, float("-inf"))[:, None, None]
+        self.index: torch.Tensor | None = None  # None: every position, in order
         self.k0 = self.v0 = None  # [B, nkv, T, d]
-        self.diag: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # slot, k, v
+        self.diag: list[tuple[torch.Tensor, torch.Tensor]] = []  # steps 1..j: [B, nkv, 1, T, d]
 
     def select(self, index: torch.Tensor) -> None:
         """Flat positions (ascending) of the next step's queries."""
         self.index = index
 
+    def _batched(self, x: torch.Tensor) -> torch.Tensor:
+        """[1, heads, N, d] at `index` -> [B, heads, T, d] (zeros at unselected positions)."""
+        x = x[0].transpose(0, 1)  # [N, heads, d]
+        if self.index is not None:
+            full = x.new_zeros(self.batch * self.length, *x.shape[1:])
+            x = full.index_copy(0, self.index, x)
+        return x.view(self.batch, self.length, *x.shape[1:]).transpose(1, 2)
+
     def attend(self, q, k, v):
         """q [1, nh, N, d], k/v [1, nkv, N, d] at `self.index` -> [1, nh, N, d]."""
-        bsz, t = self.batch, self.length
-        idx = self.index
-        qn, kn, vn = (x[0].transpose(0, 1) for x in (q, k, v))  # [N, heads, d]
-        n, nh, d = qn.shape
-        nkv = kn.shape[1]
+        if self.k0 is None and q.shape[2] != self.batch * self.length:
+            raise ValueError(
+                f"TTT step 0 needs all {self.batch * self.length} positions, got {q.shape[2]}"
+            )
+        q, k, v = self._batched(q), self._batched(k), self._batched(v)
+        bsz, nh, t, d = q.shape
+        nkv = k.shape[1]
         g = nh // nkv
         if self.k0 is None:
-            if n != bsz * t:
-                raise ValueError(f"TTT step 0 needs all {bsz * t} positions, got {n}")
-            self.k0 = kn.reshape(bsz, t, nkv, d).transpose(1, 2)
-            self.v0 = vn.reshape(bsz, t, nkv, d).transpose(1, 2)
+            self.k0, self.v0 = k, v
         else:
-            slot = torch.full((bsz * t,), -1, dtype=torch.long, device=idx.device)
-            slot[idx] = torch.arange(n, device=idx.device)
-            self.diag.append((slot, kn, vn))
-        scale = d**-0.5
-        sizes = torch.bincount(idx // t, minlength=bsz).tolist()
-        outs = []
-        for b, (q_b, idx_b) in enumerate(zip(qn.split(sizes), idx.split(sizes), strict=True)):
-            m = q_b.shape[0]
-            if m == 0:
-                continue
-            qg = q_b.view(m, nkv, g, d).permute(1, 2, 0, 3)  # [nkv, g, m, d]
-            s0 = (qg.reshape(nkv, g * m, d) @ self.k0[b].transpose(-1, -2)).view(nkv, g, m, t)
-            s0 = s0.masked_fill(~self.visible[b, idx_b % t][None, None], float("-inf"))
-            dk = [sk[slot[idx_b]] for slot, sk, _ in self.diag]  # [m, nkv, d] each
-            dv = [sv[slot[idx_b]] for slot, _, sv in self.diag]
-            sd = [(qg * kk.permute(1, 0, 2)[:, None]).sum(-1, keepdim=True) for kk in dk]
-            p = torch.softmax(torch.cat([s0, *sd], dim=-1).float() * scale, dim=-1).to(q.dtype)
-            o = (p[..., :t].reshape(nkv, g * m, t) @ self.v0[b]).view(nkv, g, m, d)
-            for s, vv in enumerate(dv):
-                o = o + p[..., t + s, None] * vv.permute(1, 0, 2)[:, None]
-            outs.append(o.permute(2, 0, 1, 3).reshape(m, nh, d))
-        return torch.cat(outs).transpose(0, 1)[None]
+            self.diag.append((k[:, :, None], v[:, :, None]))
+        qg = q.reshape(bsz, nkv, g * t, d)
+        s0 = (qg @ self.k0.transpose(-1, -2)).view(bsz, nkv, g, t, t)
+        qg = qg.view(bsz, nkv, g, t, d)
+        sd = [(qg * dk).sum(-1, keepdim=True) for dk, _ in self.diag]  # [B, nkv, g, T, 1]
+        scores = torch.cat([s0, *sd], dim=-1).float() * d**-0.5
+        scores[..., :t] += self.bias
+        p = torch.softmax(scores, dim=-1).to(q.dtype)
+        o = (p[..., :t].reshape(bsz, nkv, g * t, t) @ self.v0).view(bsz, nkv, g, t, d)
+        for s, (_, dv) in enumerate(self.diag):
+            o = o + p[..., t + s, None] * dv
+        o = o.view(bsz, nh, t, d)
+        if self.index is None:
+            return o.transpose(1, 2).reshape(1, bsz * t, nh, d).transpose(1, 2)
+        out = o[self.index // t, :, self.index % t]  # [N, nh, d]
+        return out.transpose(0, 1)[None]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -156,6 +156,10 @@ class TTTObjective(nn.Module):
         cache = TTTCache(block_causal_mask(seg))
         hidden = self.draft.project(aux).reshape(1, n_batch * length, -1)
         zero = hidden.sum() * 0  # keeps every step's output in the graph when nothing is kept
+        embeds = embeds.reshape(n_batch * (length + self.steps + 1), -1)
+        pos = pos.reshape(-1)
+        teacher = teacher.reshape(n_batch * length, -1)
+        target_p, target_top = teacher.exp(), teacher.argmax(-1)  # once for all steps
         ce, correct = [], []
         for j in range(self.steps):
             if j > 0:
@@ -166,13 +170,14 @@ class TTTObjective(nn.Module):
                 ce.append(zero)
                 correct.append(zero.detach())
                 continue
-            b, t = idx // length, idx % length
-            out = self.draft.step(embeds[b, t + j + 1][None], hidden, (pos[b, t] + j)[None], cache)
+            b = idx // length
+            at = idx + b * (self.steps + 1) + j + 1  # row of embeds: token t + j + 1
+            out = self.draft.step(embeds[at][None], hidden, (pos[idx] + j)[None], cache)
             kept = flat[j][idx]
             logq = F.log_softmax(self.draft.logits(out[0, kept]).float(), dim=-1)
-            logp = teacher[b[kept], t[kept] + j + 1]
-            ce.append(-(logp.exp() * logq).sum())
-            correct.append((logq.argmax(-1) == logp.argmax(-1)).sum().float())
+            src = idx[kept] + j + 1  # the teacher at t + j + 1 (same row, so same pack)
+            ce.append(-(target_p[src] * logq).sum())
+            correct.append((logq.argmax(-1) == target_top[src]).sum().float())
             hidden = out
         return torch.stack(ce), torch.stack(correct)
 
