@@ -164,6 +164,8 @@ def run_set(model, tokenizer, draft, rows, bench: dict, aux_ids: list[int]) -> d
         spec_tokens_per_s=spec_tps,
         baseline_tokens_per_s=base_tps,
         speedup=spec_tps / base_tps,
+        # one speculative pass (chain + verify), in greedy steps: speedup = tau_sglang / this
+        pass_cost=(seconds["spec"] / out["verify_passes"]) * base_tps,
         identical_outputs=identical,
         differing_outputs=first_diff,
         mean_prompt_tokens=sum(t.prompt_len for t in traces) / len(traces),
@@ -260,6 +262,7 @@ TABLE_HEAD = (
     "tok/s spec",
     "tok/s greedy",
     "speedup",
+    "pass cost (greedy steps)",
     "identical to greedy",
 )
 
@@ -276,6 +279,7 @@ def table_rows(report: dict) -> list[list[str]]:
             f"{r['spec_tokens_per_s']:.1f}",
             f"{r['baseline_tokens_per_s']:.1f}",
             f"{r['speedup']:.2f}x",
+            f"{r['pass_cost']:.2f}",
             f"{r['identical_outputs']}/{r['prompts']}",
         ]
         for name, r in report["sets"].items()
@@ -294,7 +298,9 @@ def text_blocks(report: dict) -> dict[str, str]:
             "tau = tokens emitted by verification passes / verification passes (the prefill's "
             "token excluded; the SGLang count includes it). Speedup = tokens/s with speculation "
             "/ tokens/s of plain greedy decoding with KV cache, both measured in this run, "
-            "warm-up excluded."
+            "warm-up excluded. Pass cost = wall time of one speculative pass (draft chain and "
+            "verification, prefill amortised) in greedy decoding steps: speedup = tau (SGLang "
+            "count) / pass cost exactly."
         ),
         "hist": "; ".join(f"{n}: {r['accept_len_hist']}" for n, r in report["sets"].items()),
         "training": (

@@ -102,13 +102,13 @@ def set_threads(n: int | None) -> None:
 
 def versions() -> dict:
     """Provenance for reports and manifests."""
+    from importlib.metadata import PackageNotFoundError, version
+
     out = {"python": platform.python_version(), "executable": sys.executable}
     for name in ("torch", "transformers", "safetensors", "snakemake", "sglang"):
         try:
-            from importlib.metadata import version
-
             out[name] = version(name)
-        except Exception:  # noqa: BLE001 - absent packages are simply not recorded
+        except PackageNotFoundError:  # absent packages are simply not recorded
             continue
     from draftsmith import __version__
 

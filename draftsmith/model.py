@@ -329,7 +329,7 @@ class TTTCache:
         self.bias = bias.masked_fill_(~step0_visible, float("-inf"))[:, None, None]
         self.index: torch.Tensor | None = None  # None: every position, in order
         self.k0 = self.v0 = None  # [B, nkv, T, d]
-        self.diag: list[tuple[torch.Tensor, torch.Tensor]] = []  # steps 1..j: [B, nkv, 1, T, d]
+        self.dk = self.dv = None  # steps 1..j: [B, nkv, 1, T, j, d]
 
     def select(self, index: torch.Tensor) -> None:
         """Flat positions (ascending) of the next step's queries."""
@@ -355,18 +355,21 @@ class TTTCache:
         g = nh // nkv
         if self.k0 is None:
             self.k0, self.v0 = k, v
-        else:
-            self.diag.append((k[:, :, None], v[:, :, None]))
-        qg = q.reshape(bsz, nkv, g * t, d)
+        else:  # the diagonal keys of steps 1..j, stacked: [B, nkv, 1, T, j, d]
+            k, v = k[:, :, None, :, None], v[:, :, None, :, None]
+            self.dk = k if self.dk is None else torch.cat([self.dk, k], dim=-2)
+            self.dv = v if self.dv is None else torch.cat([self.dv, v], dim=-2)
+        qg = (q * d**-0.5).reshape(bsz, nkv, g * t, d)  # scaled once, before the scores
         s0 = (qg @ self.k0.transpose(-1, -2)).view(bsz, nkv, g, t, t)
-        qg = qg.view(bsz, nkv, g, t, d)
-        sd = [(qg * dk).sum(-1, keepdim=True) for dk, _ in self.diag]  # [B, nkv, g, T, 1]
-        scores = torch.cat([s0, *sd], dim=-1).float() * d**-0.5
+        if self.dk is not None:
+            sd = (qg.view(bsz, nkv, g, t, 1, d) * self.dk).sum(-1)  # [B, nkv, g, T, j]
+            s0 = torch.cat([s0, sd], dim=-1)
+        scores = s0.float()
         scores[..., :t] += self.bias
         p = torch.softmax(scores, dim=-1).to(q.dtype)
         o = (p[..., :t].reshape(bsz, nkv, g * t, t) @ self.v0).view(bsz, nkv, g, t, d)
-        for s, (_, dv) in enumerate(self.diag):
-            o = o + p[..., t + s, None] * dv
+        if self.dv is not None:
+            o = o + (p[..., t:, None] * self.dv).sum(-2)
         o = o.view(bsz, nh, t, d)
         if self.index is None:
             return o.transpose(1, 2).reshape(1, bsz * t, nh, d).transpose(1, 2)

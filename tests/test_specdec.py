@@ -272,6 +272,7 @@ def test_bench_cli_report(target, tiny_target, tmp_path, monkeypatch):
     assert held["prompts"] == 3 and report["set_ids"]["heldout"] == ["r5", "r6", "r7"]
     assert held["identical_outputs"] == 3  # lossless on the real CLI path as well
     assert held["tau"] > 1.05 and held["speedup"] > 0
+    assert held["speedup"] == pytest.approx(held["tau_sglang"] / held["pass_cost"])
     assert sum(held["accept_len_hist"]) == held["verify_passes"]
     assert report["training"]["steps"] == 20
     assert report["env_stamp"] == {"role": "cpu", "ok": True}
