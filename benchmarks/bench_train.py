@@ -148,6 +148,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=12000, help="tokens of random shard data")
     args = ap.parse_args()
     set_threads(args.threads)
+    load_start = os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         inputs = make_inputs(root, args.tokens)
@@ -174,7 +175,9 @@ def main() -> None:
     report = {
         "bench": "train",
         "threads": args.threads,
+        "load_average_at_start": load_start,
         "load_average_at_end": os.getloadavg()[0],
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "unset (libgomp default: spin)"),
         "device": "cpu",
         "shapes": {
             "hidden": H,
@@ -196,8 +199,9 @@ def main() -> None:
         "",
         f"threads: {args.threads}; teacher argmax pass: "
         f"{report['teacher_argmax_tokens_per_s']:.0f} needed tokens/s; "
-        f"1-min load average at the end: {report['load_average_at_end']:.1f} "
-        "(other jobs on the same cores slow every row alike)",
+        f"1-min load average at start/end: {load_start:.1f}/{report['load_average_at_end']:.1f} "
+        "(other jobs on the same cores slow every row alike); "
+        f"OMP_WAIT_POLICY: {report['omp_wait_policy']}",
         "",
         "baseline: ttt_steps 7, fp32 (the CPU default); batch_tokens 2048",
         "",

@@ -190,10 +190,12 @@ class Rotary(nn.Module):
 
     def forward(self, q, k, position_ids):
         """q [B,nh,T,d], k [B,nkv,T,d], position_ids [B,T] -> rotated q, k."""
-        t = position_ids.float() * self.position_scale
+        t = position_ids.float()
+        if self.position_scale != 1.0:
+            t = t * self.position_scale
         freqs = t[..., None] * self.inv_freq  # [B,T,d/2]
-        cos = torch.cat([freqs.cos(), freqs.cos()], -1)[:, None].to(q.dtype)
-        sin = torch.cat([freqs.sin(), freqs.sin()], -1)[:, None].to(q.dtype)
+        angles = torch.cat([freqs, freqs], -1)[:, None]
+        cos, sin = angles.cos().to(q.dtype), angles.sin().to(q.dtype)
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 
