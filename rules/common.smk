@@ -67,7 +67,10 @@ def stamp(stage):
 
 def python_cmd(stage):
     """Command prefix that runs the stage's role interpreter on this workflow's package."""
-    return f"env PYTHONPATH={workflow.basedir} {role_python(role_of(stage))}"
+    # PASSIVE: idle OpenMP threads sleep instead of spinning, which costs 3x on shared cores
+    # (benchmarks/results/train.md).
+    env = f"PYTHONPATH={workflow.basedir} OMP_WAIT_POLICY=PASSIVE"
+    return f"env {env} {role_python(role_of(stage))}"
 
 
 def role_env(stage):
