@@ -249,8 +249,8 @@ def training_summary(records: list[dict]) -> dict:
     }
 
 
-def _fmt_list(values: list[float]) -> str:
-    return " / ".join(f"{v:.2f}" for v in values)
+def _fmt_list(values: list[float | None]) -> str:
+    return " / ".join("n/a" if v is None else f"{v:.2f}" for v in values)
 
 
 TABLE_HEAD = (
@@ -382,7 +382,8 @@ def plot_acceptance(sets: dict[str, dict], path: Path) -> None:
         xs = [
             j + 1 + (s - (len(sets) - 1) / 2) * width for j in range(len(r["accept_rate_by_pos"]))
         ]
-        ax.bar(xs, r["accept_rate_by_pos"], width=width, label=f"{name} (tau {r['tau']:.2f})")
+        rates = [0.0 if v is None else v for v in r["accept_rate_by_pos"]]  # unreached: no bar
+        ax.bar(xs, rates, width=width, label=f"{name} (tau {r['tau']:.2f})")
         ax.plot(xs, r["reach_rate_by_pos"], "k.", markersize=6)
     ax.set_xlabel("draft position")
     ax.set_ylabel("P(accepted | previous accepted); dots: P(reached)")

@@ -83,7 +83,8 @@ def summarize(traces: list[Trace]) -> dict:
     emitted = sum(sum(t.emitted) for t in traces)
     generated = sum(len(t.tokens) for t in traces)
     reached = [sum(hist[j:]) for j in range(k + 1)]  # reached[j] = passes with length >= j
-    rate = [reached[j + 1] / reached[j] if reached[j] else 0.0 for j in range(k)]
+    # None where no pass reached the position: an unmeasured rate is not a zero rate
+    rate = [reached[j + 1] / reached[j] if reached[j] else None for j in range(k)]
     reach = [reached[j + 1] / passes if passes else 0.0 for j in range(k)]
     return {
         "prompts": len(traces),
@@ -93,6 +94,7 @@ def summarize(traces: list[Trace]) -> dict:
         "tau_sglang": generated / passes if passes else float("nan"),
         "mean_accepted": sum(a * n for a, n in enumerate(hist)) / passes if passes else 0.0,
         "accept_rate_by_pos": rate,
+        "reached_by_pos": reached[:k],
         "reach_rate_by_pos": reach,
         "accept_len_hist": hist,
     }

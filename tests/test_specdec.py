@@ -156,6 +156,11 @@ def test_tau_arithmetic_hand_made_trace():
     # reached position 1: 4 passes of 5; position 2: 3 of 4; position 3: 2 of 3
     assert s["accept_rate_by_pos"] == pytest.approx([4 / 5, 3 / 4, 2 / 3])
     assert s["reach_rate_by_pos"] == pytest.approx([4 / 5, 3 / 5, 2 / 5])
+    assert s["reached_by_pos"] == [5, 4, 3]
+    # a position no pass reached has no rate (None), not a rate of zero
+    never = summarize([Trace(num_steps=3, prompt_len=1, tokens=[1, 2], accepted=[0], emitted=[1])])
+    assert never["accept_rate_by_pos"] == [0.0, None, None]
+    assert never["reached_by_pos"] == [1, 0, 0]
     assert s["mean_accepted"] == pytest.approx((3 + 0 + 1 + 2 + 3) / 5)
     with pytest.raises(ValueError, match="num_steps"):
         summarize([t1, Trace(num_steps=2, prompt_len=1, accepted=[1], emitted=[2])])
