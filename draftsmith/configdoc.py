@@ -1,6 +1,6 @@
 """Render docs/config.md from schemas/config.schema.yaml (a test keeps the two in step).
 
-    python -m draftsmith.configdoc > docs/config.md
+python -m draftsmith.configdoc > docs/config.md
 """
 
 from __future__ import annotations
