@@ -169,7 +169,7 @@ def _check_sample(path, input_ids, loss_mask, states: list[torch.Tensor]) -> tup
 
 
 def from_speculators(src: Path, target: Path, out: Path, ids_arg, dtype) -> dict:
-    from draftsmith.target import fingerprint, target_config
+    from draftsmith.target import target_config
 
     a, b = parse_range(out.stem)
     n_layers = int(target_config(target)["num_hidden_layers"])
@@ -205,21 +205,37 @@ def from_speculators(src: Path, target: Path, out: Path, ids_arg, dtype) -> dict
         files,
         read,
         dtype,
-        {
-            "row_range": [a, b],
-            "aux_layer_ids": ids,
-            "target_fingerprint": fingerprint(target),
-            "target_layers": n_layers,
-            "backend": "convert",
-            "converted_from": {
-                "format": "speculators-v1",
-                "source": str(src),
-                "aux_layer_ids_from": how,
-                "final_norm": "applied: the source stores the final state pre-norm",
-            },
-            "versions": versions(),
-        },
+        _converted_manifest(
+            (a, b),
+            ids,
+            target,
+            n_layers,
+            src,
+            how,
+            "speculators-v1",
+            "applied: the source stores the final state pre-norm",
+        ),
     )
+
+
+def _converted_manifest(rows, ids, target, n_layers, src, how, fmt, norm) -> dict:
+    """Manifest fields of a shard converted from a legacy format, recording what was assumed."""
+    from draftsmith.target import fingerprint
+
+    return {
+        "row_range": list(rows),
+        "aux_layer_ids": ids,
+        "target_fingerprint": fingerprint(target),
+        "target_layers": n_layers,
+        "backend": "convert",
+        "converted_from": {
+            "format": fmt,
+            "source": str(src),
+            "aux_layer_ids_from": how,
+            "final_norm": norm,
+        },
+        "versions": versions(),
+    }
 
 
 def specforge_path(src: Path, i: int, group: int) -> Path:
@@ -228,7 +244,7 @@ def specforge_path(src: Path, i: int, group: int) -> Path:
 
 
 def from_specforge(src: Path, target: Path, out: Path, ids_arg, dtype, group: int) -> dict:
-    from draftsmith.target import fingerprint, target_config
+    from draftsmith.target import target_config
 
     a, b = parse_range(out.stem)
     n_layers = int(target_config(target)["num_hidden_layers"])
@@ -266,20 +282,16 @@ def from_specforge(src: Path, target: Path, out: Path, ids_arg, dtype, group: in
         files,
         read,
         dtype,
-        {
-            "row_range": [a, b],
-            "aux_layer_ids": ids,
-            "target_fingerprint": fingerprint(target),
-            "target_layers": n_layers,
-            "backend": "convert",
-            "converted_from": {
-                "format": "specforge",
-                "source": str(src),
-                "aux_layer_ids_from": how,
-                "final_norm": "none: the source stores the final state post-norm",
-            },
-            "versions": versions(),
-        },
+        _converted_manifest(
+            (a, b),
+            ids,
+            target,
+            n_layers,
+            src,
+            how,
+            "specforge",
+            "none: the source stores the final state post-norm",
+        ),
     )
 
 
