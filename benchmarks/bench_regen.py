@@ -37,8 +37,8 @@ def main() -> None:
     import torch
 
     from draftsmith.common import atomic_write_json, atomic_write_text, versions
+    from draftsmith.engines.hf import HFGenerator
     from draftsmith.prompts import load_sources
-    from draftsmith.regenerate import HFGenerator
     from draftsmith.target import load_target
 
     torch.set_num_threads(args.threads)

@@ -31,20 +31,20 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from draftsmith.capture import (  # noqa: E402
+from draftsmith.capture import plan_batches  # noqa: E402
+from draftsmith.convert import specforge_path, to_specforge, to_speculators  # noqa: E402
+from draftsmith.engines.hf import (  # noqa: E402
     capture_shard,
     decoder_parts,
     forward_states,
     pad_rows,
-    plan_batches,
 )
-from draftsmith.convert import specforge_path, to_specforge, to_speculators  # noqa: E402
 from draftsmith.shards import ShardWriter, open_shard  # noqa: E402
 
 CAPTURE_RSS = """
 import sys, torch
 sys.path.insert(0, {root!r})
-from draftsmith.capture import capture_shard
+from draftsmith.engines.hf import capture_shard
 from draftsmith.target import load_target
 torch.set_num_threads({threads})
 model, _ = load_target({target!r})

@@ -1,10 +1,12 @@
 """The benchmark: speculative decoding with the trained draft on every benchmark set, the report.
 
-For each set (held-out rows of the data sources, HumanEval, user JSONL files) every prompt is
-generated twice in the same process: chain speculative decoding (`draftsmith.specdec`) and plain
-greedy decoding of the target with a KV cache. Both are timed (a warm-up prompt before the clock
-starts is excluded), so the speedup is a ratio measured in one run on one machine. The outputs of
-the two are compared token for token (greedy verification is lossless).
+For each set (held-out rows of the data sources, HumanEval, user JSONL files) the engine named by
+`bench.backend` (`draftsmith.engines`) generates every prompt twice: with speculative decoding
+by the draft and with plain greedy decoding of the target. `hf` runs both in this process
+(`draftsmith.specdec`); `sglang` serves the target once without and once with EAGLE-3 and reads
+SGLang's own counters. Both sides are timed with the warm-up excluded, so the speedup is a ratio
+measured in one run on one machine, and their outputs are compared token for token (greedy
+verification is lossless). This module loads the sets, gates, and writes the report and plots.
 
 The sanity gate: a set whose tau is under `bench.tau_floor`, or exactly 1.0, fails the rule with
 the list of likely causes. Nothing is written then: a broken draft never yields a report that
@@ -26,7 +28,6 @@ import argparse
 import json
 import logging
 import math
-import time
 from pathlib import Path
 
 from draftsmith.common import (
@@ -35,7 +36,6 @@ from draftsmith.common import (
     atomic_write_text,
     init_logging,
     parse_cfg,
-    set_threads,
     sha256_file,
     versions,
 )
@@ -102,96 +102,6 @@ def load_sets(cfg: dict) -> dict[str, list[dict]]:
 
 
 # ---------------------------------------------------------------- running
-
-
-def _sync(device) -> None:
-    import torch
-
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def run_set(model, tokenizer, draft, rows, bench: dict, aux_ids: list[int]) -> dict:
-    """Speculative and baseline generation of every row; acceptance and timing figures."""
-    from tqdm import tqdm
-
-    from draftsmith.prompts import prompt_turns
-    from draftsmith.specdec import (
-        greedy_generate,
-        prompt_ids,
-        speculative_generate,
-        stop_ids,
-        summarize,
-    )
-
-    stops = stop_ids(model, tokenizer)
-    k, max_new = bench["num_steps"], bench["max_new_tokens"]
-    traces, seconds, base_tokens, identical, first_diff = [], {"spec": 0.0, "base": 0.0}, 0, 0, []
-    for i, row in enumerate(tqdm(rows, desc="prompts", unit="prompt")):
-        ids = prompt_ids(tokenizer, prompt_turns(row))
-        runs = {
-            "spec": lambda ids=ids: speculative_generate(
-                model, draft, ids, max_new, stops, k, aux_ids
-            ),
-            "base": lambda ids=ids: greedy_generate(model, ids, max_new, stops),
-        }
-        results = {}
-        # alternate the order so drift (thermal, caches) does not favour one side
-        for name in ("spec", "base") if i % 2 == 0 else ("base", "spec"):
-            _sync(model.device)
-            t0 = time.perf_counter()
-            results[name] = runs[name]()
-            _sync(model.device)
-            seconds[name] += time.perf_counter() - t0
-        trace, base = results["spec"], results["base"]
-        traces.append(trace)
-        base_tokens += len(base)
-        if trace.tokens == base:
-            identical += 1
-        else:
-            pairs = zip(trace.tokens, base, strict=False)
-            at = next(
-                (j for j, (a, b) in enumerate(pairs) if a != b), min(len(base), len(trace.tokens))
-            )
-            first_diff.append({"id": row["id"], "first_difference_at": at})
-    out = summarize(traces)
-    spec_tps = out["generated_tokens"] / seconds["spec"]
-    base_tps = base_tokens / seconds["base"]
-    out.update(
-        spec_seconds=seconds["spec"],
-        baseline_seconds=seconds["base"],
-        baseline_tokens=base_tokens,
-        spec_tokens_per_s=spec_tps,
-        baseline_tokens_per_s=base_tps,
-        speedup=spec_tps / base_tps,
-        # one speculative pass (chain + verify), in greedy steps: speedup = tau_sglang / this
-        pass_cost=(seconds["spec"] / out["verify_passes"]) * base_tps,
-        identical_outputs=identical,
-        differing_outputs=first_diff,
-        mean_prompt_tokens=sum(t.prompt_len for t in traces) / len(traces),
-    )
-    if first_diff:
-        log.warning(
-            "%d of %d outputs differ from greedy decoding (numerics of batched vs one-token "
-            "forwards in %s): %s",
-            len(first_diff),
-            len(rows),
-            model.dtype,
-            first_diff[:3],
-        )
-    return out
-
-
-def warm_up(model, tokenizer, draft, row, bench: dict, aux_ids: list[int]) -> None:
-    """One untimed pass of both paths (allocator, kernels, lazy init)."""
-    from draftsmith.prompts import prompt_turns
-    from draftsmith.specdec import greedy_generate, prompt_ids, speculative_generate, stop_ids
-
-    ids = prompt_ids(tokenizer, prompt_turns(row))
-    stops = stop_ids(model, tokenizer)
-    n = min(bench["max_new_tokens"], 16)
-    speculative_generate(model, draft, ids, n, stops, bench["num_steps"], aux_ids)
-    greedy_generate(model, ids, n, stops)
 
 
 # ---------------------------------------------------------------- the gate
@@ -288,20 +198,9 @@ def table_rows(report: dict) -> list[list[str]]:
 
 def text_blocks(report: dict) -> dict[str, str]:
     """The prose of the report (plain text, shared by report.md and summary.html)."""
-    bench = report["config"]["bench"]
     tr = report["training"]
     return {
-        "method": (
-            f"Chain speculative decoding, {bench['num_steps']} draft tokens per verification "
-            f"pass (top-k 1), greedy verification, at most {bench['max_new_tokens']} new tokens "
-            f"per prompt, batch size 1, on {report['device']} ({report['threads']} threads). "
-            "tau = tokens emitted by verification passes / verification passes (the prefill's "
-            "token excluded; the SGLang count includes it). Speedup = tokens/s with speculation "
-            "/ tokens/s of plain greedy decoding with KV cache, both measured in this run, "
-            "warm-up excluded. Pass cost = wall time of one speculative pass (draft chain and "
-            "verification, prefill amortised) in greedy decoding steps: speedup = tau (SGLang "
-            "count) / pass cost exactly."
-        ),
+        "method": report["method"],
         "hist": "; ".join(f"{n}: {r['accept_len_hist']}" for n, r in report["sets"].items()),
         "training": (
             f"Training: {tr['steps']} steps, final loss {tr['final_loss']:.3f}, per-position "
@@ -451,34 +350,6 @@ def plot_training(records: list[dict], path: Path) -> None:
 # ---------------------------------------------------------------- CLI
 
 
-def load_models(target_dir: Path, draft_dir: Path, cfg: dict, device: str):
-    """(target, tokenizer, draft), the draft checked against the target it must serve."""
-    import torch
-
-    from draftsmith.config import aux_layer_ids
-    from draftsmith.export import ExportError, load_export
-    from draftsmith.target import TargetError, load_target
-
-    dtype = getattr(torch, cfg.get("target", {}).get("dtype", "float32"))
-    try:
-        model, tokenizer = load_target(target_dir, dtype=dtype, device=device)
-        draft = load_export(draft_dir).to(device=device, dtype=dtype)
-    except (ExportError, TargetError) as e:
-        raise SystemExit(str(e)) from None
-    tc, dc = model.config, draft.config
-    try:
-        aux_layer_ids(dc.aux_layer_ids, tc.num_hidden_layers)
-    except ValueError as e:
-        raise SystemExit(f"{draft_dir}/config.json: {e}") from None
-    if (dc.vocab_size, dc.target_hidden_size) != (tc.vocab_size, tc.hidden_size):
-        raise SystemExit(
-            f"{draft_dir}/config.json: the draft expects a target with vocab {dc.vocab_size} and "
-            f"hidden size {dc.target_hidden_size}, {target_dir} has {tc.vocab_size} and "
-            f"{tc.hidden_size}: the draft was trained for another target"
-        )
-    return model, tokenizer, draft
-
-
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description="Benchmark the draft with speculative decoding.")
     ap.add_argument("--cfg", required=True, help="JSON with the bench, data and target sections")
@@ -492,33 +363,33 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     init_logging("draftsmith.bench")
     cfg = parse_cfg(args.cfg)
-    set_threads(args.threads)
 
     import matplotlib
-    import torch
 
+    from draftsmith.engines import EngineError, engine
     from draftsmith.target import fingerprint
 
     matplotlib.use("Agg")
     bench = cfg["bench"]
     sets = load_sets(cfg)
     records = read_metrics(args.metrics)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    model, tokenizer, draft = load_models(args.target, args.draft, cfg, device)
-    aux_ids = list(draft.config.aux_layer_ids)
+    try:
+        bench_sets = engine("bench", bench.get("backend", "hf"))
+    except EngineError as e:
+        raise SystemExit(str(e)) from None
     log.info(
-        "sets: %s; aux ids %s; device %s", {n: len(r) for n, r in sets.items()}, aux_ids, device
+        "sets: %s; backend %s", {n: len(r) for n, r in sets.items()}, bench.get("backend", "hf")
     )
-
-    warm_up(model, tokenizer, draft, next(iter(sets.values()))[0], bench, aux_ids)
-    results = {}
-    for name, rows in sets.items():
-        results[name] = run_set(model, tokenizer, draft, rows, bench, aux_ids)
-        r = results[name]
+    results, info = bench_sets(
+        sets, cfg, target=args.target, draft=args.draft, threads=args.threads
+    )
+    for name, r in results.items():
         log.info(
-            "%s: tau %.3f, accept by pos %s, %.1f tok/s vs %.1f greedy, speedup %.2fx",
+            "%s: tau %.3f (SGLang count %.3f), accept by pos %s, %.1f tok/s vs %.1f greedy, "
+            "speedup %.2fx",
             name,
             r["tau"],
+            r["tau_sglang"],
             _fmt_list(r["accept_rate_by_pos"]),
             r["spec_tokens_per_s"],
             r["baseline_tokens_per_s"],
@@ -529,10 +400,7 @@ def main(argv: list[str] | None = None) -> None:
     report = {
         "sets": results,
         "config": cfg,
-        "device": device,
-        "threads": torch.get_num_threads(),
-        "aux_layer_ids": aux_ids,
-        "draft_vocab_size": draft.config.draft_vocab_size,
+        **info,
         "target_fingerprint": fingerprint(args.target),
         "draft_fingerprint": draft_fingerprint(args.draft),
         "env_stamp": json.loads(args.env_stamp.read_text()),

@@ -1,15 +1,12 @@
-"""Capture backend `hf`: the target's prefill over one row range, written as a shard.
+"""Capture: the target's hidden states over one row range, written as a shard.
 
 For every token the shard holds the three aux states (SGLang's "output of decoder layer i"
 ids: the residual stream leaving layer i, un-normalized, i.e. transformers'
 `output_hidden_states[i + 1]`) and the final post-norm state (the input of the lm_head).
-Forward hooks on exactly the decoder layers named by the ids grab their outputs, and the base
-model's `last_hidden_state` (the final norm's output) is the post-norm state, so neither all N
-layers' states nor the vocabulary-sized logits are ever materialized.
-
-Rows are sorted by length and batched up to `capture.batch_tokens` (padded rows x longest row).
-Padding goes on the right and no attention mask is passed: attention is causal, so a real token
-only sees earlier real tokens and its states equal an unpadded forward's.
+This module reads and checks the token file, resolves the layer ids and the provenance of the
+manifest; the engine named by `capture.backend` (`draftsmith.engines`) runs the target and
+writes the shard. `plan_batches` is the length-sorted batching shared by engines: rows are
+grouped up to `capture.batch_tokens` (padded rows x longest row).
 
     python -m draftsmith.capture --cfg '{"capture": {...}, "target": {...}}' \\
         --tokens results/tokens/rows_000000-000128.safetensors --target results/target \\
@@ -19,15 +16,13 @@ only sees earlier real tokens and its states equal an unpadded forward's.
 from __future__ import annotations
 
 import argparse
-import time
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
 
-from draftsmith.common import init_logging, parse_cfg, set_threads, versions
+from draftsmith.common import init_logging, parse_cfg, versions
 from draftsmith.config import aux_layer_ids, parse_range
-from draftsmith.shards import STORAGE_DTYPES, ShardError, ShardWriter
+from draftsmith.shards import STORAGE_DTYPES, ShardError
 
 
 class CaptureError(ValueError):
@@ -54,17 +49,6 @@ def read_tokens(path: str | Path) -> dict[str, torch.Tensor]:
     return {"input_ids": ids.long(), "loss_mask": mask.to(torch.uint8), "row_offsets": ro.long()}
 
 
-def decoder_parts(model) -> tuple[torch.nn.Module, torch.nn.ModuleList]:
-    """(base model, its decoder layers) of a transformers causal LM (Llama, DeepSeek-V3, ...)."""
-    base = getattr(model, "model", None)
-    layers = getattr(base, "layers", None)
-    if base is None or not isinstance(layers, torch.nn.ModuleList) or not hasattr(base, "norm"):
-        raise CaptureError(
-            f"{type(model).__name__}: expected .model.layers and .model.norm (a decoder-only LM)"
-        )
-    return base, layers
-
-
 def plan_batches(lengths: list[int], batch_tokens: int) -> list[list[int]]:
     """Row indices grouped longest first so that len(group) * longest <= batch_tokens.
 
@@ -78,73 +62,6 @@ def plan_batches(lengths: list[int], batch_tokens: int) -> list[list[int]]:
         else:
             batches.append([r])
     return batches
-
-
-def pad_rows(input_ids: torch.Tensor, offsets: list[int], rows: list[int]) -> torch.Tensor:
-    """[B, L] right-padded token ids (pad id 0: padded positions are never stored)."""
-    longest = max(offsets[r + 1] - offsets[r] for r in rows)
-    batch = torch.zeros(len(rows), longest, dtype=torch.long)
-    for b, r in enumerate(rows):
-        a, e = offsets[r], offsets[r + 1]
-        batch[b, : e - a] = input_ids[a:e]
-    return batch
-
-
-@torch.inference_mode()
-def forward_states(model, batch: torch.Tensor, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """aux [B, L, 3H] (outputs of layers `ids`, in order) and last [B, L, H] (post-norm)."""
-    base, layers = decoder_parts(model)
-    grabbed: dict[int, torch.Tensor] = {}
-
-    def grab(i):
-        def hook(_module, _inputs, output):
-            grabbed[i] = output[0] if isinstance(output, tuple) else output
-
-        return hook
-
-    handles = [layers[i].register_forward_hook(grab(i)) for i in sorted(set(ids))]
-    try:
-        out = base(input_ids=batch.to(base.device), use_cache=False)
-    finally:
-        for h in handles:
-            h.remove()
-    aux = torch.cat([grabbed[i] for i in ids], dim=-1)
-    return aux, out.last_hidden_state
-
-
-def capture_shard(
-    model,
-    tokens: dict[str, torch.Tensor],
-    out: str | Path,
-    ids: list[int],
-    dtype: str,
-    batch_tokens: int,
-    manifest: dict,
-    progress: bool = True,
-) -> dict:
-    """Run the prefill over every row of `tokens` and write the shard at `out`; return the manifest."""
-    hidden = int(model.config.get_text_config().hidden_size)
-    offsets = tokens["row_offsets"].tolist()
-    lengths = [b - a for a, b in zip(offsets, offsets[1:], strict=False)]
-    batches = plan_batches(lengths, batch_tokens)
-    t0 = time.perf_counter()
-    with ShardWriter(
-        out,
-        input_ids=tokens["input_ids"],
-        loss_mask=tokens["loss_mask"],
-        row_offsets=tokens["row_offsets"],
-        hidden_size=hidden,
-        dtype=dtype,
-        manifest={**manifest, "aux_layer_ids": list(ids), "backend": "hf"},
-    ) as writer:
-        for rows in tqdm(batches, desc=Path(out).stem, unit="batch", disable=not progress):
-            aux, last = forward_states(model, pad_rows(tokens["input_ids"], offsets, rows), ids)
-            for b, r in enumerate(rows):
-                n = lengths[r]
-                writer.write(offsets[r], aux[b, :n], last[b, :n])
-        writer.manifest["capture_seconds"] = round(time.perf_counter() - t0, 3)
-        writer.manifest["batches"] = len(batches)
-    return writer.manifest
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -164,13 +81,11 @@ def main(argv: list[str] | None = None) -> None:
     if "capture" not in cfg:
         raise SystemExit("--cfg has no `capture` section")
     cap = cfg["capture"]
-    if cap.get("backend", "hf") != "hf":
-        raise SystemExit(f"capture.backend {cap['backend']!r}: this command implements only 'hf'")
     dtype = cap.get("dtype", "bfloat16")
     if dtype not in STORAGE_DTYPES:
         raise SystemExit(f"capture.dtype {dtype!r} is not one of {list(STORAGE_DTYPES)}")
-    set_threads(args.threads)
     from draftsmith import target as tgt
+    from draftsmith.engines import engine
 
     try:
         a, b = parse_range(args.out.stem)
@@ -183,32 +98,31 @@ def main(argv: list[str] | None = None) -> None:
         n_layers = int(tgt.target_config(args.target)["num_hidden_layers"])
         ids = aux_layer_ids(cap.get("aux_layer_ids", "auto"), n_layers)
         fp = tgt.fingerprint(args.target)
-        torch_dtype = getattr(torch, cfg.get("target", {}).get("dtype", "float32"))
-        model, _ = tgt.load_target(args.target, dtype=torch_dtype)
+        capture_range = engine("capture", cap.get("backend", "hf"))
         log.info(
-            "%s: %d rows, %d tokens, aux ids %s of %d layers, storage %s",
+            "%s: %d rows, %d tokens, aux ids %s of %d layers, storage %s, backend %s",
             args.out.stem,
             n_rows,
             tokens["input_ids"].numel(),
             ids,
             n_layers,
             dtype,
+            cap.get("backend", "hf"),
         )
-        manifest = capture_shard(
-            model,
+        manifest = capture_range(
             tokens,
-            args.out,
-            ids,
-            dtype,
-            int(cap.get("batch_tokens", 8192)),
+            cfg,
+            target=args.target,
+            out=args.out,
+            ids=ids,
             manifest={
                 "row_range": [a, b],
                 "target_fingerprint": fp,
                 "target_layers": n_layers,
-                "forward_dtype": str(torch_dtype).removeprefix("torch."),
                 "tokens_file": str(args.tokens),
                 "versions": versions(),
             },
+            threads=args.threads,
         )
     except (CaptureError, ShardError, ValueError) as e:
         raise SystemExit(f"error: {e}") from None

@@ -4,13 +4,14 @@ EAGLE-3 drafts learn the target's own distribution, so the assistant turns are r
 the target: every user turn is answered again, turn by turn (turn 2 is asked with the regenerated
 answer of turn 1 in its history); a conversation ending with a user turn gets its answer appended.
 
-The seam between the workflow and a backend is one function:
+The seam between this driver and a backend is one function:
 
     generate_fn(prompts: list[list[{"role", "content"}]]) -> list[str]   (one reply per prompt)
 
-`regenerate(conversations, generate_fn)` drives it; `HFGenerator` is the transformers backend
-(batched, left-padded, KV cache, greedy by default, stops each row at its end-of-turn token).
-An SGLang backend only has to provide another `generate_fn`.
+`regenerate(conversations, generate_fn)` drives it. The engines (`draftsmith.engines`, chosen by
+`regenerate.backend`) provide it: `hf` generates in-process with transformers, `sglang` sends
+the prompts to an SGLang server the job launches. This module reads the range's rows, asks the
+engine, and writes the rows and the report.
 
 CLI (rule regenerate): `python -m draftsmith.regenerate --cfg <json> --range rows_<a>-<b>
 --target results/target --out results/data/rows_<a>-<b>.jsonl --report <...>.report.json`.
@@ -21,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import time
 from collections.abc import Callable
 
 log = logging.getLogger("draftsmith.regenerate")
@@ -73,125 +73,6 @@ def copy_answers(conversations: list[dict]) -> list[dict]:
     return [dict(conv) for conv in conversations]
 
 
-class HFGenerator:
-    """transformers backend: batched greedy (or sampled) generation with left padding.
-
-    Prompts are sorted by length before batching (less padding); replies come back in input
-    order. `stats` accumulates generated tokens (up to and including the end-of-turn token),
-    seconds, rows that hit `max_new_tokens` and empty replies.
-    """
-
-    def __init__(
-        self,
-        model,
-        tokenizer,
-        *,
-        max_new_tokens: int = 128,
-        temperature: float = 0.0,
-        batch_size: int = 32,
-        seed: int = 0,
-        progress: bool = True,
-    ):
-        from draftsmith.tokens import end_of_turn_id
-
-        self.model, self.tokenizer = model, tokenizer
-        self.max_new_tokens, self.temperature = int(max_new_tokens), float(temperature)
-        self.batch_size, self.seed, self.progress = int(batch_size), int(seed), progress
-        stop = {end_of_turn_id(tokenizer)}
-        if tokenizer.eos_token_id is not None:
-            stop.add(tokenizer.eos_token_id)
-        gen_eos = getattr(model.generation_config, "eos_token_id", None)
-        stop.update([gen_eos] if isinstance(gen_eos, int) else (gen_eos or []))
-        self.stop_ids = sorted(stop)
-        self.pad_id = (
-            tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.stop_ids[0]
-        )
-        self.stats = {
-            "prompts": 0,
-            "new_tokens": 0,
-            "prompt_tokens": 0,
-            "seconds": 0.0,
-            "hit_limit": 0,
-            "empty": 0,
-        }
-
-    def _generation_config(self):
-        from transformers import GenerationConfig
-
-        kw = {"do_sample": self.temperature > 0}
-        if self.temperature > 0:
-            kw.update(temperature=self.temperature, top_k=0, top_p=1.0)
-        return GenerationConfig(
-            max_new_tokens=self.max_new_tokens,
-            eos_token_id=self.stop_ids,
-            pad_token_id=self.pad_id,
-            use_cache=True,
-            **kw,
-        )
-
-    def _encode(self, prompt: list[dict]) -> list[int]:
-        from draftsmith.tokens import render
-
-        text = render(self.tokenizer, prompt, add_generation_prompt=True)
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
-
-    def generate_ids(self, batch: list[list[int]]) -> list[list[int]]:
-        """Greedy/sampled continuation of each prompt (ids), cut after its first stop token."""
-        import torch
-
-        width = max(len(p) for p in batch)
-        input_ids = torch.full((len(batch), width), self.pad_id, dtype=torch.long)
-        attention = torch.zeros((len(batch), width), dtype=torch.long)
-        for i, p in enumerate(batch):
-            input_ids[i, width - len(p) :] = torch.tensor(p, dtype=torch.long)
-            attention[i, width - len(p) :] = 1
-        device = next(self.model.parameters()).device
-        with torch.inference_mode():
-            out = self.model.generate(
-                input_ids=input_ids.to(device),
-                attention_mask=attention.to(device),
-                generation_config=self._generation_config(),
-            )
-        replies = []
-        for row in out[:, width:].tolist():
-            cut = next((j for j, t in enumerate(row) if t in self.stop_ids), None)
-            replies.append(row if cut is None else row[: cut + 1])
-        return replies
-
-    def __call__(self, prompts: list[list[dict]]) -> list[str]:
-        import torch
-        from tqdm import tqdm
-
-        if self.temperature > 0:
-            torch.manual_seed(self.seed)
-        encoded = [self._encode(p) for p in prompts]
-        order = sorted(range(len(prompts)), key=lambda i: len(encoded[i]))
-        replies: list[str] = [""] * len(prompts)
-        bar = tqdm(total=len(prompts), desc="regenerate", unit="row", disable=not self.progress)
-        for start in range(0, len(order), self.batch_size):
-            idx = order[start : start + self.batch_size]
-            t0 = time.perf_counter()
-            new = self.generate_ids([encoded[i] for i in idx])
-            self.stats["seconds"] += time.perf_counter() - t0
-            for i, ids in zip(idx, new, strict=True):
-                ended = bool(ids) and ids[-1] in self.stop_ids
-                self.stats["new_tokens"] += len(ids)
-                self.stats["prompt_tokens"] += len(encoded[i])
-                self.stats["hit_limit"] += int(not ended)
-                body = ids[:-1] if ended else ids
-                text = self.tokenizer.decode(body, skip_special_tokens=True).strip()
-                self.stats["empty"] += int(not text)
-                replies[i] = text
-            bar.update(len(idx))
-            bar.set_postfix(tok_s=f"{self.tokens_per_second():.1f}")
-        bar.close()
-        self.stats["prompts"] += len(prompts)
-        return replies
-
-    def tokens_per_second(self) -> float:
-        return self.stats["new_tokens"] / self.stats["seconds"] if self.stats["seconds"] else 0.0
-
-
 def write_jsonl(path, rows: list[dict]) -> None:
     from draftsmith.common import atomic_path
 
@@ -201,7 +82,7 @@ def write_jsonl(path, rows: list[dict]) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from draftsmith.common import atomic_write_json, init_logging, parse_cfg, set_threads, versions
+    from draftsmith.common import atomic_write_json, init_logging, parse_cfg, versions
     from draftsmith.config import parse_range
     from draftsmith.prompts import SourceError, load_sources, rows_for_range
 
@@ -231,46 +112,33 @@ def main(argv: list[str] | None = None) -> None:
             "%s: regeneration off, %d rows copied with their source answers", args.range, len(out)
         )
     else:
-        if regen.get("backend", "hf") != "hf":
-            raise SystemExit(f"regenerate.backend {regen.get('backend')!r} is not implemented")
-        set_threads(args.threads)
-        from draftsmith.target import load_target
+        from draftsmith.engines import EngineError, engine
 
-        model, tokenizer = load_target(args.target)
-        gen = HFGenerator(
-            model,
-            tokenizer,
-            max_new_tokens=regen.get("max_new_tokens", 128),
-            temperature=regen.get("temperature", 0.0),
-            batch_size=regen.get("batch_size", 32),
+        try:
+            regenerate_rows = engine("regenerate", regen.get("backend", "hf"))
+        except EngineError as e:
+            raise SystemExit(str(e)) from None
+        out, figures = regenerate_rows(
+            rows,
+            regen,
+            target=args.target,
+            threads=args.threads,
             seed=int(regen.get("seed", 0)) + a,
         )
-        t0 = time.perf_counter()
-        out = regenerate(rows, gen)
-        wall = time.perf_counter() - t0
-        report.update(
-            backend="hf",
-            threads=args.threads,
-            device=str(next(model.parameters()).device),
-            max_new_tokens=gen.max_new_tokens,
-            temperature=gen.temperature,
-            batch_size=gen.batch_size,
-            **gen.stats,
-            wall_seconds=wall,
-            tokens_per_second=gen.tokens_per_second(),
-        )
+        report.update(figures)
         log.info(
-            "%s: %d rows, %d turns, %d new tokens in %.1f s generate (%.1f s wall): "
+            "%s: %d rows, %d turns, %d new tokens in %.1f s generate (%.1f s wall) with %s: "
             "%.1f tokens/s; %d hit max_new_tokens, %d empty",
             args.range,
             len(rows),
-            gen.stats["prompts"],
-            gen.stats["new_tokens"],
-            gen.stats["seconds"],
-            wall,
-            gen.tokens_per_second(),
-            gen.stats["hit_limit"],
-            gen.stats["empty"],
+            figures["prompts"],
+            figures["new_tokens"],
+            figures["seconds"],
+            figures["wall_seconds"],
+            figures["backend"],
+            figures["tokens_per_second"],
+            figures["hit_limit"],
+            figures["empty"],
         )
     report["versions"] = versions()
     write_jsonl(args.out, out)

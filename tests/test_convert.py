@@ -8,7 +8,6 @@ import shutil
 import pytest
 import torch
 
-from draftsmith.capture import capture_shard
 from draftsmith.convert import (
     ConvertError,
     apply_norm,
@@ -18,6 +17,7 @@ from draftsmith.convert import (
     remove_norm,
     specforge_path,
 )
+from draftsmith.engines.hf import capture_shard
 from draftsmith.shards import manifest_path, open_shard
 
 IDS = [1, 2, 4]

@@ -7,7 +7,8 @@ import shutil
 
 import pytest
 
-from draftsmith.regenerate import HFGenerator, MissingAnswerError, copy_answers, regenerate
+from draftsmith.engines.hf import HFGenerator
+from draftsmith.regenerate import MissingAnswerError, copy_answers, regenerate
 
 
 def _conv(cid, *turns):

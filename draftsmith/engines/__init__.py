@@ -1,0 +1,69 @@
+"""Engines: who does the work of a stage (transformers in-process, an SGLang or vLLM server).
+
+The stage modules (`draftsmith.regenerate`, `draftsmith.capture`, `draftsmith.bench`) stay the
+CLIs the rules call: they read inputs, validate, write artifacts and reports. The work between
+is asked of the engine named by the stage's `backend` key, through one function per stage:
+
+    regenerate_rows(conversations, regen, *, target, threads, seed) -> (conversations, report)
+        regen: the `regenerate` config section (plus `server`, the launch settings of server
+        engines); conversations in and out as in `draftsmith.regenerate.regenerate`; report: the
+        engine's figures (backend, prompts, new_tokens, prompt_tokens, seconds, hit_limit, empty,
+        wall_seconds, tokens_per_second, ...), merged into the range's report.json.
+    capture_range(tokens, cfg, *, target, out, ids, manifest, threads) -> manifest
+        tokens: the token file's tensors; writes the shard at `out` (draftsmith.shards) with the
+        aux states of layer ids `ids` and returns its manifest.
+    bench_sets(sets, cfg, *, target, draft, threads) -> (results, info)
+        sets: name -> conversations; results: name -> figures (the keys of
+        `draftsmith.specdec.summarize` plus timing); info: device, threads, aux_layer_ids,
+        draft_vocab_size, method (the report's prose), and anything engine-specific.
+
+An engine is one module here that defines the functions of the stages it implements. Adding an
+engine touches its module and one line of `ENGINES` (plus the backend enums in the schema).
+The registry imports an engine's module only when a stage asks for it (the Snakefile, which
+imports the package at DAG-build time, never does).
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+
+# backend name -> module
+ENGINES = {
+    "hf": "draftsmith.engines.hf",
+}
+
+# stage -> the function an engine defines for it
+ENTRY_POINTS = {
+    "regenerate": "regenerate_rows",
+    "capture": "capture_range",
+    "bench": "bench_sets",
+}
+
+
+class EngineError(ValueError):
+    """A backend that is not an engine, or an engine without the requested stage."""
+
+
+def engine(stage: str, backend: str) -> Callable:
+    """The function of engine `backend` for `stage` (imports the engine's module)."""
+    if stage not in ENTRY_POINTS:
+        raise EngineError(f"unknown stage {stage!r}; stages: {', '.join(ENTRY_POINTS)}")
+    module = ENGINES.get(backend)
+    if module is None:
+        raise EngineError(
+            f"{stage}.backend {backend!r} is not an engine; engines: {', '.join(ENGINES)}"
+        )
+    fn = getattr(importlib.import_module(module), ENTRY_POINTS[stage], None)
+    if fn is None:
+        raise EngineError(
+            f"{stage}.backend {backend!r}: the {backend} engine ({module}) does not implement "
+            f"the {stage} stage"
+        )
+    return fn
+
+
+def implements(backend: str) -> list[str]:
+    """The stages an engine implements (imports its module)."""
+    mod = importlib.import_module(ENGINES[backend])
+    return [stage for stage, name in ENTRY_POINTS.items() if hasattr(mod, name)]

@@ -1,0 +1,441 @@
+"""The `hf` engine: the target as a transformers model in the job's own process.
+
+- regenerate: `HFGenerator`, batched generation with left padding and a KV cache (greedy by
+  default), prompts sorted by length so batches pad little; each row stops at its end-of-turn
+  token.
+- capture: the target's prefill over one row range with forward hooks on exactly the aux layers
+  (SGLang "output of decoder layer i" = transformers `output_hidden_states[i + 1]`) and the base
+  model's `last_hidden_state` as the post-norm state, so neither every layer's states nor the
+  logits are materialized. Rows are right-padded without an attention mask: attention is causal,
+  so a real token never sees a pad.
+- bench: chain speculative decoding with the draft (`draftsmith.specdec`) against plain greedy
+  decoding, both timed in this process, batch size 1.
+
+Works on CPU or one GPU (the device torch sees).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from draftsmith.capture import CaptureError, plan_batches
+from draftsmith.shards import ShardWriter
+
+log = logging.getLogger("draftsmith.engines.hf")
+
+
+# ---------------------------------------------------------------- regenerate
+
+
+class HFGenerator:
+    """transformers backend: batched greedy (or sampled) generation with left padding.
+
+    Prompts are sorted by length before batching (less padding); replies come back in input
+    order. `stats` accumulates generated tokens (up to and including the end-of-turn token),
+    seconds, rows that hit `max_new_tokens` and empty replies.
+    """
+
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        *,
+        max_new_tokens: int = 128,
+        temperature: float = 0.0,
+        batch_size: int = 32,
+        seed: int = 0,
+        progress: bool = True,
+    ):
+        from draftsmith.tokens import end_of_turn_id
+
+        self.model, self.tokenizer = model, tokenizer
+        self.max_new_tokens, self.temperature = int(max_new_tokens), float(temperature)
+        self.batch_size, self.seed, self.progress = int(batch_size), int(seed), progress
+        stop = {end_of_turn_id(tokenizer)}
+        if tokenizer.eos_token_id is not None:
+            stop.add(tokenizer.eos_token_id)
+        gen_eos = getattr(model.generation_config, "eos_token_id", None)
+        stop.update([gen_eos] if isinstance(gen_eos, int) else (gen_eos or []))
+        self.stop_ids = sorted(stop)
+        self.pad_id = (
+            tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.stop_ids[0]
+        )
+        self.stats = {
+            "prompts": 0,
+            "new_tokens": 0,
+            "prompt_tokens": 0,
+            "seconds": 0.0,
+            "hit_limit": 0,
+            "empty": 0,
+        }
+
+    def _generation_config(self):
+        from transformers import GenerationConfig
+
+        kw = {"do_sample": self.temperature > 0}
+        if self.temperature > 0:
+            kw.update(temperature=self.temperature, top_k=0, top_p=1.0)
+        return GenerationConfig(
+            max_new_tokens=self.max_new_tokens,
+            eos_token_id=self.stop_ids,
+            pad_token_id=self.pad_id,
+            use_cache=True,
+            **kw,
+        )
+
+    def _encode(self, prompt: list[dict]) -> list[int]:
+        from draftsmith.tokens import render
+
+        text = render(self.tokenizer, prompt, add_generation_prompt=True)
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def generate_ids(self, batch: list[list[int]]) -> list[list[int]]:
+        """Greedy/sampled continuation of each prompt (ids), cut after its first stop token."""
+        width = max(len(p) for p in batch)
+        input_ids = torch.full((len(batch), width), self.pad_id, dtype=torch.long)
+        attention = torch.zeros((len(batch), width), dtype=torch.long)
+        for i, p in enumerate(batch):
+            input_ids[i, width - len(p) :] = torch.tensor(p, dtype=torch.long)
+            attention[i, width - len(p) :] = 1
+        device = next(self.model.parameters()).device
+        with torch.inference_mode():
+            out = self.model.generate(
+                input_ids=input_ids.to(device),
+                attention_mask=attention.to(device),
+                generation_config=self._generation_config(),
+            )
+        replies = []
+        for row in out[:, width:].tolist():
+            cut = next((j for j, t in enumerate(row) if t in self.stop_ids), None)
+            replies.append(row if cut is None else row[: cut + 1])
+        return replies
+
+    def __call__(self, prompts: list[list[dict]]) -> list[str]:
+        if self.temperature > 0:
+            torch.manual_seed(self.seed)
+        encoded = [self._encode(p) for p in prompts]
+        order = sorted(range(len(prompts)), key=lambda i: len(encoded[i]))
+        replies: list[str] = [""] * len(prompts)
+        bar = tqdm(total=len(prompts), desc="regenerate", unit="row", disable=not self.progress)
+        for start in range(0, len(order), self.batch_size):
+            idx = order[start : start + self.batch_size]
+            t0 = time.perf_counter()
+            new = self.generate_ids([encoded[i] for i in idx])
+            self.stats["seconds"] += time.perf_counter() - t0
+            for i, ids in zip(idx, new, strict=True):
+                ended = bool(ids) and ids[-1] in self.stop_ids
+                self.stats["new_tokens"] += len(ids)
+                self.stats["prompt_tokens"] += len(encoded[i])
+                self.stats["hit_limit"] += int(not ended)
+                body = ids[:-1] if ended else ids
+                text = self.tokenizer.decode(body, skip_special_tokens=True).strip()
+                self.stats["empty"] += int(not text)
+                replies[i] = text
+            bar.update(len(idx))
+            bar.set_postfix(tok_s=f"{self.tokens_per_second():.1f}")
+        bar.close()
+        self.stats["prompts"] += len(prompts)
+        return replies
+
+    def tokens_per_second(self) -> float:
+        return self.stats["new_tokens"] / self.stats["seconds"] if self.stats["seconds"] else 0.0
+
+
+def regenerate_rows(conversations, regen: dict, *, target, threads: int, seed: int):
+    """The regenerate stage: load the target, answer every user turn again."""
+    from draftsmith.common import set_threads
+    from draftsmith.regenerate import regenerate
+    from draftsmith.target import load_target
+
+    set_threads(threads)
+    model, tokenizer = load_target(target)
+    gen = HFGenerator(
+        model,
+        tokenizer,
+        max_new_tokens=regen.get("max_new_tokens", 128),
+        temperature=regen.get("temperature", 0.0),
+        batch_size=regen.get("batch_size", 32),
+        seed=seed,
+    )
+    t0 = time.perf_counter()
+    out = regenerate(conversations, gen)
+    report = {
+        "backend": "hf",
+        "threads": threads,
+        "device": str(next(model.parameters()).device),
+        "max_new_tokens": gen.max_new_tokens,
+        "temperature": gen.temperature,
+        "batch_size": gen.batch_size,
+        **gen.stats,
+        "wall_seconds": time.perf_counter() - t0,
+        "tokens_per_second": gen.tokens_per_second(),
+    }
+    return out, report
+
+
+# ---------------------------------------------------------------- capture
+
+
+def decoder_parts(model) -> tuple[torch.nn.Module, torch.nn.ModuleList]:
+    """(base model, its decoder layers) of a transformers causal LM (Llama, DeepSeek-V3, ...)."""
+    base = getattr(model, "model", None)
+    layers = getattr(base, "layers", None)
+    if base is None or not isinstance(layers, torch.nn.ModuleList) or not hasattr(base, "norm"):
+        raise CaptureError(
+            f"{type(model).__name__}: expected .model.layers and .model.norm (a decoder-only LM)"
+        )
+    return base, layers
+
+
+def pad_rows(input_ids: torch.Tensor, offsets: list[int], rows: list[int]) -> torch.Tensor:
+    """[B, L] right-padded token ids (pad id 0: padded positions are never stored)."""
+    longest = max(offsets[r + 1] - offsets[r] for r in rows)
+    batch = torch.zeros(len(rows), longest, dtype=torch.long)
+    for b, r in enumerate(rows):
+        a, e = offsets[r], offsets[r + 1]
+        batch[b, : e - a] = input_ids[a:e]
+    return batch
+
+
+@torch.inference_mode()
+def forward_states(model, batch: torch.Tensor, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """aux [B, L, 3H] (outputs of layers `ids`, in order) and last [B, L, H] (post-norm)."""
+    base, layers = decoder_parts(model)
+    grabbed: dict[int, torch.Tensor] = {}
+
+    def grab(i):
+        def hook(_module, _inputs, output):
+            grabbed[i] = output[0] if isinstance(output, tuple) else output
+
+        return hook
+
+    handles = [layers[i].register_forward_hook(grab(i)) for i in sorted(set(ids))]
+    try:
+        out = base(input_ids=batch.to(base.device), use_cache=False)
+    finally:
+        for h in handles:
+            h.remove()
+    aux = torch.cat([grabbed[i] for i in ids], dim=-1)
+    return aux, out.last_hidden_state
+
+
+def capture_shard(
+    model,
+    tokens: dict[str, torch.Tensor],
+    out: str | Path,
+    ids: list[int],
+    dtype: str,
+    batch_tokens: int,
+    manifest: dict,
+    progress: bool = True,
+) -> dict:
+    """Run the prefill over every row of `tokens` and write the shard at `out`; return the manifest."""
+    hidden = int(model.config.get_text_config().hidden_size)
+    offsets = tokens["row_offsets"].tolist()
+    lengths = [b - a for a, b in zip(offsets, offsets[1:], strict=False)]
+    batches = plan_batches(lengths, batch_tokens)
+    t0 = time.perf_counter()
+    with ShardWriter(
+        out,
+        input_ids=tokens["input_ids"],
+        loss_mask=tokens["loss_mask"],
+        row_offsets=tokens["row_offsets"],
+        hidden_size=hidden,
+        dtype=dtype,
+        manifest={**manifest, "aux_layer_ids": list(ids), "backend": "hf"},
+    ) as writer:
+        for rows in tqdm(batches, desc=Path(out).stem, unit="batch", disable=not progress):
+            aux, last = forward_states(model, pad_rows(tokens["input_ids"], offsets, rows), ids)
+            for b, r in enumerate(rows):
+                n = lengths[r]
+                writer.write(offsets[r], aux[b, :n], last[b, :n])
+        writer.manifest["capture_seconds"] = round(time.perf_counter() - t0, 3)
+        writer.manifest["batches"] = len(batches)
+    return writer.manifest
+
+
+def capture_range(tokens, cfg: dict, *, target, out, ids, manifest: dict, threads: int) -> dict:
+    """The capture stage: load the target and write the shard of one row range."""
+    from draftsmith.common import set_threads
+    from draftsmith.target import load_target
+
+    set_threads(threads)
+    dtype = getattr(torch, cfg.get("target", {}).get("dtype", "float32"))
+    model, _ = load_target(target, dtype=dtype)
+    cap = cfg["capture"]
+    return capture_shard(
+        model,
+        tokens,
+        out,
+        ids,
+        cap.get("dtype", "bfloat16"),
+        int(cap.get("batch_tokens", 8192)),
+        manifest={**manifest, "forward_dtype": str(dtype).removeprefix("torch.")},
+    )
+
+
+# ---------------------------------------------------------------- bench
+
+
+def _sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def run_set(model, tokenizer, draft, rows, bench: dict, aux_ids: list[int]) -> dict:
+    """Speculative and baseline generation of every row; acceptance and timing figures."""
+    from draftsmith.prompts import prompt_turns
+    from draftsmith.specdec import (
+        greedy_generate,
+        prompt_ids,
+        speculative_generate,
+        stop_ids,
+        summarize,
+    )
+
+    stops = stop_ids(model, tokenizer)
+    k, max_new = bench["num_steps"], bench["max_new_tokens"]
+    traces, seconds, base_tokens, identical, first_diff = [], {"spec": 0.0, "base": 0.0}, 0, 0, []
+    for i, row in enumerate(tqdm(rows, desc="prompts", unit="prompt")):
+        ids = prompt_ids(tokenizer, prompt_turns(row))
+        runs = {
+            "spec": lambda ids=ids: speculative_generate(
+                model, draft, ids, max_new, stops, k, aux_ids
+            ),
+            "base": lambda ids=ids: greedy_generate(model, ids, max_new, stops),
+        }
+        results = {}
+        # alternate the order so drift (thermal, caches) does not favour one side
+        for name in ("spec", "base") if i % 2 == 0 else ("base", "spec"):
+            _sync(model.device)
+            t0 = time.perf_counter()
+            results[name] = runs[name]()
+            _sync(model.device)
+            seconds[name] += time.perf_counter() - t0
+        trace, base = results["spec"], results["base"]
+        traces.append(trace)
+        base_tokens += len(base)
+        if trace.tokens == base:
+            identical += 1
+        else:
+            pairs = zip(trace.tokens, base, strict=False)
+            at = next(
+                (j for j, (a, b) in enumerate(pairs) if a != b), min(len(base), len(trace.tokens))
+            )
+            first_diff.append({"id": row["id"], "first_difference_at": at})
+    out = summarize(traces)
+    spec_tps = out["generated_tokens"] / seconds["spec"]
+    base_tps = base_tokens / seconds["base"]
+    out.update(
+        spec_seconds=seconds["spec"],
+        baseline_seconds=seconds["base"],
+        baseline_tokens=base_tokens,
+        spec_tokens_per_s=spec_tps,
+        baseline_tokens_per_s=base_tps,
+        speedup=spec_tps / base_tps,
+        # one speculative pass (chain + verify), in greedy steps: speedup = tau_sglang / this
+        pass_cost=(seconds["spec"] / out["verify_passes"]) * base_tps,
+        identical_outputs=identical,
+        differing_outputs=first_diff,
+        mean_prompt_tokens=sum(t.prompt_len for t in traces) / len(traces),
+    )
+    if first_diff:
+        log.warning(
+            "%d of %d outputs differ from greedy decoding (numerics of batched vs one-token "
+            "forwards in %s): %s",
+            len(first_diff),
+            len(rows),
+            model.dtype,
+            first_diff[:3],
+        )
+    return out
+
+
+def warm_up(model, tokenizer, draft, row, bench: dict, aux_ids: list[int]) -> None:
+    """One untimed pass of both paths (allocator, kernels, lazy init)."""
+    from draftsmith.prompts import prompt_turns
+    from draftsmith.specdec import greedy_generate, prompt_ids, speculative_generate, stop_ids
+
+    ids = prompt_ids(tokenizer, prompt_turns(row))
+    stops = stop_ids(model, tokenizer)
+    n = min(bench["max_new_tokens"], 16)
+    speculative_generate(model, draft, ids, n, stops, bench["num_steps"], aux_ids)
+    greedy_generate(model, ids, n, stops)
+
+
+def load_models(target_dir: Path, draft_dir: Path, cfg: dict, device: str):
+    """(target, tokenizer, draft), the draft checked against the target it must serve."""
+    from draftsmith.config import aux_layer_ids
+    from draftsmith.export import ExportError, load_export
+    from draftsmith.target import TargetError, load_target
+
+    dtype = getattr(torch, cfg.get("target", {}).get("dtype", "float32"))
+    try:
+        model, tokenizer = load_target(target_dir, dtype=dtype, device=device)
+        draft = load_export(draft_dir).to(device=device, dtype=dtype)
+    except (ExportError, TargetError) as e:
+        raise SystemExit(str(e)) from None
+    tc, dc = model.config, draft.config
+    try:
+        aux_layer_ids(dc.aux_layer_ids, tc.num_hidden_layers)
+    except ValueError as e:
+        raise SystemExit(f"{draft_dir}/config.json: {e}") from None
+    if (dc.vocab_size, dc.target_hidden_size) != (tc.vocab_size, tc.hidden_size):
+        raise SystemExit(
+            f"{draft_dir}/config.json: the draft expects a target with vocab {dc.vocab_size} and "
+            f"hidden size {dc.target_hidden_size}, {target_dir} has {tc.vocab_size} and "
+            f"{tc.hidden_size}: the draft was trained for another target"
+        )
+    return model, tokenizer, draft
+
+
+def method_text(bench: dict, device: str, threads: int) -> str:
+    return (
+        f"Chain speculative decoding, {bench['num_steps']} draft tokens per verification "
+        f"pass (top-k 1), greedy verification, at most {bench['max_new_tokens']} new tokens "
+        f"per prompt, batch size 1, on {device} ({threads} threads), transformers in-process "
+        "(hf engine). tau = tokens emitted by verification passes / verification passes (the "
+        "prefill's token excluded; the SGLang count includes it). Speedup = tokens/s with "
+        "speculation / tokens/s of plain greedy decoding with KV cache, both measured in this "
+        "run, warm-up excluded. Pass cost = wall time of one speculative pass (draft chain and "
+        "verification, prefill amortised) in greedy decoding steps: speedup = tau (SGLang "
+        "count) / pass cost exactly."
+    )
+
+
+def bench_sets(sets: dict, cfg: dict, *, target, draft, threads: int):
+    """The bench stage: speculative and greedy generation of every set, in this process."""
+    from draftsmith.common import set_threads
+
+    bench = cfg["bench"]
+    if bench.get("topk", 1) != 1:
+        raise SystemExit(f"bench.topk {bench['topk']}: the hf engine decodes chains (top-k 1)")
+    if bench.get("concurrency", 1) != 1:
+        raise SystemExit(
+            f"bench.concurrency {bench['concurrency']}: the hf engine runs batch size 1"
+        )
+    set_threads(threads)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model, tokenizer, drafter = load_models(Path(target), Path(draft), cfg, device)
+    aux_ids = list(drafter.config.aux_layer_ids)
+    log.info("aux ids %s; device %s", aux_ids, device)
+    warm_up(model, tokenizer, drafter, next(iter(sets.values()))[0], bench, aux_ids)
+    results = {
+        name: run_set(model, tokenizer, drafter, rows, bench, aux_ids)
+        for name, rows in sets.items()
+    }
+    n_threads = torch.get_num_threads()
+    info = {
+        "backend": "hf",
+        "device": device,
+        "threads": n_threads,
+        "aux_layer_ids": aux_ids,
+        "draft_vocab_size": drafter.config.draft_vocab_size,
+        "method": method_text(bench, device, n_threads),
+    }
+    return results, info
