@@ -1,11 +1,18 @@
 """Export the draft in SGLang's EAGLE-3 checkpoint contract, plus a speculators/vLLM copy.
 
 `results/draft/`:
-    config.json          LlamaForCausalLMEagle3 config (SGLang loads this directory)
+    config.json          LlamaForCausalLMEagle3 config, read by SGLang and by vLLM
     model.safetensors    fc, midlayer.*, norm, lm_head, d2t, t2d (fp32; no embed_tokens)
-    speculators/         the same weights as layers.0.* with a speculators "eagle3" config
-                         (`vllm serve results/draft/speculators`); aux ids in vLLM's convention
+    speculators/         the same weights as layers.0.* plus the target's embed_tokens, with a
+                         speculators "eagle3" config (speculators' own loader; also vLLM)
     draftsmith_draft.json provenance (training config, shard checksums, versions)
+
+One config serves both engines although they number the aux layers differently: SGLang reads
+only `eagle_config.eagle_aux_hidden_state_layer_ids` (output of layer i; it adds 1 itself),
+vLLM reads a top-level `eagle_aux_hidden_state_layer_ids` first (input of layer i: SGLang id +
+1). Both keys are written and `check_export` refuses a config where they disagree. A draft whose
+vocabulary is the whole target vocabulary carries no d2t/t2d (identity; vLLM refuses a d2t
+there).
 
 SGLang 0.5.23's `LlamaForCausalLMEagle3.load_weights` silently skips names it does not know, so
 `check_export` replays its name mapping (legacy `midlayer` -> `layers.0`, q/k/v -> qkv_proj,
@@ -76,7 +83,20 @@ def sglang_config(cfg: DraftConfig) -> dict:
             "eagle_aux_hidden_state_layer_ids": list(cfg.aux_layer_ids),
             "use_aux_hidden_state": True,
         },
+        # vLLM's reading of the same layers (it looks here before eagle_config); SGLang ignores it
+        "eagle_aux_hidden_state_layer_ids": vllm_layer_ids(cfg.aux_layer_ids),
+        "norm_before_residual": False,
     }
+
+
+def vllm_layer_ids(sglang_ids) -> list[int]:
+    """SGLang "output of layer i" -> vLLM/speculators/HF "input of layer i + 1"."""
+    return [int(i) + 1 for i in sglang_ids]
+
+
+def full_vocab(c: dict) -> bool:
+    """The draft predicts the whole target vocabulary: no d2t/t2d in the export."""
+    return c["draft_vocab_size"] == c["vocab_size"]
 
 
 def config_from_sglang(c: dict) -> DraftConfig:
@@ -132,6 +152,15 @@ def config_problems(c: dict) -> list[str]:
         out.append("config.json eagle_config.use_aux_hidden_state must be true")
     if c.get("rope_parameters") is not None:
         out.append("config.json has rope_parameters: SGLang would prefer it over rope_theta")
+    top = c.get("eagle_aux_hidden_state_layer_ids")
+    if isinstance(ids, list) and top != vllm_layer_ids(ids):
+        out.append(
+            f"config.json eagle_aux_hidden_state_layer_ids is {top!r}: vLLM reads it before "
+            f"eagle_config and needs the SGLang ids + 1, {vllm_layer_ids(ids)} (re-export the "
+            "draft: an older export feeds vLLM states one layer too early)"
+        )
+    if c.get("norm_before_residual", False) is not False:
+        out.append("config.json norm_before_residual must be false (SGLang/EAGLE-3 layer)")
     return out
 
 
@@ -216,7 +245,14 @@ def check_tensors(c: dict, tensors: dict[str, tuple[tuple, str]]) -> list[str]:
         "model.layers.0.self_attn.qkv_proj.weight": {"q", "k", "v"},
         "model.layers.0.mlp.gate_up_proj.weight": {0, 1},
     }
-    for param in [*params, "d2t", "t2d"]:
+    mapping = [] if full_vocab(c) else ["d2t", "t2d"]
+    if full_vocab(c):
+        problems += [
+            f"tensor {k}: a full-vocabulary draft must not carry it (vLLM refuses d2t there)"
+            for k in ("d2t", "t2d")
+            if k in filled
+        ]
+    for param in [*params, *mapping]:
         if param == "model.embed_tokens.weight":
             continue
         need = shards.get(param, {None})
@@ -243,21 +279,33 @@ def check_export(out_dir: str | os.PathLike) -> None:
                 k: (tuple(f.get_slice(k).get_shape()), f.get_slice(k).get_dtype()) for k in f.keys()
             }
             problems = check_tensors(c, tensors)
-            if not problems:
+            if not problems and not full_vocab(c):
                 d2t, t2d = f.get_tensor("d2t"), f.get_tensor("t2d")
                 hot = d2t + torch.arange(d2t.shape[0])
                 if int(hot.min()) < 0 or int(hot.max()) >= c["vocab_size"]:
                     problems.append("d2t maps draft ids outside the target vocabulary")
                 elif not bool(t2d[hot].all()) or int(t2d.sum()) != d2t.shape[0]:
                     problems.append("t2d is not true exactly at d2t[i] + i")
+    if not problems and (out / "speculators").exists():
+        problems = speculators_problems(out / "speculators", c)
     if problems:
         raise ExportError(f"{out}: not a valid SGLang EAGLE-3 draft:\n  " + "\n  ".join(problems))
 
 
-def speculators_config(cfg: DraftConfig, verifier: str, num_tokens: int) -> dict:
-    """speculators "eagle3" config for vLLM; vLLM's ids are input-of-layer (SGLang id + 1)."""
+def speculators_config(cfg: DraftConfig, verifier: dict, num_tokens: int) -> dict:
+    """speculators "eagle3" config; its ids are input-of-layer (SGLang id + 1), as vLLM's.
+
+    `verifier` is {"name_or_path", "architectures"}: a path relative to the directory the
+    engines are started from (the project root), so the export stays valid when moved."""
     layer = sglang_config(cfg)
-    for k in ("architectures", "eagle_config", "draft_vocab_size", "target_hidden_size"):
+    for k in (
+        "architectures",
+        "eagle_config",
+        "draft_vocab_size",
+        "target_hidden_size",
+        "eagle_aux_hidden_state_layer_ids",
+        "norm_before_residual",
+    ):
         layer.pop(k)
     return {
         "architectures": ["Eagle3Speculator"],
@@ -266,7 +314,7 @@ def speculators_config(cfg: DraftConfig, verifier: str, num_tokens: int) -> dict
         "draft_vocab_size": cfg.draft_vocab_size,
         "target_hidden_size": cfg.target_hidden_size,
         "norm_before_residual": False,
-        "eagle_aux_hidden_state_layer_ids": [i + 1 for i in cfg.aux_layer_ids],
+        "eagle_aux_hidden_state_layer_ids": vllm_layer_ids(cfg.aux_layer_ids),
         "speculators_config": {
             "algorithm": "eagle3",
             "proposal_methods": [
@@ -278,33 +326,78 @@ def speculators_config(cfg: DraftConfig, verifier: str, num_tokens: int) -> dict
                 }
             ],
             "default_proposal_method": "greedy",
-            "verifier": {"name_or_path": verifier, "architectures": []},
+            "verifier": {
+                "name_or_path": verifier["name_or_path"],
+                "architectures": list(verifier["architectures"]),
+            },
         },
     }
 
 
+def verifier_ref(target_dir: str | os.PathLike) -> dict:
+    """The speculators `verifier` entry for a target directory: a path relative to the
+    current directory (the workflow root) when the target lies below it, and its architectures."""
+    target = Path(target_dir)
+    rel = os.path.relpath(target.absolute())
+    arch = json.loads((target / "config.json").read_text()).get("architectures") or []
+    if not arch:
+        raise ExportError(f"{target}/config.json has no architectures: speculators needs them")
+    return {"name_or_path": str(target) if rel.startswith("..") else rel, "architectures": arch}
+
+
+def target_embedding(target_dir: str | os.PathLike) -> torch.Tensor:
+    """The target's input embedding exactly as stored (name `*embed_tokens.weight` outside the
+    decoder layers; the text model's for multimodal wrappers)."""
+    found = []
+    for f in sorted(Path(target_dir).glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as st:
+            found += [(f, k) for k in st.keys() if k.endswith("embed_tokens.weight")]
+    found = [(f, k) for f, k in found if "layers." not in k and "vision" not in k]
+    if len(found) != 1:
+        raise ExportError(
+            f"{target_dir}: expected one embed_tokens.weight, found {[k for _, k in found]}"
+        )
+    with safe_open(str(found[0][0]), framework="pt") as st:
+        return st.get_tensor(found[0][1])
+
+
 def export_draft(
-    draft: Eagle3Draft, out_dir, provenance: dict, verifier: str = "", num_tokens: int = 4
+    draft: Eagle3Draft,
+    out_dir,
+    provenance: dict,
+    *,
+    embed: torch.Tensor,
+    verifier: dict,
+    num_tokens: int = 4,
 ) -> None:
-    """Write `out_dir` atomically (staging dir, fsync, rename) and contract-check it first."""
+    """Write `out_dir` atomically (staging dir, fsync, rename) and contract-check it first.
+
+    `embed` is the target's input embedding as stored (its dtype): the speculators copy carries
+    it, because speculators' loader otherwise leaves the embedding uninitialized (zeros under
+    transformers 5.x), and vLLM shares it with the target when it is bit-identical."""
     out = Path(out_dir)
     out.parent.mkdir(parents=True, exist_ok=True)
     stage = Path(tempfile.mkdtemp(prefix=f".tmp-{out.name}-", dir=out.parent))
+    cfg = draft.config
+    if tuple(embed.shape) != (cfg.vocab_size, cfg.target_hidden_size):
+        raise ExportError(
+            f"target embedding is {list(embed.shape)}, the draft needs "
+            f"[{cfg.vocab_size}, {cfg.target_hidden_size}]"
+        )
     try:
         state = {k: v.detach().to("cpu").contiguous() for k, v in draft.state_dict().items()}
         state = {k: (v.float() if v.is_floating_point() else v) for k, v in state.items()}
+        if cfg.draft_vocab_size == cfg.vocab_size:
+            state.pop("d2t"), state.pop("t2d")  # identity mapping; vLLM refuses a d2t here
         save_file(state, str(stage / WEIGHTS), metadata={"format": "pt"})
-        atomic_write_json(stage / "config.json", sglang_config(draft.config))
+        atomic_write_json(stage / "config.json", sglang_config(cfg))
         spec = stage / "speculators"
         spec.mkdir()
         renamed = {k.replace("midlayer.", "layers.0."): v for k, v in state.items()}
+        renamed["embed_tokens.weight"] = embed.detach().to("cpu").contiguous()
         save_file(renamed, str(spec / WEIGHTS), metadata={"format": "pt"})
-        atomic_write_json(
-            spec / "config.json", speculators_config(draft.config, verifier, num_tokens)
-        )
-        atomic_write_json(
-            stage / PROVENANCE, {**provenance, "draft_config": draft.config.to_dict()}
-        )
+        atomic_write_json(spec / "config.json", speculators_config(cfg, verifier, num_tokens))
+        atomic_write_json(stage / PROVENANCE, {**provenance, "draft_config": cfg.to_dict()})
         check_export(stage)
         for p in [*stage.iterdir(), *spec.iterdir()]:
             if p.is_file():
@@ -320,6 +413,38 @@ def export_draft(
         raise
 
 
+def speculators_problems(spec_dir: Path, c: dict) -> list[str]:
+    """What is wrong with the speculators copy next to an SGLang config `c`."""
+    cfg_path, w_path = spec_dir / "config.json", spec_dir / WEIGHTS
+    if not (cfg_path.is_file() and w_path.is_file()):
+        return [f"{spec_dir}: config.json or {WEIGHTS} is missing"]
+    s = json.loads(cfg_path.read_text())
+    ids = vllm_layer_ids(c["eagle_config"]["eagle_aux_hidden_state_layer_ids"])
+    out = []
+    if s.get("eagle_aux_hidden_state_layer_ids") != ids:
+        out.append(
+            f"{cfg_path}: eagle_aux_hidden_state_layer_ids {s.get('eagle_aux_hidden_state_layer_ids')}"
+            f" != {ids} (SGLang ids + 1)"
+        )
+    if s.get("norm_before_residual") is not False:
+        out.append(f"{cfg_path}: norm_before_residual must be false (vLLM defaults it to true)")
+    ver = (s.get("speculators_config") or {}).get("verifier") or {}
+    if not ver.get("architectures"):
+        out.append(f"{cfg_path}: speculators_config.verifier.architectures is empty")
+    with safe_open(str(w_path), framework="pt") as f:
+        keys = set(f.keys())
+        shape = (
+            tuple(f.get_slice("embed_tokens.weight").get_shape())
+            if "embed_tokens.weight" in keys
+            else None
+        )
+    if shape != (c["vocab_size"], c.get("target_hidden_size", c["hidden_size"])):
+        out.append(f"{w_path}: embed_tokens.weight is {shape}, speculators needs the target's")
+    if any(k.startswith("midlayer.") for k in keys):
+        out.append(f"{w_path}: midlayer.* names; speculators wants layers.0.*")
+    return out
+
+
 def load_export(out_dir) -> Eagle3Draft:
     """The exported draft back as an `Eagle3Draft` (contract-checked first)."""
     from safetensors.torch import load_file
@@ -327,7 +452,11 @@ def load_export(out_dir) -> Eagle3Draft:
     check_export(out_dir)
     cfg = config_from_sglang(json.loads((Path(out_dir) / "config.json").read_text()))
     draft = Eagle3Draft(cfg)
-    draft.load_state_dict(load_file(str(Path(out_dir) / WEIGHTS)), strict=True)
+    state = load_file(str(Path(out_dir) / WEIGHTS))
+    if cfg.draft_vocab_size == cfg.vocab_size:
+        state["d2t"] = torch.zeros(cfg.vocab_size, dtype=torch.long)
+        state["t2d"] = torch.ones(cfg.vocab_size, dtype=torch.bool)
+    draft.load_state_dict(state, strict=True)
     return draft.eval()
 
 

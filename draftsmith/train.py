@@ -48,7 +48,7 @@ from draftsmith.common import (
     versions,
 )
 from draftsmith.config import aux_layer_ids
-from draftsmith.export import export_draft
+from draftsmith.export import export_draft, target_embedding, verifier_ref
 from draftsmith.model import DraftConfig, Eagle3Draft
 from draftsmith.shards import open_shard
 from draftsmith.ttt import (
@@ -421,7 +421,8 @@ def train(
             draft.cpu(),
             out_dir,
             {**provenance, "versions": versions()},
-            verifier=str(target_dir.resolve()),
+            embed=target_embedding(target_dir),
+            verifier=verifier_ref(target_dir),
             num_tokens=steps,
         )
         with atomic_path(metrics_path) as tmp:

@@ -265,19 +265,34 @@ def test_llama3_rope_matches_transformers():
 # Export
 
 
+VERIFIER = {"name_or_path": "results/target", "architectures": ["LlamaForCausalLM"]}
+
+
+def export_tiny(draft, out, provenance=None):
+    c = draft.config
+    embed = torch.randn(c.vocab_size, c.target_hidden_size).to(torch.bfloat16)
+    export_draft(draft, out, provenance or {}, embed=embed, verifier=VERIFIER)
+    return embed
+
+
 @torch.no_grad()
 def test_export_round_trip_identical_logits(tmp_path):
     draft = tiny_draft(seed=3)
-    export_draft(draft, tmp_path / "draft", {"test": True}, verifier="tiny")
+    embed = export_tiny(draft, tmp_path / "draft", {"test": True})
     check_export(tmp_path / "draft")
     names = set(load_file(str(tmp_path / "draft" / "model.safetensors")))
     assert not any("embed" in n for n in names)
     cfg = json.loads((tmp_path / "draft" / "config.json").read_text())
     assert cfg["architectures"] == ["LlamaForCausalLMEagle3"]
     assert cfg["tie_word_embeddings"] is False
-    assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]
+    assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]  # SGLang
+    assert cfg["eagle_aux_hidden_state_layer_ids"] == [2, 3, 4]  # vLLM reads this one first
     spec = json.loads((tmp_path / "draft" / "speculators" / "config.json").read_text())
     assert spec["eagle_aux_hidden_state_layer_ids"] == [2, 3, 4]  # vLLM: input-of-layer
+    assert spec["speculators_config"]["verifier"] == VERIFIER
+    spec_w = load_file(str(tmp_path / "draft" / "speculators" / "model.safetensors"))
+    assert torch.equal(spec_w["embed_tokens.weight"], embed)  # as stored: vLLM shares it
+    assert not any(k.startswith("midlayer.") for k in spec_w)
     back = load_export(tmp_path / "draft")
     c = draft.config
     g = torch.Generator().manual_seed(4)
@@ -295,7 +310,7 @@ def test_export_round_trip_identical_logits(tmp_path):
 
 def test_contract_check_refuses_what_sglang_would_skip(tmp_path):
     draft = tiny_draft(seed=5)
-    export_draft(draft, tmp_path / "ok", {}, verifier="tiny")
+    export_tiny(draft, tmp_path / "ok")
     weights = load_file(str(tmp_path / "ok" / "model.safetensors"))
     config = json.loads((tmp_path / "ok" / "config.json").read_text())
 
@@ -321,3 +336,28 @@ def test_contract_check_refuses_what_sglang_would_skip(tmp_path):
     no_t2d = {k: v for k, v in weights.items() if k != "t2d"}
     with pytest.raises(ExportError, match="t2d"):
         check_export(broken("no_t2d", no_t2d))
+    # a config whose top-level ids are SGLang's (or absent) would feed vLLM the wrong layers
+    sglang_ids = config["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
+    for name, bad in (("top_same", sglang_ids), ("top_missing", None)):
+        cfg = {**config, "eagle_aux_hidden_state_layer_ids": bad}
+        with pytest.raises(ExportError, match="vLLM reads it before"):
+            check_export(broken(name, cfg=cfg))
+
+
+@torch.no_grad()
+def test_full_vocabulary_draft_exports_without_mapping(tmp_path):
+    """draft vocab == target vocab: no d2t/t2d (vLLM cannot load a d2t there), identity back."""
+    draft = tiny_draft(seed=6, draft_vocab_size=DraftConfig.tiny().vocab_size)
+    export_tiny(draft, tmp_path / "full")
+    for d in (tmp_path / "full", tmp_path / "full" / "speculators"):
+        names = set(load_file(str(d / "model.safetensors")))
+        assert not names & {"d2t", "t2d"}, d
+    back = load_export(tmp_path / "full")
+    assert not back.d2t.any() and back.t2d.all()
+    ids = torch.arange(back.config.draft_vocab_size)
+    assert torch.equal(back.draft_to_target(ids), ids)
+    weights = load_file(str(tmp_path / "full" / "model.safetensors"))
+    weights["d2t"] = torch.zeros(back.config.draft_vocab_size, dtype=torch.long)
+    save_file(weights, str(tmp_path / "full" / "model.safetensors"))
+    with pytest.raises(ExportError, match="full-vocabulary"):
+        check_export(tmp_path / "full")

@@ -208,14 +208,20 @@ def _bench_inputs(tmp_path, tiny_target, model, num_heldout=3):
     import json
     import shutil
 
-    from draftsmith.export import export_draft
+    from draftsmith.export import export_draft, target_embedding, verifier_ref
     from draftsmith.target import write_meta
 
     target_dir = tmp_path / "target"
     shutil.copytree(tiny_target, target_dir)
     write_meta(target_dir, "path", str(tiny_target))
     draft_dir = tmp_path / "draft"
-    export_draft(random_draft(model), draft_dir, provenance={})
+    export_draft(
+        random_draft(model),
+        draft_dir,
+        provenance={},
+        embed=target_embedding(target_dir),
+        verifier=verifier_ref(target_dir),
+    )
     metrics = tmp_path / "metrics.jsonl"
     metrics.write_text(
         "".join(
