@@ -1,27 +1,30 @@
-"""Converters between our shards and the per-sample formats of speculators v1 and SpecForge.
+"""Converters between our shards and the offline formats of speculators and SpecForge.
 
-    python -m draftsmith.convert to-speculators   --shard S --target T --out DIR
+    python -m draftsmith.convert to-speculators   --shard S --target T --out DIR [--layout arrow|pt]
     python -m draftsmith.convert from-speculators --src DIR --target T --out results/hidden/rows_<a>-<b>.safetensors
     python -m draftsmith.convert to-specforge     --shard S --out DIR
     python -m draftsmith.convert from-specforge   --src DIR --target T --out results/hidden/rows_<a>-<b>.safetensors
 
-speculators v1 (`data_<i>.pt`): `input_ids [S]`, `hidden_states` a list of the 3 aux states and
-the final state *before* the target's final norm (each [S, H]), `loss_mask [S]` (may be longer
-than input_ids in the wild: truncated here). SpecForge (`rows_<g>-<g+2000>/data_<i>.ckpt`):
-`input_ids`, `loss_mask`, `hidden_state [1, S, H]` post-norm, `aux_hidden_state [1, S, 3H]`.
-Sample index i is the global row index (the shard's row range start + row).
+speculators (both generations): `draftsmith.convert_speculators`. SpecForge: `input_ids`,
+`loss_mask`, `hidden_state [1, S, H]` post-norm, `aux_hidden_state [1, S, 3H]` in one torch.save
+file per sample, `.ckpt` or gzipped `.ckpt.gz`, anywhere below the directory (SpecForge's own
+readers walk the tree). `to-specforge` writes `rows_<g>-<g+2000>/data_<i>.ckpt` (i = global
+row); `from-specforge` maps rows to files by that index when every file is named `data_<i>`,
+otherwise in SpecForge's reader order (sorted paths).
 
 Legacy files are read with `torch.load(weights_only=True)` only; a file that needs more is
-refused. Going to speculators the final norm is removed (h / norm.weight: a pre-norm state whose
-norm is h; the original scale is not recoverable); coming from it the norm is applied. Neither
-format records SGLang-convention layer ids, so the `to-*` commands write a `draftsmith.json`
-beside the samples, and `from-*` takes `--aux-layer-ids` when that file is absent.
+refused. Every converted shard's manifest says what was assumed (`converted_from`: format,
+layer numbering, where the SGLang-numbered ids came from, what was done to the final state,
+how samples map to rows); `to-*` writes `draftsmith.json` beside the samples with the ids.
 """
 
 from __future__ import annotations
 
 import argparse
+import gzip
+import io
 import json
+import os
 import pickle
 import re
 from pathlib import Path
@@ -42,11 +45,15 @@ class ConvertError(ValueError):
 
 
 def load_legacy(path: Path) -> dict:
-    """torch.load(weights_only=True, mmap=True); refuse files that need arbitrary unpickling."""
+    """torch.load(weights_only=True) (mmap unless gzipped); refuse arbitrary unpickling."""
     if not path.is_file():
         raise ConvertError(f"{path}: missing sample file")
     try:
-        obj = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        if path.name.endswith(".gz"):
+            with gzip.open(path, "rb") as f:
+                obj = torch.load(io.BytesIO(f.read()), map_location="cpu", weights_only=True)
+        else:
+            obj = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except pickle.UnpicklingError as e:
         m = re.search(r"Unsupported global: GLOBAL (\S+)", str(e))
         what = f"it references {m.group(1)}" if m else str(e).splitlines()[0]
@@ -54,7 +61,7 @@ def load_legacy(path: Path) -> dict:
             f"{path}: refused: {what}, which torch.load(weights_only=True) does not allow "
             "(draftsmith never unpickles arbitrary objects)"
         ) from None
-    except (RuntimeError, EOFError, OSError) as e:
+    except (RuntimeError, EOFError, OSError, gzip.BadGzipFile) as e:
         raise ConvertError(f"{path}: unreadable legacy file ({str(e).splitlines()[0]})") from None
     if not isinstance(obj, dict):
         raise ConvertError(f"{path}: expected a dict of tensors, got {type(obj).__name__}")
@@ -168,56 +175,6 @@ def _check_sample(path, input_ids, loss_mask, states: list[torch.Tensor]) -> tup
     return input_ids, loss_mask
 
 
-def from_speculators(src: Path, target: Path, out: Path, ids_arg, dtype) -> dict:
-    from draftsmith.target import target_config
-
-    a, b = parse_range(out.stem)
-    n_layers = int(target_config(target)["num_hidden_layers"])
-    ids, how = _ids_from(src, ids_arg, n_layers)
-    weight, eps = final_norm(target)
-
-    def read(f: Path, states: bool) -> dict:
-        d = load_legacy(f)
-        for k in ("input_ids", "hidden_states", "loss_mask"):
-            if k not in d:
-                raise ConvertError(f"{f}: speculators v1 sample lacks {k!r} (keys {sorted(d)})")
-        hs = d["hidden_states"]
-        if not isinstance(hs, (list, tuple)) or len(hs) != 4:
-            raise ConvertError(
-                f"{f}: hidden_states must be a list of 3 aux states + the final "
-                f"pre-norm state, got {type(hs).__name__} of {len(hs)}"
-            )
-        input_ids, loss_mask = _check_sample(f, d["input_ids"], d["loss_mask"], list(hs))
-        s = {
-            "input_ids": input_ids,
-            "loss_mask": loss_mask,
-            "hidden_size": hs[0].shape[-1],
-            "dtype": hs[0].dtype,
-        }
-        if states:
-            s["aux"] = torch.cat(list(hs[:3]), dim=-1)
-            s["last"] = apply_norm(hs[3], weight, eps)
-        return s
-
-    files = [src / f"data_{i}.pt" for i in range(a, b)]
-    return _write_shard(
-        out,
-        files,
-        read,
-        dtype,
-        _converted_manifest(
-            (a, b),
-            ids,
-            target,
-            n_layers,
-            src,
-            how,
-            "speculators-v1",
-            "applied: the source stores the final state pre-norm",
-        ),
-    )
-
-
 def _converted_manifest(rows, ids, target, n_layers, src, how, fmt, norm) -> dict:
     """Manifest fields of a shard converted from a legacy format, recording what was assumed."""
     from draftsmith.target import fingerprint
@@ -243,7 +200,47 @@ def specforge_path(src: Path, i: int, group: int) -> Path:
     return src / f"rows_{g}-{g + group}" / f"data_{i}.ckpt"
 
 
-def from_specforge(src: Path, target: Path, out: Path, ids_arg, dtype, group: int) -> dict:
+SPECFORGE_SUFFIXES = (".ckpt", ".ckpt.gz")
+SPECFORGE_INDEXED = re.compile(r"^data_(\d+)\.ckpt(\.gz)?$")
+
+
+def specforge_files(src: Path, a: int, b: int) -> tuple[list[Path], str]:
+    """The sample files of rows a..b-1 and how they were matched to rows.
+
+    SpecForge's readers take every `*.ckpt` / `*.ckpt.gz` below `src` in sorted-path order;
+    `prepare_hidden_states.py` (and `to-specforge`) name them `data_<i>` by sample index."""
+    found = sorted(
+        Path(root) / n
+        for root, _dirs, names in os.walk(src)
+        for n in names
+        if n.endswith(SPECFORGE_SUFFIXES)
+    )
+    if not found:
+        raise ConvertError(f"{src}: no SpecForge sample files (*.ckpt, *.ckpt.gz) below it")
+    indexed = {}
+    for f in found:
+        m = SPECFORGE_INDEXED.match(f.name)
+        if not m:
+            break
+        if int(m.group(1)) in indexed:
+            raise ConvertError(f"{src}: sample {m.group(1)} twice: {indexed[int(m.group(1))]}, {f}")
+        indexed[int(m.group(1))] = f
+    else:
+        missing = [i for i in range(a, b) if i not in indexed]
+        if missing:
+            raise ConvertError(
+                f"{specforge_path(src, missing[0], SPECFORGE_GROUP)}: missing sample file "
+                f"(no data_{missing[0]}.ckpt[.gz] below {src})"
+            )
+        return [indexed[i] for i in range(a, b)], "data_<i>.ckpt[.gz], i = global row"
+    if b > len(found):
+        raise ConvertError(
+            f"{src}: rows {a}..{b - 1} need {b} sample files in SpecForge's order, found {len(found)}"
+        )
+    return found[a:b], "row r = r-th file in sorted path order (SpecForge's reader order)"
+
+
+def from_specforge(src: Path, target: Path, out: Path, ids_arg, dtype) -> dict:
     from draftsmith.target import target_config
 
     a, b = parse_range(out.stem)
@@ -276,23 +273,23 @@ def from_specforge(src: Path, target: Path, out: Path, ids_arg, dtype, group: in
             s["aux"], s["last"] = aux[0], last[0]
         return s
 
-    files = [specforge_path(src, i, group) for i in range(a, b)]
-    return _write_shard(
-        out,
-        files,
-        read,
-        dtype,
-        _converted_manifest(
-            (a, b),
-            ids,
-            target,
-            n_layers,
-            src,
-            how,
-            "specforge",
-            "none: the source stores the final state post-norm",
-        ),
+    files, index = specforge_files(src, a, b)
+    manifest = _converted_manifest(
+        (a, b),
+        ids,
+        target,
+        n_layers,
+        src,
+        how,
+        "specforge",
+        "none: the source stores the final state post-norm (SGLang's LogitsProcessor input)",
     )
+    manifest["converted_from"]["layer_numbering"] = (
+        "source and shard: SGLang output-of-layer ids (SpecForge captures through SGLang)"
+    )
+    manifest["converted_from"]["sample_index"] = index
+    manifest["converted_from"]["files"] = [str(files[0]), str(files[-1])]
+    return _write_shard(out, files, read, dtype, manifest)
 
 
 def _save(obj: dict, path: Path) -> None:
@@ -308,52 +305,15 @@ def _sidecar(out: Path, shard, fmt: str, last: str) -> None:
             "format": fmt,
             "aux_layer_ids": m["aux_layer_ids"],
             "convention": CONVENTION,
+            "vllm_layer_ids": [i + 1 for i in m["aux_layer_ids"]],
+            "row_range": m["row_range"],
+            "target_layers": m.get("target_layers"),
             "final_state": last,
             "target_fingerprint": m.get("target_fingerprint"),
             "source_shard": str(shard.path),
             "versions": versions(),
         },
     )
-
-
-def to_speculators(shard_path: Path, target: Path, out: Path) -> int:
-    shard = open_shard(shard_path)
-    weight, eps = final_norm(target)
-    h, start = shard.manifest["hidden_size"], shard.manifest["row_range"][0]
-    for r in tqdm(range(len(shard)), desc="to-speculators", unit="row"):
-        row = shard.row(r)
-        aux = row["aux_hidden_states"]
-        dt = aux.dtype
-        hs = [aux[:, k * h : (k + 1) * h].clone() for k in range(3)]  # clone: never save the mmap
-        hs.append(remove_norm(row["last_hidden_states"], weight).to(dt))
-        _save(
-            {
-                "input_ids": row["input_ids"].clone(),
-                "hidden_states": hs,
-                "loss_mask": row["loss_mask"].long(),
-            },
-            out / f"data_{start + r}.pt",
-        )
-    n = shard.manifest["target_layers"] if "target_layers" in shard.manifest else None
-    ids = shard.manifest["aux_layer_ids"]
-    atomic_write_json(
-        out / "data_config.json",
-        {
-            "version": "2.0",
-            "hidden_states": {
-                "layer_ids": [i + 1 for i in ids] + ([n] if n else []),
-                "numbering": "HF output_hidden_states index; last entry pre-norm",
-            },
-            "format": {"file_pattern": "data_{idx}.pt", "data_format_version": 1},
-        },
-    )
-    _sidecar(
-        out,
-        shard,
-        "speculators-v1",
-        f"pre-norm: h / norm.weight (eps {eps}); applying the target's norm gives h back",
-    )
-    return len(shard)
 
 
 def to_specforge(shard_path: Path, out: Path, group: int) -> int:
@@ -375,6 +335,8 @@ def to_specforge(shard_path: Path, out: Path, group: int) -> int:
 
 
 def main(argv: list[str] | None = None) -> None:
+    from draftsmith import convert_speculators as sp
+
     ap = argparse.ArgumentParser(
         prog="python -m draftsmith.convert",
         description=__doc__,
@@ -385,35 +347,36 @@ def main(argv: list[str] | None = None) -> None:
         p = sub.add_parser(name)
         p.add_argument("--shard", type=Path, required=True)
         p.add_argument("--out", type=Path, required=True, help="output directory")
-        p.add_argument(
-            "--target",
-            type=Path,
-            required=name == "to-speculators",
-            help="target HF dir (its final norm weight)",
-        )
-        p.add_argument("--group-size", type=int, default=SPECFORGE_GROUP)
+        if name == "to-speculators":
+            p.add_argument("--target", type=Path, required=True, help="target HF dir (final norm)")
+            p.add_argument(
+                "--layout",
+                choices=["arrow", "pt"],
+                default="arrow",
+                help="arrow: speculators >= 0.5 dataset + hs_<i>.safetensors (default); "
+                "pt: legacy data_<i>.pt (speculators <= 0.4)",
+            )
+        else:
+            p.add_argument("--group-size", type=int, default=SPECFORGE_GROUP)
     for name in ("from-speculators", "from-specforge"):
         p = sub.add_parser(name)
-        p.add_argument("--src", type=Path, required=True, help="directory of legacy samples")
+        p.add_argument("--src", type=Path, required=True, help="directory of samples")
         p.add_argument("--target", type=Path, required=True, help="target HF dir")
         p.add_argument("--out", type=Path, required=True, help=".../rows_<a>-<b>.safetensors")
         p.add_argument("--aux-layer-ids", help="a,b,c in SGLang numbering (if no draftsmith.json)")
         p.add_argument("--dtype", choices=list(STORAGE_DTYPES), help="default: the source dtype")
-        p.add_argument("--group-size", type=int, default=SPECFORGE_GROUP)
     args = ap.parse_args(argv)
     try:
         if args.cmd == "to-speculators":
-            n = to_speculators(args.shard, args.target, args.out)
+            n = sp.to_speculators(args.shard, args.target, args.out, args.layout)
         elif args.cmd == "to-specforge":
             n = to_specforge(args.shard, args.out, args.group_size)
         elif args.cmd == "from-speculators":
-            n = from_speculators(args.src, args.target, args.out, args.aux_layer_ids, args.dtype)[
-                "rows"
-            ]
+            m = sp.from_speculators(args.src, args.target, args.out, args.aux_layer_ids, args.dtype)
+            n = m["rows"]
         else:
-            n = from_specforge(
-                args.src, args.target, args.out, args.aux_layer_ids, args.dtype, args.group_size
-            )["rows"]
+            m = from_specforge(args.src, args.target, args.out, args.aux_layer_ids, args.dtype)
+            n = m["rows"]
     except (ConvertError, ShardError, ValueError) as e:
         raise SystemExit(f"error: {e}") from None
     print(f"{args.cmd}: {n} rows -> {args.out}")

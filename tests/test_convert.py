@@ -84,6 +84,8 @@ def test_round_trip_speculators(captured, tmp_path):
             str(target),
             "--out",
             str(tmp_path / "sp"),
+            "--layout",
+            "pt",
         ]
     )
     sample = load_legacy(tmp_path / "sp" / "data_1999.pt")
@@ -112,6 +114,7 @@ def test_round_trip_speculators(captured, tmp_path):
     assert_same(open_shard(shard), open_shard(back, verify_sha=True), exact_states=False)
     conv = json.loads(manifest_path(back).read_text())["converted_from"]
     assert conv["format"] == "speculators-v1" and "applied" in conv["final_norm"]
+    assert "input-of-layer" in conv["layer_numbering"] and "global row" in conv["sample_index"]
 
 
 def test_round_trip_specforge(captured, tmp_path):
@@ -126,6 +129,43 @@ def test_round_trip_specforge(captured, tmp_path):
     back = tmp_path / "back" / "rows_001998-002002.safetensors"
     main(["from-specforge", "--src", str(src), "--target", str(target), "--out", str(back)])
     assert_same(open_shard(shard), open_shard(back, verify_sha=True), exact_states=True)
+    conv = json.loads(manifest_path(back).read_text())["converted_from"]
+    assert conv["final_norm"].startswith("none") and "SGLang" in conv["layer_numbering"]
+
+
+def test_specforge_any_names_and_gzip(captured, tmp_path):
+    """SpecForge's readers take every *.ckpt / *.ckpt.gz below the directory, sorted by path
+    (its own dumps are named by sample id); gzipped files are read too."""
+    import gzip
+    import io
+
+    target, shard = captured
+    plain = tmp_path / "plain"
+    main(["to-specforge", "--shard", str(shard), "--out", str(plain)])
+    src = tmp_path / "named"
+    files = sorted(plain.rglob("*.ckpt"), key=lambda f: int(f.stem.split("_")[1]))
+    for r, f in enumerate(files):  # sample ids that sort in row order; half of them gzipped
+        dst = src / ("a" if r < 2 else "b") / f"run:{r:08d}.ckpt"
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        if r % 2:
+            buf = io.BytesIO(f.read_bytes())
+            dst = dst.with_name(dst.name + ".gz")
+            with gzip.open(dst, "wb") as g:
+                g.write(buf.getvalue())
+        else:
+            shutil.copyfile(f, dst)
+    shutil.copyfile(plain / "draftsmith.json", src / "draftsmith.json")
+    back = tmp_path / "back" / "rows_000000-000004.safetensors"
+    main(["from-specforge", "--src", str(src), "--target", str(target), "--out", str(back)])
+    a, b = open_shard(shard), open_shard(back)
+    assert torch.equal(a.input_ids, b.input_ids) and torch.equal(a.row_offsets, b.row_offsets)
+    assert torch.equal(a.aux_hidden_states, b.aux_hidden_states)
+    assert torch.equal(a.last_hidden_states, b.last_hidden_states)
+    conv = json.loads(manifest_path(back).read_text())["converted_from"]
+    assert "sorted path order" in conv["sample_index"]
+    with pytest.raises(SystemExit, match="need 5 sample files"):
+        out = tmp_path / "rows_000000-000005.safetensors"
+        main(["from-specforge", "--src", str(src), "--target", str(target), "--out", str(out)])
 
 
 def test_longer_loss_mask_truncated_and_ids_required(captured, tmp_path):
