@@ -6,7 +6,9 @@ ids: the residual stream leaving layer i, un-normalized, i.e. transformers'
 This module reads and checks the token file, resolves the layer ids and the provenance of the
 manifest; the engine named by `capture.backend` (`draftsmith.engines`) runs the target and
 writes the shard. `plan_batches` is the length-sorted batching shared by engines: rows are
-grouped up to `capture.batch_tokens` (padded rows x longest row).
+grouped up to `capture.batch_tokens` (padded rows x longest row). The shard is stored in the mode
+`capture.storage` names (draftsmith/storage.py): engines hand `ShardWriter` the same states in
+every mode and pass it `storage=` (and the target's lm_head for top-k teachers).
 
     python -m draftsmith.capture --cfg '{"capture": {...}, "target": {...}}' \\
         --tokens results/tokens/rows_000000-000128.safetensors --target results/target \\
@@ -23,6 +25,7 @@ import torch
 from draftsmith.common import init_logging, parse_cfg, versions
 from draftsmith.config import aux_layer_ids, parse_range
 from draftsmith.shards import STORAGE_DTYPES, ShardError
+from draftsmith.storage import Storage, StorageError
 
 
 class CaptureError(ValueError):
@@ -84,6 +87,10 @@ def main(argv: list[str] | None = None) -> None:
     dtype = cap.get("dtype", "bfloat16")
     if dtype not in STORAGE_DTYPES:
         raise SystemExit(f"capture.dtype {dtype!r} is not one of {list(STORAGE_DTYPES)}")
+    try:
+        storage = Storage.from_config(cap.get("storage"))
+    except StorageError as e:
+        raise SystemExit(f"error: {e}") from None
     from draftsmith import target as tgt
     from draftsmith.engines import engine
 
@@ -106,7 +113,7 @@ def main(argv: list[str] | None = None) -> None:
             tokens["input_ids"].numel(),
             ids,
             n_layers,
-            dtype,
+            storage.name(dtype),
             cap.get("backend", "hf"),
         )
         manifest = capture_range(

@@ -16,6 +16,13 @@ Legacy files are read with `torch.load(weights_only=True)` only; a file that nee
 refused. Every converted shard's manifest says what was assumed (`converted_from`: format,
 layer numbering, where the SGLang-numbered ids came from, what was done to the final state,
 how samples map to rows); `to-*` writes `draftsmith.json` beside the samples with the ids.
+
+Storage modes (draftsmith/storage.py): `from-*` write any mode (`--storage '{"aux":
+"float8_e4m3", "final": "topk"}'`, the `capture.storage` section as JSON; top-k needs the
+target's lm_head, read from --target). `to-*` read any mode whose final state is stored at every
+token (float8 aux states are dequantized to the shard's dtype); a shard that keeps the final
+state only at trained positions or as top-k log-probabilities cannot give the per-token final
+states both formats require, and is refused with that reason.
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ from tqdm import tqdm
 from draftsmith.common import atomic_path, atomic_write_json, versions
 from draftsmith.config import aux_layer_ids, parse_range
 from draftsmith.shards import CONVENTION, STORAGE_DTYPES, ShardError, ShardWriter, open_shard
+from draftsmith.storage import Storage, StorageError
 
 SIDECAR = "draftsmith.json"
 SPECFORGE_GROUP = 2000
@@ -89,6 +97,41 @@ def final_norm(target_dir: Path) -> tuple[torch.Tensor, float]:
         return st.get_tensor(key).float(), eps
 
 
+def lm_head_weight(target_dir: Path) -> torch.Tensor:
+    """The target's lm_head weight [V, H] (the input embedding when the two are tied)."""
+    from safetensors import safe_open
+
+    from draftsmith.target import target_config
+
+    tied = bool(target_config(target_dir).get("tie_word_embeddings", False))
+    found = {}
+    for f in sorted(Path(target_dir).glob("*.safetensors")):
+        with safe_open(str(f), "pt") as st:
+            for k in st.keys():
+                m = re.fullmatch(r"(.*\.)?(lm_head|embed_tokens)\.weight", k)
+                if m and "layers." not in k:
+                    found.setdefault(m.group(2), (f, k))
+    name = "lm_head" if "lm_head" in found else "embed_tokens" if tied else None
+    if name not in found:
+        raise ConvertError(f"{target_dir}: no lm_head.weight (and the embeddings are not tied)")
+    f, key = found[name]
+    with safe_open(str(f), "pt") as st:
+        return st.get_tensor(key)
+
+
+def open_full(shard_path: Path, fmt: str):
+    """Open a shard to export: `fmt` needs every token's final state (other modes refused)."""
+    shard = open_shard(shard_path)
+    if shard.storage.final != "states":
+        mode = shard.storage.name(shard.manifest["dtype"])
+        raise ConvertError(
+            f"{shard_path}: storage mode {mode!r} keeps the final state only at trained positions"
+            f" or as top-k log-probabilities; {fmt} needs it at every token: recapture with "
+            "capture.storage.final: states"
+        )
+    return shard
+
+
 def apply_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Llama/DeepSeek RMSNorm in float32 (as transformers computes it)."""
     x = x.float()
@@ -130,8 +173,20 @@ def _ids_from(src: Path, given: str | None, n_layers: int) -> tuple[list[int], s
     return aux_layer_ids(ids, n_layers), how
 
 
-def _write_shard(out: Path, files: list[Path], read, dtype: str | None, manifest: dict) -> dict:
-    """Two passes over mmap-loaded samples: tokens first (for the header), then the states."""
+def _write_shard(
+    out: Path,
+    files: list,
+    read,
+    dtype: str | None,
+    manifest: dict,
+    storage: Storage | None = None,
+    target: Path | None = None,
+) -> dict:
+    """Two passes over mmap-loaded samples: tokens first (for the header), then the states.
+
+    `storage` is the output's storage mode; a top-k mode reads the lm_head of `target`."""
+    storage = storage or Storage()
+    lm_head = lm_head_weight(target) if storage.final == "topk" else None
     ids, masks, lengths, hidden, src_dtype = [], [], [], None, None
     for f in tqdm(files, desc="tokens", unit="file"):
         s = read(f, states=False)
@@ -153,6 +208,8 @@ def _write_shard(out: Path, files: list[Path], read, dtype: str | None, manifest
         hidden_size=hidden,
         dtype=dtype,
         manifest=manifest,
+        storage=storage,
+        lm_head=lm_head,
     ) as w:
         for r, f in enumerate(tqdm(files, desc="states", unit="file")):
             s = read(f, states=True)
@@ -240,7 +297,7 @@ def specforge_files(src: Path, a: int, b: int) -> tuple[list[Path], str]:
     return found[a:b], "row r = r-th file in sorted path order (SpecForge's reader order)"
 
 
-def from_specforge(src: Path, target: Path, out: Path, ids_arg, dtype) -> dict:
+def from_specforge(src: Path, target: Path, out: Path, ids_arg, dtype, storage=None) -> dict:
     from draftsmith.target import target_config
 
     a, b = parse_range(out.stem)
@@ -289,7 +346,7 @@ def from_specforge(src: Path, target: Path, out: Path, ids_arg, dtype) -> dict:
     )
     manifest["converted_from"]["sample_index"] = index
     manifest["converted_from"]["files"] = [str(files[0]), str(files[-1])]
-    return _write_shard(out, files, read, dtype, manifest)
+    return _write_shard(out, files, read, dtype, manifest, storage, target)
 
 
 def _save(obj: dict, path: Path) -> None:
@@ -317,8 +374,9 @@ def _sidecar(out: Path, shard, fmt: str, last: str) -> None:
 
 
 def to_specforge(shard_path: Path, out: Path, group: int) -> int:
-    shard = open_shard(shard_path)
+    shard = open_full(shard_path, "SpecForge")
     start = shard.manifest["row_range"][0]
+    dt = STORAGE_DTYPES[shard.manifest["dtype"]][0]  # float8 aux states: dequantized to it
     for r in tqdm(range(len(shard)), desc="to-specforge", unit="row"):
         row = shard.row(r)
         _save(
@@ -326,7 +384,7 @@ def to_specforge(shard_path: Path, out: Path, group: int) -> int:
                 "input_ids": row["input_ids"].clone(),
                 "loss_mask": row["loss_mask"].long(),
                 "hidden_state": row["last_hidden_states"][None].clone(),
-                "aux_hidden_state": row["aux_hidden_states"][None].clone(),
+                "aux_hidden_state": row["aux_hidden_states"][None].to(dt).clone(),
             },
             specforge_path(out, start + r, group),
         )
@@ -365,19 +423,35 @@ def main(argv: list[str] | None = None) -> None:
         p.add_argument("--out", type=Path, required=True, help=".../rows_<a>-<b>.safetensors")
         p.add_argument("--aux-layer-ids", help="a,b,c in SGLang numbering (if no draftsmith.json)")
         p.add_argument("--dtype", choices=list(STORAGE_DTYPES), help="default: the source dtype")
+        p.add_argument(
+            "--storage",
+            default="{}",
+            help='storage mode as JSON, like capture.storage: {"aux": "float8_e4m3", '
+            '"final": "topk", "topk": 32} (default: the reference layout)',
+        )
     args = ap.parse_args(argv)
     try:
+        storage = None
+        if args.cmd.startswith("from-"):
+            try:
+                storage = Storage.from_config(json.loads(args.storage))
+            except (json.JSONDecodeError, TypeError) as e:
+                raise ConvertError(f"--storage {args.storage!r}: not a JSON object ({e})") from None
         if args.cmd == "to-speculators":
             n = sp.to_speculators(args.shard, args.target, args.out, args.layout)
         elif args.cmd == "to-specforge":
             n = to_specforge(args.shard, args.out, args.group_size)
         elif args.cmd == "from-speculators":
-            m = sp.from_speculators(args.src, args.target, args.out, args.aux_layer_ids, args.dtype)
+            m = sp.from_speculators(
+                args.src, args.target, args.out, args.aux_layer_ids, args.dtype, storage
+            )
             n = m["rows"]
         else:
-            m = from_specforge(args.src, args.target, args.out, args.aux_layer_ids, args.dtype)
+            m = from_specforge(
+                args.src, args.target, args.out, args.aux_layer_ids, args.dtype, storage
+            )
             n = m["rows"]
-    except (ConvertError, ShardError, ValueError) as e:
+    except (ConvertError, ShardError, StorageError, ValueError) as e:
         raise SystemExit(f"error: {e}") from None
     print(f"{args.cmd}: {n} rows -> {args.out}")
 

@@ -43,9 +43,10 @@ from draftsmith.convert import (
     apply_norm,
     final_norm,
     load_legacy,
+    open_full,
     remove_norm,
 )
-from draftsmith.shards import open_shard
+from draftsmith.shards import STORAGE_DTYPES
 
 HS_DIR = "hidden_states"
 ST_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
@@ -83,7 +84,7 @@ def _vllm_hint(n_layers: int) -> str:
     )
 
 
-def from_speculators(src: Path, target: Path, out: Path, ids_arg, dtype) -> dict:
+def from_speculators(src: Path, target: Path, out: Path, ids_arg, dtype, storage=None) -> dict:
     from draftsmith.target import target_config
 
     a, b = parse_range(out.stem)
@@ -115,7 +116,7 @@ def from_speculators(src: Path, target: Path, out: Path, ids_arg, dtype) -> dict
         "source: speculators/vLLM input-of-layer ids (SGLang id + 1); shard: SGLang output-of-layer"
     )
     manifest["converted_from"]["sample_index"] = index
-    return _write_shard(out, items, read, dtype, manifest)
+    return _write_shard(out, items, read, dtype, manifest, storage, target)
 
 
 def _pt_reader(weight, eps):
@@ -213,14 +214,16 @@ def _arrow_reader(src: Path, weight, eps, a: int, b: int):
 def _states(shard, r: int, weight) -> tuple[dict, list[torch.Tensor]]:
     h = shard.manifest["hidden_size"]
     row = shard.row(r)
-    aux = row["aux_hidden_states"]
+    aux = row["aux_hidden_states"].to(
+        STORAGE_DTYPES[shard.manifest["dtype"]][0]
+    )  # float8: dequantized
     hs = [aux[:, k * h : (k + 1) * h] for k in range(3)]
     hs.append(remove_norm(row["last_hidden_states"], weight).to(aux.dtype))
     return row, hs
 
 
 def to_speculators(shard_path: Path, target: Path, out: Path, layout: str = "arrow") -> int:
-    shard = open_shard(shard_path)
+    shard = open_full(shard_path, "speculators")
     weight, eps = final_norm(target)
     n = shard.manifest.get("target_layers")
     ids = shard.manifest["aux_layer_ids"]

@@ -1,13 +1,15 @@
 """Disk estimate for the hidden-state shards, before any capture runs.
 
-Reads only the token files' safetensors headers (row and token counts) and the target's
-config.json (hidden size, layer count), so it costs milliseconds even for a 1T-parameter target:
+Reads only the token files (their headers; for the compact storage modes also loss_mask and
+row_offsets, to count trained positions) and the target's config.json (hidden size, layer
+count, vocabulary), so it costs milliseconds even for a 1T-parameter target:
 
     python -m draftsmith.plan --cfg '{"capture": {...}}' --target results/target \\
         --out results/hidden/plan.json results/tokens/rows_*.safetensors
 
-Prints bytes per token, the total the shards will take, what is already built, and the free
-space where they go; fails when the shards still to build do not fit.
+Prints bytes per token in the configured storage mode (`capture.storage`), the total the
+shards will take, what is already built, and the free space where they go; fails when the
+shards still to build do not fit.
 """
 
 from __future__ import annotations
@@ -21,8 +23,6 @@ from pathlib import Path
 
 from draftsmith.common import atomic_write_json, parse_cfg
 from draftsmith.config import aux_layer_ids
-
-DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 
 
 class PlanError(ValueError):
@@ -43,11 +43,26 @@ def token_counts(path: Path) -> tuple[int, int]:
         raise PlanError(f"{path}: token file lacks tensor {e}") from None
 
 
-def shard_bytes(rows: int, tokens: int, hidden: int, dtype: str) -> int:
-    """Bytes of one shard: 4H states per token, 9 bytes of ids+mask, offsets, a 4 KiB header."""
+def trained_count(path: Path) -> int:
+    """Trained positions of a token file (what the compact storage modes store a teacher for)."""
+    from safetensors import safe_open
+
+    from draftsmith.storage import trained_mask
+
+    try:
+        with safe_open(str(path), "pt") as f:
+            return int(trained_mask(f.get_tensor("loss_mask"), f.get_tensor("row_offsets")).sum())
+    except Exception as e:  # noqa: BLE001 - safetensors raises several unrelated types
+        raise PlanError(f"{path}: cannot read loss_mask/row_offsets ({e})") from None
+
+
+def shard_bytes(
+    rows: int, tokens: int, hidden: int, dtype: str, storage=None, trained=None, vocab=None
+) -> int:
+    """Bytes of one shard in a storage mode (a 4 KiB header allowance included)."""
     from draftsmith.shards import estimate_bytes
 
-    return estimate_bytes(tokens, rows, hidden, dtype)
+    return estimate_bytes(tokens, rows, hidden, dtype, storage, trained, vocab)
 
 
 def human(n: float) -> str:
@@ -59,20 +74,31 @@ def human(n: float) -> str:
 
 
 def make_plan(cfg: dict, token_files: list[Path], target: Path, out_dir: Path) -> dict:
+    from draftsmith.storage import Storage
     from draftsmith.target import target_config
 
     cap = cfg["capture"]
     text_cfg = target_config(target)
     hidden, n_layers = int(text_cfg["hidden_size"]), int(text_cfg["num_hidden_layers"])
+    vocab = int(text_cfg["vocab_size"])
     dtype = cap.get("dtype", "bfloat16")
+    storage = Storage.from_config(cap.get("storage"))
     ids = aux_layer_ids(cap.get("aux_layer_ids", "auto"), n_layers)
     shards, total, pending = [], 0, 0
     for f in sorted(token_files):
         rows, tokens = token_counts(f)
-        size = shard_bytes(rows, tokens, hidden, dtype)
+        trained = trained_count(f) if storage.final != "states" else None
+        size = shard_bytes(rows, tokens, hidden, dtype, storage, trained, vocab)
         built = (out_dir / f.name).is_file()
         shards.append(
-            {"range": f.stem, "rows": rows, "tokens": tokens, "bytes": size, "built": built}
+            {
+                "range": f.stem,
+                "rows": rows,
+                "tokens": tokens,
+                "trained_positions": trained,
+                "bytes": size,
+                "built": built,
+            }
         )
         total += size
         pending += 0 if built else size
@@ -84,7 +110,11 @@ def make_plan(cfg: dict, token_files: list[Path], target: Path, out_dir: Path) -
         "target_layers": n_layers,
         "aux_layer_ids": ids,
         "dtype": dtype,
-        "bytes_per_token": 4 * hidden * DTYPE_BYTES[dtype] + 9,
+        "storage": storage.name(dtype),
+        # states, ids and mask per token, without the per-shard header and row offsets
+        "bytes_per_token": round(
+            (total - sum(4096 + 8 * (s["rows"] + 1) for s in shards)) / max(1, n_tokens)
+        ),
         "rows": sum(s["rows"] for s in shards),
         "tokens": n_tokens,
         "total_bytes": total,
@@ -100,7 +130,7 @@ def summary(plan: dict) -> str:
     return (
         f"hidden-state shards: {len(plan['shards'])} ranges, {plan['rows']} rows, "
         f"{plan['tokens']} tokens x {plan['bytes_per_token']} B/token "
-        f"(4 x hidden {plan['hidden_size']} x {plan['dtype']} + ids/mask)\n"
+        f"(storage {plan['storage']}, hidden {plan['hidden_size']}; ids, mask, header)\n"
         f"  total {human(plan['total_bytes'])}, still to build {human(plan['pending_bytes'])}, "
         f"free in {plan['free_path']}: {human(plan['free_bytes'])}"
     )

@@ -9,6 +9,11 @@ starting on an 8-byte boundary so every view is aligned:
     last_hidden_states [T, H]   storage dtype, post-norm (the input of the target's lm_head)
     loss_mask          [T]      uint8
 
+That is the reference storage mode. The compact modes (draftsmith/storage.py, manifest key
+`storage`) store the aux states in float8 with `aux_scales`, and the final state only at the
+trained positions or as the teacher's top-k log-probabilities; the reader serves every mode
+through the same calls: `shard.aux(a, b)` (float32) and `shard.teacher(a, b)`.
+
 All sizes are known from the token file before capture, so `ShardWriter` writes the header and
 the token tensors first and then puts each batch of hidden states at its final offset
 (`os.pwrite`): memory stays bounded by one batch however large the shard. The manifest
@@ -17,9 +22,8 @@ dtypes, target fingerprint, backend, provenance and the sha256 of the shard file
 the checksum sits in the safetensors `__metadata__` so a shard is self-describing.
 
 `open_shard` memory-maps the file (copy-on-write, never read into memory) and serves rows as
-views. An 8-bit float mode with per-token scales would add `aux_scales [T]` and
-`last_scales [T]` float32 tensors and a `scales` manifest key; readers refuse dtypes they do not
-know, so such shards cannot be misread as plain states.
+views. Readers check every tensor's dtype and shape against the layout the manifest's storage
+mode implies, so a compact shard can never be misread as plain states.
 """
 
 from __future__ import annotations
@@ -37,6 +41,17 @@ import torch
 
 from draftsmith import __version__
 from draftsmith.common import atomic_path, atomic_write_json, sha256_file
+from draftsmith.storage import (
+    Storage,
+    StorageError,
+    StoredStates,
+    check_layout,
+    encode_fp8,
+    encode_topk,
+    trained_mask,
+)
+from draftsmith.storage import layout as mode_layout
+from draftsmith.storage import nbytes as tensor_bytes
 
 CONVENTION = "sglang:output_of_layer"
 NORM = "post"
@@ -49,7 +64,10 @@ STORAGE_DTYPES = {
 }
 _ST_TORCH = {
     "I64": torch.int64,
+    "I32": torch.int32,
+    "U16": torch.uint16,
     "U8": torch.uint8,
+    "F8_E4M3": torch.float8_e4m3fn,
     **{tag: dt for dt, tag in STORAGE_DTYPES.values()},
 }
 # manifest keys `expect` may check, compared for equality
@@ -64,18 +82,26 @@ def manifest_path(shard_path: str | os.PathLike) -> Path:
     return Path(shard_path).with_suffix(".json")
 
 
-def _layout(n_tokens: int, n_rows: int, hidden_size: int, dtype: str) -> list[tuple]:
-    """(name, safetensors dtype, shape, nbytes) in file order."""
-    tdt, tag = STORAGE_DTYPES[dtype]
-    item = torch.empty((), dtype=tdt).element_size()
-    t, h = n_tokens, hidden_size
-    return [
-        ("input_ids", "I64", [t], 8 * t),
-        ("row_offsets", "I64", [n_rows + 1], 8 * (n_rows + 1)),
-        ("aux_hidden_states", tag, [t, 3 * h], item * t * 3 * h),
-        ("last_hidden_states", tag, [t, h], item * t * h),
-        ("loss_mask", "U8", [t], t),
-    ]
+def _layout(
+    n_tokens: int,
+    n_rows: int,
+    hidden_size: int,
+    dtype: str,
+    storage: Storage | None = None,
+    trained: int | None = None,
+    vocab: int | None = None,
+) -> list[tuple]:
+    """(name, safetensors dtype, shape, nbytes) in file order, for a storage mode.
+
+    `trained` (the trained positions) defaults to every token, an upper bound.
+    """
+    storage = storage or Storage()
+    p = n_tokens if trained is None else trained
+    try:
+        entries = mode_layout(storage, n_tokens, n_rows, hidden_size, dtype, p, vocab)
+    except StorageError as e:
+        raise ShardError(str(e)) from None
+    return [(name, tag, shape, tensor_bytes(tag, shape)) for name, tag, shape in entries]
 
 
 def _header(layout: list[tuple], metadata: dict) -> tuple[bytes, dict]:
@@ -90,9 +116,18 @@ def _header(layout: list[tuple], metadata: dict) -> tuple[bytes, dict]:
     return struct.pack("<Q", len(text)) + text, offsets
 
 
-def estimate_bytes(n_tokens: int, n_rows: int, hidden_size: int, dtype: str) -> int:
+def estimate_bytes(
+    n_tokens: int,
+    n_rows: int,
+    hidden_size: int,
+    dtype: str,
+    storage: Storage | None = None,
+    trained: int | None = None,
+    vocab: int | None = None,
+) -> int:
     """Size of a shard file (headers of a few KiB included as a 4 KiB allowance)."""
-    return 4096 + sum(n + (-n) % 8 for *_, n in _layout(n_tokens, n_rows, hidden_size, dtype))
+    entries = _layout(n_tokens, n_rows, hidden_size, dtype, storage, trained, vocab)
+    return 4096 + sum(n + (-n) % 8 for *_, n in entries)
 
 
 def _check_tokens(input_ids, loss_mask, row_offsets, where: str) -> None:
@@ -113,11 +148,15 @@ class ShardWriter:
     """Streaming writer: header and token tensors first, then hidden states batch by batch.
 
     with ShardWriter(path, input_ids=..., loss_mask=..., row_offsets=..., hidden_size=H,
-                     dtype="bfloat16", manifest={...}) as w:
+                     dtype="bfloat16", manifest={...}, storage=Storage(), lm_head=None) as w:
         w.write(token_start, aux [n, 3H], last [n, H])   # any order, each token exactly once
     w.manifest  # the final manifest, also written to rows_<a>-<b>.json
 
-    The file is written under a temp name, fsynced and renamed; on error nothing is left behind.
+    `storage` picks the mode (draftsmith/storage.py); the batches are the same in every mode and
+    the writer encodes them (float8 with scales, trained positions only, or the teacher's top-k,
+    which needs the target's `lm_head` weight [V, H]; its device is where the logits are
+    computed). The file is written under a temp name, fsynced and renamed; on error nothing is
+    left behind.
     """
 
     def __init__(
@@ -130,6 +169,8 @@ class ShardWriter:
         hidden_size: int,
         dtype: str,
         manifest: dict,
+        storage: Storage | None = None,
+        lm_head: torch.Tensor | None = None,
     ):
         if dtype not in STORAGE_DTYPES:
             raise ShardError(
@@ -140,8 +181,25 @@ class ShardWriter:
         self.hidden_size = int(hidden_size)
         self.dtype = dtype
         self.torch_dtype = STORAGE_DTYPES[dtype][0]
+        self.storage = storage = storage or Storage()
         self.n_tokens = input_ids.numel()
         self.n_rows = row_offsets.numel() - 1
+        trained = trained_mask(loss_mask, row_offsets)
+        self._trained = trained.numpy()
+        self._slot = (trained.long().cumsum(0) - 1).numpy()  # token -> row in [P, ...] tensors
+        vocab = None
+        if storage.final == "topk":
+            if lm_head is None or lm_head.dim() != 2 or lm_head.shape[1] != self.hidden_size:
+                raise ShardError(
+                    f"{path}: storage final 'topk' needs the target's lm_head weight [V, "
+                    f"{self.hidden_size}], got {None if lm_head is None else list(lm_head.shape)}"
+                )
+            vocab = lm_head.shape[0]
+            self._lm_head = lm_head.detach()
+        try:
+            record = storage.record(dtype, self.hidden_size, vocab, int(trained.sum()))
+        except StorageError as e:
+            raise ShardError(f"{path}: {e}") from None
         self.manifest = {
             "format": FORMAT,
             **manifest,
@@ -151,14 +209,19 @@ class ShardWriter:
             "convention": CONVENTION,
             "norm": NORM,
             "dtype": dtype,
+            "storage": record,
             "tensors": {},
             "draftsmith_version": __version__,
             "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         }
-        layout = _layout(self.n_tokens, self.n_rows, self.hidden_size, dtype)
+        layout = _layout(
+            self.n_tokens, self.n_rows, self.hidden_size, dtype, storage, int(trained.sum()), vocab
+        )
         self.manifest["tensors"] = {
             name: {"dtype": tag, "shape": shape} for name, tag, shape, _ in layout
         }
+        self._shapes = {name: shape for name, _, shape, _ in layout}
+        self._tags = {name: tag for name, tag, _, _ in layout}
         header, offsets = _header(layout, {"draftsmith_manifest": json.dumps(self.manifest)})
         self._base = len(header)
         self._offsets = offsets
@@ -211,12 +274,41 @@ class ShardWriter:
             )
         if self._written[start : start + n].any():
             raise ShardError(f"{self.path}: tokens [{start}, {start + n}) written twice")
-        item = torch.empty((), dtype=self.torch_dtype).element_size()
-        for name, x, width in (("aux_hidden_states", aux, 3 * h), ("last_hidden_states", last, h)):
-            x = x.detach().to("cpu", self.torch_dtype).contiguous()
-            raw = x.view(torch.uint8) if x.dtype != torch.uint8 else x
-            self._pwrite(raw.numpy(), self._offsets[name] + start * width * item)
+        if n == 0:
+            return
+        if self.storage.aux == "dtype":
+            self._put("aux_hidden_states", start, aux.detach().to("cpu", self.torch_dtype))
+        else:
+            try:
+                q, scale = encode_fp8(aux.detach(), self.storage.block(h))
+            except StorageError as e:
+                raise ShardError(f"{self.path}: tokens [{start}, {start + n}): {e}") from None
+            self._put("aux_hidden_states", start, q.cpu())
+            self._put("aux_scales", start, scale.cpu())
+        if self.storage.final == "states":
+            self._put("last_hidden_states", start, last.detach().to("cpu", self.torch_dtype))
+        else:
+            sel = np.flatnonzero(self._trained[start : start + n])
+            if sel.size:
+                rows = last.detach()[torch.from_numpy(sel).to(last.device)]
+                slot = int(self._slot[start + sel[0]])
+                if self.storage.final == "trained":
+                    self._put("last_hidden_states", slot, rows.to("cpu", self.torch_dtype))
+                else:
+                    head = self._lm_head
+                    if head.device != rows.device or head.dtype != torch.float32:
+                        self._lm_head = head = head.to(rows.device, torch.float32)
+                    ids, logp = encode_topk(rows, head, self.storage.topk)
+                    tdt = _ST_TORCH[self._tags["teacher_topk_ids"]]
+                    self._put("teacher_topk_ids", slot, ids.to(tdt))
+                    self._put("teacher_topk_logprobs", slot, logp.to(torch.float16))
         self._written[start : start + n] = True
+
+    def _put(self, name: str, first_row: int, x: torch.Tensor) -> None:
+        """pwrite rows [first_row, first_row + len(x)) of tensor `name`."""
+        x = x.contiguous()
+        row_bytes = x[0].numel() * x.element_size() if x.dim() > 1 else x.element_size()
+        self._pwrite(x.view(torch.uint8).numpy(), self._offsets[name] + first_row * row_bytes)
 
     def __exit__(self, exc_type, exc, tb) -> bool:
         os.close(self._fd)
@@ -237,36 +329,44 @@ class ShardWriter:
         return False
 
 
-class Shard:
-    """A memory-mapped shard. Tensors are read-only-by-convention views of the mapped file."""
+class Shard(StoredStates):
+    """A memory-mapped shard. Tensors are read-only-by-convention views of the mapped file.
+
+    The same calls serve every storage mode (draftsmith/storage.py, `StoredStates`): `aux(a, b)`
+    gives the aux states of tokens [a, b) in float32 (dequantized in float8 mode), `teacher(a, b)`
+    what the teacher is computed from, `trained` the positions that have one. The raw stored
+    tensors stay available as attributes (`aux_hidden_states`, `aux_scales`,
+    `last_hidden_states`, `teacher_topk_ids`, `teacher_topk_logprobs`; None where the mode does
+    not store them).
+    """
 
     def __init__(self, path: Path, manifest: dict, tensors: dict[str, torch.Tensor]):
+        super().__init__(manifest, tensors)
         self.path = path
-        self.manifest = manifest
-        self.input_ids = tensors["input_ids"]
-        self.loss_mask = tensors["loss_mask"]
-        self.row_offsets = tensors["row_offsets"]
-        self.aux_hidden_states = tensors["aux_hidden_states"]
-        self.last_hidden_states = tensors["last_hidden_states"]
         self._offsets = self.row_offsets.tolist()
 
     def __len__(self) -> int:
         return len(self._offsets) - 1
 
-    @property
-    def n_tokens(self) -> int:
-        return self.input_ids.numel()
-
     def row(self, i: int) -> dict[str, torch.Tensor]:
-        """Views (no copy) of row i's tokens, mask and states."""
+        """Row i's tokens, mask and states: views of the map in the reference mode.
+
+        Keys input_ids, loss_mask, aux_hidden_states (float32 when stored in float8), plus
+        last_hidden_states (states, trained) or teacher_topk_ids / teacher_topk_logprobs (topk),
+        as `teacher` gives them.
+        """
         if not 0 <= i < len(self):
             raise IndexError(f"{self.path}: row {i} outside [0, {len(self)})")
         a, b = self._offsets[i], self._offsets[i + 1]
+        names = {"last": "last_hidden_states", "topk_ids": "teacher_topk_ids"}
+        names["topk_logprobs"] = "teacher_topk_logprobs"
         return {
             "input_ids": self.input_ids[a:b],
             "loss_mask": self.loss_mask[a:b],
-            "aux_hidden_states": self.aux_hidden_states[a:b],
-            "last_hidden_states": self.last_hidden_states[a:b],
+            "aux_hidden_states": (
+                self.aux_hidden_states[a:b] if self.aux_scales is None else self.aux(a, b)
+            ),
+            **{names[k]: v for k, v in self.teacher(a, b).items()},
         }
 
 
@@ -355,10 +455,11 @@ def open_shard(path, expect: dict | None = None, verify_sha: bool = False) -> Sh
         a, b = e["data_offsets"]
         raw = torch.from_numpy(mm[base + a : base + b])
         tensors[name] = raw.view(_ST_TORCH[e["dtype"]]).view(e["shape"])
-    t, h = manifest["tokens"], manifest["hidden_size"]
-    if list(tensors["aux_hidden_states"].shape) != [t, 3 * h]:
-        raise ShardError(f"{path}: aux_hidden_states is not [{t}, {3 * h}]")
     _check_tokens(tensors["input_ids"], tensors["loss_mask"], tensors["row_offsets"], str(path))
+    try:
+        check_layout(manifest, tensors)
+    except StorageError as e:
+        raise ShardError(f"{path}: {e}") from None
     if tensors["row_offsets"].numel() - 1 != manifest["rows"]:
         raise ShardError(
             f"{path}: {tensors['row_offsets'].numel() - 1} rows in the file, "

@@ -53,10 +53,10 @@ from draftsmith.model import DraftConfig, Eagle3Draft
 from draftsmith.shards import open_shard
 from draftsmith.ttt import (
     TTTObjective,
+    batch_teacher,
     pack_batch,
     step_masks,
-    teacher_argmax_in_vocab,
-    teacher_logprobs,
+    teacher_ok,
     weighted_loss,
 )
 from draftsmith.vocab import load_vocab
@@ -218,16 +218,14 @@ def all_sum(x: torch.Tensor, world: int) -> torch.Tensor:
 
 
 def teacher_flags(shards, names, heads, t2d, run_dir, rank: int, world: int, device) -> dict:
-    """Per shard [T] bool: target argmax in the draft vocab (needed tokens only), cached."""
+    """Per shard [T] bool: target argmax in the draft vocab (trained positions only), cached."""
     path = run_dir / "teacher_ok.safetensors"
     if rank == 0 and not path.exists():
         flags, lm_head = {}, heads["lm_head"].to(device)
         for name, s in tqdm(
             list(zip(names, shards, strict=True)), desc="teacher argmax", disable=None
         ):
-            need = torch.zeros(s.n_tokens, dtype=torch.bool)
-            need[:-1] = s.loss_mask[1:].bool()
-            flags[name] = teacher_argmax_in_vocab(s.last_hidden_states, lm_head, t2d, need)
+            flags[name] = teacher_ok(s, lm_head, t2d)
         with atomic_path(path) as tmp:
             save_file(flags, str(tmp))
     if world > 1:
@@ -313,6 +311,8 @@ def train(
             ]
         atomic_write_text(metrics_tmp, "".join(ln + "\n" for ln in kept))
     embed, draft_rows = heads["embed"].to(device), heads["lm_head"][hot].to(device)
+    draft_index = torch.full((t2d.shape[0],), -1, dtype=torch.long)
+    draft_index[hot] = torch.arange(hot.shape[0])  # target id -> draft id (top-k teachers)
     objective = TTTObjective(draft, steps)
     model = objective
     if world > 1:
@@ -362,7 +362,7 @@ def train(
         if tcfg["noise_std"] > 0:
             gen = torch.Generator().manual_seed(tcfg["seed"] * 7919 + step * 104729 + rank)
             aux = aux + (torch.rand(aux.shape, generator=gen) * 2 - 1) * tcfg["noise_std"] * 3**0.5
-        teacher = teacher_logprobs(b.last.to(device), draft_rows)
+        teacher = batch_teacher(b, draft_rows, draft_index)
         embeds = embed[b.ids[:, : b.length + steps + 1].to(device)]
         with autocast:
             ce, correct = model(
@@ -440,8 +440,8 @@ def _row(shards, names, ok, row) -> dict:
         "input_ids": sh.input_ids[a:b],
         "loss_mask": sh.loss_mask[a:b],
         "ok": ok[names[s]][a:b],
-        "aux": sh.aux_hidden_states[a:b],
-        "last": sh.last_hidden_states[a:b],
+        "aux": sh.aux(a, b),
+        **sh.teacher(a, b),  # the same interface in every storage mode
     }
 
 

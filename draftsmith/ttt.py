@@ -11,6 +11,9 @@ p+j+2 runs past the row.
 Teacher: the target's softmax restricted to the draft vocabulary, computed from the stored
 post-norm final states through the target's lm_head rows of the draft vocabulary, in chunks
 (the full-vocabulary logits exist only chunk by chunk, when the argmax flags are computed).
+A shard in storage mode `topk` holds the target's top-k log-probabilities instead: the entries
+inside the draft vocabulary, renormalized (draftsmith.storage.topk_teacher), and the flag is
+whether the top-1 id is in the draft vocabulary.
 
 Loss: sum over steps of 0.8**j * (soft cross-entropy summed over step j's kept predictions /
 their global count). Accuracy: the draft's argmax equals the teacher's, per step.
@@ -25,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from draftsmith.model import Eagle3Draft, TTTCache, block_causal_mask
+from draftsmith.storage import topk_teacher
 
 STEP_DECAY = 0.8
 
@@ -49,6 +53,23 @@ def teacher_argmax_in_vocab(
         sel = idx[s : s + chunk]
         top = (last[sel].to(w.device).float() @ w.T).argmax(-1)
         ok[sel] = t2d[top.cpu()]
+    return ok
+
+
+@torch.no_grad()
+def teacher_ok(shard, lm_head: torch.Tensor, t2d: torch.Tensor) -> torch.Tensor:
+    """[T] bool for a shard in any storage mode: at each trained position, the target's
+    full-vocabulary argmax is in the draft vocabulary (False at untrained positions)."""
+    final = shard.storage.final
+    if final == "states":
+        return teacher_argmax_in_vocab(shard.last_hidden_states, lm_head, t2d, shard.trained)
+    ok = torch.zeros(shard.n_tokens, dtype=torch.bool)
+    rel, s0, s1 = shard.compact(0, shard.n_tokens)
+    if final == "trained":
+        every = torch.ones(s1 - s0, dtype=torch.bool)
+        ok[rel] = teacher_argmax_in_vocab(shard.last_hidden_states, lm_head, t2d, every)
+    else:
+        ok[rel] = t2d[shard.teacher_topk_ids[s0:s1, 0].long()]
     return ok
 
 
@@ -84,7 +105,9 @@ class Batch:
     """One process's share of an optimizer step: packs of rows, [B, L] (+ tail padding)."""
 
     aux: torch.Tensor  # [B, L, 3H_t] float32
-    last: torch.Tensor  # [B, L, H_t] stored dtype
+    last: torch.Tensor | None  # [B, L, H_t] stored dtype (storage final states / trained)
+    topk_ids: torch.Tensor | None  # [B, L, k] target ids, -1 = none (storage final topk)
+    topk_logprobs: torch.Tensor | None  # [B, L, k] float32, -inf = none
     ids: torch.Tensor  # [B, L + S + 2] int64 (0 in padding)
     seg: torch.Tensor  # [B, L + S + 2] row number within the pack, -1 = padding
     pos: torch.Tensor  # [B, L] position within the row
@@ -98,17 +121,21 @@ class Batch:
 
 
 def pack_batch(packs: list[list[dict]], steps: int, aux_width: int, hidden: int) -> Batch:
-    """packs: per pack, rows as dicts of 1-d/2-d tensors (input_ids, loss_mask, ok, aux, last).
+    """packs: per pack, rows as dicts of 1-d/2-d tensors (input_ids, loss_mask, ok, aux, and
+    the teacher input `Shard.teacher` gives: last, or topk_ids + topk_logprobs).
 
     An empty `packs` gives one all-padding pack (a process with no share still joins the step).
     """
     packs = packs or [[]]
     length = max(1, max(sum(r["input_ids"].numel() for r in p) for p in packs))
     b, tail = len(packs), length + steps + 2
-    dtype = next((r["last"].dtype for p in packs for r in p), torch.float32)
+    first = next((r for p in packs for r in p), {"last": torch.zeros(0, hidden)})
+    k = first["topk_ids"].shape[1] if "topk_ids" in first else 0
     batch = Batch(
         aux=torch.zeros(b, length, aux_width),
-        last=torch.zeros(b, length, hidden, dtype=dtype),
+        last=torch.zeros(b, length, hidden, dtype=first["last"].dtype) if not k else None,
+        topk_ids=torch.full((b, length, k), -1, dtype=torch.long) if k else None,
+        topk_logprobs=torch.full((b, length, k), float("-inf")) if k else None,
         ids=torch.zeros(b, tail, dtype=torch.long),
         seg=torch.full((b, tail), -1, dtype=torch.long),
         pos=torch.zeros(b, length, dtype=torch.long),
@@ -122,7 +149,11 @@ def pack_batch(packs: list[list[dict]], steps: int, aux_width: int, hidden: int)
             n = row["input_ids"].numel()
             sl = slice(at, at + n)
             batch.aux[i, sl] = row["aux"].float()
-            batch.last[i, sl] = row["last"]
+            if k:
+                batch.topk_ids[i, sl] = row["topk_ids"]
+                batch.topk_logprobs[i, sl] = row["topk_logprobs"]
+            else:
+                batch.last[i, sl] = row["last"]
             batch.ids[i, sl] = row["input_ids"]
             batch.seg[i, sl] = r
             batch.pos[i, sl] = torch.arange(n)
@@ -131,6 +162,21 @@ def pack_batch(packs: list[list[dict]], steps: int, aux_width: int, hidden: int)
             at += n
         batch.tokens += at
     return batch
+
+
+@torch.no_grad()
+def batch_teacher(batch: Batch, draft_rows: torch.Tensor, draft_index: torch.Tensor):
+    """[B, L, K] fp32 teacher log-probs over the draft vocabulary, on draft_rows' device, from
+    whichever teacher input the batch holds. draft_index [V]: draft id of each target id or -1."""
+    device = draft_rows.device
+    if batch.last is not None:
+        return teacher_logprobs(batch.last.to(device), draft_rows)
+    return topk_teacher(
+        batch.topk_ids.to(device),
+        batch.topk_logprobs.to(device),
+        draft_index.to(device),
+        draft_rows.shape[0],
+    )
 
 
 class TTTObjective(nn.Module):

@@ -25,6 +25,7 @@ from tqdm import tqdm
 
 from draftsmith.capture import CaptureError, plan_batches
 from draftsmith.shards import ShardWriter
+from draftsmith.storage import Storage
 
 log = logging.getLogger("draftsmith.engines.hf")
 
@@ -233,9 +234,16 @@ def capture_shard(
     batch_tokens: int,
     manifest: dict,
     progress: bool = True,
+    storage: Storage | None = None,
 ) -> dict:
-    """Run the prefill over every row of `tokens` and write the shard at `out`; return the manifest."""
+    """Run the prefill over every row of `tokens` and write the shard at `out`; return the manifest.
+
+    `storage` (default: the reference layout) is the shard's storage mode; a top-k mode takes
+    the teacher's top-k from the float32 final state and the model's own lm_head.
+    """
     hidden = int(model.config.get_text_config().hidden_size)
+    storage = storage or Storage()
+    lm_head = model.get_output_embeddings().weight if storage.final == "topk" else None
     offsets = tokens["row_offsets"].tolist()
     lengths = [b - a for a, b in zip(offsets, offsets[1:], strict=False)]
     batches = plan_batches(lengths, batch_tokens)
@@ -248,6 +256,8 @@ def capture_shard(
         hidden_size=hidden,
         dtype=dtype,
         manifest={**manifest, "aux_layer_ids": list(ids), "backend": "hf"},
+        storage=storage,
+        lm_head=lm_head,
     ) as writer:
         for rows in tqdm(batches, desc=Path(out).stem, unit="batch", disable=not progress):
             aux, last = forward_states(model, pad_rows(tokens["input_ids"], offsets, rows), ids)
@@ -276,6 +286,7 @@ def capture_range(tokens, cfg: dict, *, target, out, ids, manifest: dict, thread
         cap.get("dtype", "bfloat16"),
         int(cap.get("batch_tokens", 8192)),
         manifest={**manifest, "forward_dtype": str(dtype).removeprefix("torch.")},
+        storage=Storage.from_config(cap.get("storage")),
     )
 
 

@@ -1,0 +1,418 @@
+"""Storage modes: round trip and reader for every mode, corruption, teacher equivalence, capture,
+converters and the disk estimate of compact shards."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from draftsmith.shards import ShardError, ShardWriter, estimate_bytes, manifest_path, open_shard
+from draftsmith.storage import Storage, StorageError, decode_fp8, encode_fp8, topk_teacher
+from draftsmith.ttt import (
+    batch_teacher,
+    pack_batch,
+    teacher_argmax_in_vocab,
+    teacher_logprobs,
+    teacher_ok,
+)
+
+H, V = 16, 300
+MODES = {
+    "reference": Storage(),
+    "fp8": Storage(aux="float8_e4m3"),
+    "fp8-block": Storage(aux="float8_e4m3", scale_block=4),
+    "fp8-trained": Storage(aux="float8_e4m3", final="trained"),
+    "trained": Storage(final="trained"),
+    "topk": Storage(final="topk", topk=8),
+    "fp8-topk": Storage(aux="float8_e4m3", final="topk", topk=8),
+}
+
+
+def data(lengths=(5, 9, 3, 12), seed=0) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    t = sum(lengths)
+    aux = torch.randn(t, 3 * H, generator=g)
+    aux[:, 3] *= 300.0  # an outlier channel, as real residual streams have
+    return {
+        "input_ids": torch.randint(0, V, (t,), generator=g),
+        "loss_mask": (torch.rand(t, generator=g) > 0.4).to(torch.uint8),
+        "row_offsets": torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()]),
+        "aux": aux,
+        "last": torch.randn(t, H, generator=g),
+        "lm_head": torch.randn(V, H, generator=g),
+    }
+
+
+def write(path, d: dict, storage: Storage, dtype="bfloat16"):
+    with ShardWriter(
+        path,
+        input_ids=d["input_ids"],
+        loss_mask=d["loss_mask"],
+        row_offsets=d["row_offsets"],
+        hidden_size=H,
+        dtype=dtype,
+        manifest={"row_range": [0, 4], "aux_layer_ids": [1, 2, 3], "target_fingerprint": "f"},
+        storage=storage,
+        lm_head=d["lm_head"] if storage.final == "topk" else None,
+    ) as w:
+        offs = d["row_offsets"].tolist()
+        for r in reversed(range(len(offs) - 1)):  # out of order on purpose
+            a, b = offs[r], offs[r + 1]
+            w.write(a, d["aux"][a:b], d["last"][a:b])
+    return w.manifest
+
+
+def expected_trained(d: dict) -> torch.Tensor:
+    """Positions q whose next token is in the same row and trained, by brute force."""
+    offs = d["row_offsets"].tolist()
+    out = torch.zeros(d["input_ids"].numel(), dtype=torch.bool)
+    for a, b in zip(offs, offs[1:], strict=False):
+        for q in range(a, b - 1):
+            out[q] = bool(d["loss_mask"][q + 1])
+    return out
+
+
+def test_fp8_error_bound_per_block():
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(64, 96, generator=g) * torch.logspace(-3, 3, 96)  # 6 decades across channels
+    for block in (96, 8):
+        q, scale = encode_fp8(x, block)
+        assert q.dtype == torch.float8_e4m3fn and scale.shape == (64, 96 // block)
+        y = decode_fp8(q, scale)
+        s = scale.repeat_interleave(block, dim=1)
+        # e4m3: 3 mantissa bits (relative error <= 2^-4) above 2^-6 * scale, then subnormal steps
+        assert bool(((y - x).abs() <= x.abs() / 16 + s * 2**-10).all())
+    assert torch.equal(decode_fp8(*encode_fp8(torch.zeros(2, 8), 8)), torch.zeros(2, 8))
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_round_trip_and_reader(tmp_path, mode):
+    storage, d = MODES[mode], data()
+    path = tmp_path / "rows_000000-000004.safetensors"
+    manifest = write(path, d, storage)
+    assert manifest["storage"]["mode"] == storage.name("bfloat16")
+    assert json.loads(manifest_path(path).read_text())["storage"] == manifest["storage"]
+    shard = open_shard(path, verify_sha=True)
+    t = shard.n_tokens
+    trained = expected_trained(d)
+    assert torch.equal(shard.trained, trained)
+    # aux: exact cast in the reference dtype, float8 within its bound
+    aux = shard.aux(0, t)
+    assert aux.dtype == torch.float32 and aux.shape == (t, 3 * H)
+    if storage.aux == "dtype":
+        assert torch.equal(aux, d["aux"].bfloat16().float())
+    else:
+        s = shard.aux_scales.repeat_interleave(storage.block(H), dim=1)
+        assert bool(((aux - d["aux"]).abs() <= d["aux"].abs() / 16 + s * 2**-10).all())
+        assert shard.aux_hidden_states.dtype == torch.float8_e4m3fn
+    # teacher inputs: exact states where stored, the top-k of the full-vocabulary softmax
+    teacher = shard.teacher(0, t)
+    ref_last = d["last"].bfloat16()
+    if storage.final == "states":
+        assert torch.equal(teacher["last"], ref_last)
+    elif storage.final == "trained":
+        assert shard.last_hidden_states.shape == (int(trained.sum()), H)
+        assert torch.equal(teacher["last"][trained], ref_last[trained])
+        assert not teacher["last"][~trained].any()
+    else:
+        logp = torch.log_softmax(d["last"] @ d["lm_head"].T, -1)
+        vals, ids = logp.topk(storage.topk, dim=-1)
+        assert torch.equal(teacher["topk_ids"][trained], ids[trained])
+        torch.testing.assert_close(
+            teacher["topk_logprobs"][trained], vals[trained], rtol=1e-3, atol=1e-2
+        )
+        assert bool((teacher["topk_ids"][~trained] == -1).all())
+        assert bool(torch.isinf(teacher["topk_logprobs"][~trained]).all())
+    # row(i) and teacher(a, b) on a sub-range agree with the whole-shard view
+    a, b = d["row_offsets"][1].item(), d["row_offsets"][2].item()
+    row = shard.row(1)
+    assert torch.equal(row["input_ids"], d["input_ids"][a:b])
+    assert torch.equal(row["aux_hidden_states"].float(), aux[a:b])
+    for key, value in shard.teacher(a, b).items():
+        assert torch.equal(value, teacher[key][a:b])
+    # size: what the disk estimate says, within its 4 KiB header allowance
+    est = estimate_bytes(t, 4, H, "bfloat16", storage, int(trained.sum()), V)
+    assert est - 4096 < path.stat().st_size <= est
+
+
+def test_compact_modes_are_smaller(tmp_path):
+    d = data(lengths=(40, 50, 30, 60))
+    sizes = {}
+    for mode, storage in MODES.items():
+        path = tmp_path / mode / "rows_000000-000004.safetensors"
+        write(path, d, storage)
+        sizes[mode] = path.stat().st_size
+    assert sizes["fp8-trained"] < sizes["fp8"] < sizes["reference"]
+    assert sizes["fp8-topk"] < sizes["fp8"] and sizes["topk"] < sizes["reference"]
+    assert sizes["trained"] < sizes["reference"]
+
+
+def test_corrupt_compact_shard_caught_like_reference(tmp_path):
+    from draftsmith.shards import verify_dir
+
+    d = data()
+    paths = {}
+    for mode in ("reference", "fp8-topk"):
+        paths[mode] = tmp_path / f"rows_00000{len(paths)}-00000{len(paths) + 1}.safetensors"
+        write(paths[mode], d, MODES[mode])
+    bad = paths["fp8-topk"]
+    raw = bytearray(bad.read_bytes())
+    raw[-40] ^= 0x01  # inside the top-k log-probs / loss mask region
+    bad.write_bytes(bytes(raw))
+    open_shard(bad)  # structure intact: only the checksum can tell
+    with pytest.raises(ShardError, match="checksum mismatch"):
+        open_shard(bad, verify_sha=True)
+    problems = verify_dir(tmp_path, delete=True)
+    assert len(problems) == 1 and str(bad) in problems[0]
+    assert not bad.exists() and paths["reference"].exists()
+
+
+def test_manifest_mode_must_match_tensors(tmp_path):
+    d = data()
+    path = tmp_path / "rows_000000-000004.safetensors"
+    write(path, d, MODES["fp8-topk"])
+    mpath = manifest_path(path)
+    good = json.loads(mpath.read_text())
+    edits = {
+        "claims the reference layout": lambda m: m.pop("storage"),
+        "wrong trained count": lambda m: m["storage"].update(trained_positions=3),
+        "wrong scale block": lambda m: m["storage"].update(scale_block=8),
+        "unknown mode": lambda m: m["storage"].update(final="zstd"),
+        "wrong k": lambda m: m["storage"].update(topk=4),
+    }
+    for what, edit in edits.items():
+        m = json.loads(json.dumps(good))
+        edit(m)
+        mpath.write_text(json.dumps(m))
+        with pytest.raises(ShardError, match=str(path)):
+            open_shard(path)
+        print(what, "refused")
+    mpath.write_text(json.dumps(good))
+    open_shard(path, verify_sha=True)
+
+
+def test_writer_refusals(tmp_path):
+    d = data()
+    with pytest.raises(ShardError, match="lm_head"):
+        ShardWriter(
+            tmp_path / "rows_000000-000004.safetensors",
+            input_ids=d["input_ids"],
+            loss_mask=d["loss_mask"],
+            row_offsets=d["row_offsets"],
+            hidden_size=H,
+            dtype="bfloat16",
+            manifest={},
+            storage=Storage(final="topk"),
+        )
+    with pytest.raises(ShardError, match="does not divide"):
+        write(
+            tmp_path / "rows_000000-000004.safetensors",
+            d,
+            Storage(aux="float8_e4m3", scale_block=5),
+        )
+    with pytest.raises(StorageError, match="unknown keys"):
+        Storage.from_config({"aux": "float8_e4m3", "bits": 4})
+    with pytest.raises(StorageError, match="capture.storage.final"):
+        Storage.from_config({"final": "logits"})
+    inf = data()
+    inf["aux"][2, 0] = float("inf")
+    with pytest.raises(ShardError, match="inf or nan"):
+        write(tmp_path / "rows_000000-000004.safetensors", inf, MODES["fp8"])
+    assert not list(tmp_path.iterdir())  # nothing left behind
+
+
+def test_training_teacher_same_in_every_mode(tmp_path):
+    """Training's teacher (log-probs over the draft vocabulary, argmax flags) from each mode:
+    identical at trained positions for reference/trained, and equal to it for top-k with k = V."""
+    d = data()
+    hot = torch.arange(0, V, 3)  # draft vocabulary: every third target id
+    t2d = torch.zeros(V, dtype=torch.bool)
+    t2d[hot] = True
+    index = torch.full((V,), -1, dtype=torch.long)
+    index[hot] = torch.arange(hot.numel())
+    rows = d["lm_head"][hot]
+    got = {}
+    for mode, storage in {**MODES, "topk-all": Storage(final="topk", topk=V)}.items():
+        path = tmp_path / mode / "rows_000000-000004.safetensors"
+        write(path, d, storage, dtype="float32")
+        shard = open_shard(path)
+        t = shard.n_tokens
+        row = {"input_ids": shard.input_ids, "loss_mask": shard.loss_mask}
+        row.update(ok=torch.zeros(t, dtype=torch.bool), aux=shard.aux(0, t), **shard.teacher(0, t))
+        batch = pack_batch([[row]], 2, 3 * H, H)
+        got[mode] = (batch_teacher(batch, rows, index)[0], teacher_ok(shard, d["lm_head"], t2d))
+    trained = expected_trained(d)
+    exact = teacher_logprobs(d["last"], rows)
+    ok = teacher_argmax_in_vocab(d["last"], d["lm_head"], t2d, trained)
+    for mode, (logp, flags) in got.items():
+        assert torch.equal(flags, ok), mode
+        assert not flags[~trained].any()
+        if MODES.get(mode, Storage(final="topk")).final != "topk":
+            assert torch.equal(logp[trained], exact[trained]), mode
+        elif mode == "topk-all":  # every entry kept: renormalized top-k = the exact teacher
+            torch.testing.assert_close(logp[trained], exact[trained], rtol=0, atol=2e-2)
+        else:  # k = 8 of 300: the draft-vocabulary entries among them, renormalized
+            p = logp[trained].exp()
+            assert torch.allclose(p.sum(-1), torch.ones(int(trained.sum())), atol=1e-5)
+            assert torch.equal(
+                logp[trained].argmax(-1)[ok[trained]], exact[trained].argmax(-1)[ok[trained]]
+            )
+            assert int((p > 0).sum(-1).max()) <= 8
+
+
+def test_topk_teacher_padding_is_uniform():
+    ids = torch.tensor([[[5, -1], [-1, -1]]])
+    logp = torch.tensor([[[-0.1, float("-inf")], [float("-inf"), float("-inf")]]])
+    index = torch.full((10,), -1, dtype=torch.long)
+    index[5] = 2
+    out = topk_teacher(ids, logp, index, 4)
+    assert out.shape == (1, 2, 4)
+    assert out[0, 0, 2] == 0 and torch.isinf(out[0, 0, [0, 1, 3]]).all()
+    torch.testing.assert_close(out[0, 1].exp(), torch.full((4,), 0.25))
+
+
+def test_capture_fp8_topk_matches_model(tiny_target, tmp_path):
+    """capture_shard in the compact mode: top-k of the model's own logits, float8 aux states."""
+    from transformers import AutoModelForCausalLM
+
+    from draftsmith.engines.hf import capture_shard, forward_states
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_target, dtype=torch.float32).eval()
+    g = torch.Generator().manual_seed(3)
+    lengths = [7, 11, 5]
+    t = sum(lengths)
+    tokens = {
+        "input_ids": torch.randint(0, model.config.vocab_size, (t,), generator=g),
+        "loss_mask": (torch.rand(t, generator=g) > 0.3).to(torch.uint8),
+        "row_offsets": torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()]),
+    }
+    storage = Storage(aux="float8_e4m3", final="topk", topk=5)
+    out = tmp_path / "rows_000000-000003.safetensors"
+    capture_shard(model, tokens, out, [1, 2, 4], "bfloat16", 64, {}, False, storage)
+    shard = open_shard(out, verify_sha=True)
+    offs = tokens["row_offsets"].tolist()
+    for r in range(3):
+        a, b = offs[r], offs[r + 1]
+        aux, _ = forward_states(model, tokens["input_ids"][a:b][None], [1, 2, 4])
+        with torch.no_grad():
+            logits = model(input_ids=tokens["input_ids"][a:b][None]).logits[0]
+        trained = shard.trained[a:b]
+        teacher = shard.teacher(a, b)
+        assert torch.equal(teacher["topk_ids"][trained], logits.topk(5, -1).indices[trained])
+        torch.testing.assert_close(shard.aux(a, b), aux[0], rtol=1 / 16, atol=1e-3)
+
+
+def test_convert_compact_modes(tmp_path, tiny_target):
+    """to-specforge dequantizes float8 shards and refuses top-k ones; from-specforge writes any
+    mode (top-k through the target's lm_head)."""
+    from draftsmith.convert import ConvertError, lm_head_weight, main, to_specforge
+    from draftsmith.target import write_meta
+
+    target = shutil.copytree(tiny_target, tmp_path / "target")
+    write_meta(target, source="path", origin=str(tiny_target))
+    head = lm_head_weight(target)
+    h = head.shape[1]
+    g = torch.Generator().manual_seed(5)
+    lengths = [6, 9, 4]
+    t = sum(lengths)
+    d = {
+        "input_ids": torch.randint(0, head.shape[0], (t,), generator=g),
+        "loss_mask": (torch.rand(t, generator=g) > 0.3).to(torch.uint8),
+        "row_offsets": torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()]),
+        "aux": torch.randn(t, 3 * h, generator=g),
+        "last": torch.randn(t, h, generator=g),
+    }
+
+    def make(name, storage):
+        path = tmp_path / name / "rows_000000-000003.safetensors"
+        with ShardWriter(
+            path,
+            input_ids=d["input_ids"],
+            loss_mask=d["loss_mask"],
+            row_offsets=d["row_offsets"],
+            hidden_size=h,
+            dtype="bfloat16",
+            manifest={"row_range": [0, 3], "aux_layer_ids": [1, 2, 4]},
+            storage=storage,
+            lm_head=head,
+        ) as w:
+            w.write(0, d["aux"], d["last"])
+        return path
+
+    fp8 = make("fp8", Storage(aux="float8_e4m3"))
+    to_specforge(fp8, tmp_path / "sf", 2000)
+    sample = torch.load(tmp_path / "sf" / "rows_0-2000" / "data_1.ckpt", weights_only=True)
+    assert sample["aux_hidden_state"].dtype == torch.bfloat16
+    assert torch.equal(
+        sample["aux_hidden_state"][0].float(), open_shard(fp8).aux(6, 15).bfloat16().float()
+    )
+    with pytest.raises(ConvertError, match="needs it at every token"):
+        to_specforge(make("topk", Storage(final="topk", topk=4)), tmp_path / "sf2", 2000)
+
+    # SpecForge samples of the reference shard -> a float8 + top-k shard
+    to_specforge(make("ref", Storage()), tmp_path / "sf3", 2000)
+    out = tmp_path / "back" / "rows_000000-000003.safetensors"
+    main(
+        [
+            "from-specforge",
+            "--src",
+            str(tmp_path / "sf3"),
+            "--target",
+            str(target),
+            "--out",
+            str(out),
+            "--storage",
+            '{"aux": "float8_e4m3", "final": "topk", "topk": 4}',
+        ]
+    )
+    back, direct = (
+        open_shard(out, verify_sha=True),
+        open_shard(make("direct", Storage(aux="float8_e4m3", final="topk", topk=4))),
+    )
+    assert back.manifest["storage"] == direct.manifest["storage"]
+    for key in ("aux_hidden_states", "aux_scales", "teacher_topk_ids"):
+        # from bf16 states (the SpecForge copy) vs from float32 ones: equal up to rounding
+        assert getattr(back, key).shape == getattr(direct, key).shape
+    assert (back.teacher_topk_ids[:, 0] == direct.teacher_topk_ids[:, 0]).float().mean() > 0.9
+    with pytest.raises(SystemExit, match="storage"):
+        main(
+            [
+                "from-specforge",
+                "--src",
+                str(tmp_path / "sf3"),
+                "--target",
+                str(target),
+                "--out",
+                str(out),
+                "--storage",
+                '{"aux": "int4"}',
+            ]
+        )
+
+
+def test_plan_uses_storage_mode(tiny_target, tmp_path):
+    from safetensors.torch import save_file
+
+    from draftsmith.plan import make_plan
+
+    d = data(lengths=(20, 30))
+    tok = tmp_path / "tokens" / "rows_000000-000002.safetensors"
+    tok.parent.mkdir()
+    save_file({k: d[k] for k in ("input_ids", "loss_mask", "row_offsets")}, str(tok))
+    ref = make_plan({"capture": {}}, [tok], tiny_target, tmp_path / "hidden")
+    cfg = {"capture": {"storage": {"aux": "float8_e4m3", "final": "topk", "topk": 8}}}
+    small = make_plan(cfg, [tok], tiny_target, tmp_path / "hidden")
+    assert small["storage"] == "float8_e4m3+topk8" and ref["storage"] == "bfloat16"
+    hidden = json.loads((tiny_target / "config.json").read_text())["hidden_size"]
+    p = small["shards"][0]["trained_positions"]
+    assert p == int(expected_trained(d).sum())
+    assert ref["bytes_per_token"] == 4 * hidden * 2 + 9
+    vocab = json.loads((tiny_target / "config.json").read_text())["vocab_size"]
+    per_token = 3 * hidden + 4 * 3 + 9 + p * 8 * 4 / 50  # fp8 aux, scales, ids+mask, top-k
+    assert abs(small["bytes_per_token"] - per_token) < 1.0
+    assert small["total_bytes"] == estimate_bytes(
+        50, 2, hidden, "bfloat16", Storage.from_config(cfg["capture"]["storage"]), p, vocab
+    )
