@@ -1,0 +1,218 @@
+"""Server lifecycle (draftsmith.server): health, fail-fast start-up, log tail, restarts that resume,
+shutdown by process group, and no process left after the job is killed.
+
+The managed process here is a small standard-library HTTP program (it has a worker child, as
+SGLang's server has its scheduler); what is tested is the lifecycle code, not a server's
+behaviour: the SGLang engine is tested against the real SGLang server in test_sglang.py.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from draftsmith.server import (
+    ServerError,
+    ServerSpec,
+    Supervisor,
+    http_json,
+    run_requests,
+    server_processes,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+
+PROGRAM = textwrap.dedent(
+    """
+    import http.server, json, os, subprocess, sys, time
+    port, crash_after, flag = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+    worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    crash = crash_after > 0 and (flag == "always" or not os.path.exists(flag))
+    served = 0
+    print(f"program up, worker {worker.pid}", flush=True)
+
+    class H(http.server.BaseHTTPRequestHandler):
+        def log_message(self, *a):
+            pass
+
+        def _send(self, code, obj):
+            body = json.dumps(obj).encode()
+            self.send_response(code)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+            self.wfile.flush()
+
+        def do_GET(self):
+            self._send(200, {"ok": True})
+
+        def do_POST(self):
+            global served
+            x = json.loads(self.rfile.read(int(self.headers["Content-Length"])))["x"]
+            if x < 0:
+                return self._send(400, {"error": f"negative x {x}"})
+            time.sleep(0.05)
+            served += 1
+            print(f"served x={x}", flush=True)  # before the answer: the log has every line
+            self._send(200, {"y": 2 * x})
+            if crash and served == crash_after:
+                if flag != "always":
+                    open(flag, "w").close()
+                print("crashing on purpose", flush=True)
+                os._exit(1)
+
+    http.server.HTTPServer(("127.0.0.1", port), H).serve_forever()
+    """
+)
+
+
+class Log:
+    """A log stream collecting the lines the supervisor forwards."""
+
+    def __init__(self):
+        self.lines: list[str] = []
+
+    def write(self, text):
+        self.lines.extend(text.splitlines())
+
+    def flush(self):
+        pass
+
+
+def spec(tmp_path, crash_after=0, flag=None, **kw) -> ServerSpec:
+    prog = tmp_path / "program.py"
+    prog.write_text(PROGRAM)
+    flag = str(flag or tmp_path / "crashed")
+    return ServerSpec(
+        name="prog",
+        command=lambda port: [sys.executable, str(prog), str(port), str(crash_after), flag],
+        startup_timeout=kw.pop("startup_timeout", 30),
+        grace=kw.pop("grace", 3),
+        **kw,
+    )
+
+
+def send(url, item):
+    return http_json(f"{url}/double", {"x": item}, timeout=30)["y"]
+
+
+def test_serves_every_request_and_stops_the_whole_group(tmp_path):
+    log = Log()
+    with Supervisor(spec(tmp_path), retries=0, log_stream=log) as sup:
+        tag = sup.tag
+        assert len(server_processes(tag)) == 3  # guard, program, its worker
+        done = []
+        out = run_requests(
+            sup, list(range(10)), send, concurrency=3, on_done=lambda i, r: done.append(i)
+        )
+    assert out == [2 * i for i in range(10)]
+    assert sorted(done) == list(range(10))
+    assert server_processes(tag) == []
+    assert "[prog] program up" in "\n".join(log.lines)
+    assert sum(line.startswith("[prog] served") for line in log.lines) == 10
+
+
+def test_a_server_that_dies_at_start_fails_fast_with_its_log(tmp_path):
+    bad = ServerSpec(
+        name="prog",
+        command=lambda port: [sys.executable, "-c", "print('error: unknown flag --nope'); exit(3)"],
+    )
+    t0 = time.monotonic()
+    with pytest.raises(ServerError) as err, Supervisor(bad, log_stream=Log()):
+        pass
+    assert time.monotonic() - t0 < 15
+    assert "exited during start-up (exit code 3)" in str(err.value)
+    assert "unknown flag --nope" in str(err.value)
+
+
+def test_startup_timeout_stops_the_process(tmp_path):
+    slow = ServerSpec(
+        name="prog",
+        command=lambda port: [
+            sys.executable,
+            "-c",
+            "import time; print('loading'); time.sleep(120)",
+        ],
+        startup_timeout=2,
+        grace=2,
+    )
+    sup = Supervisor(slow, log_stream=Log())
+    with pytest.raises(ServerError, match=r"not healthy .* after 2 s(.|\n)*loading"):
+        sup.__enter__()
+    assert server_processes(sup.tag) == []
+
+
+def test_a_server_dying_mid_way_is_restarted_and_only_unanswered_requests_resent(tmp_path):
+    log = Log()
+    with Supervisor(spec(tmp_path, crash_after=4), retries=2, log_stream=log) as sup:
+        out = run_requests(sup, list(range(12)), send, concurrency=2)
+        assert sup.stats()["server_restarts"] == 1 and sup.stats()["server_launches"] == 2
+    assert out == [2 * i for i in range(12)]
+    text = "\n".join(log.lines)
+    first, second = text.split("crashing on purpose")
+    served = [int(x.split("=")[1]) for x in first.split() if x.startswith("x=")]
+    again = [int(x.split("=")[1]) for x in second.split() if x.startswith("x=")]
+    assert len(served) == 4 and sorted(served + again) == list(range(12))  # none sent twice
+
+
+def test_restarts_are_bounded(tmp_path):
+    with (
+        pytest.raises(ServerError, match=r"1 restart\(s\) are spent(.|\n)*crashing on purpose"),
+        Supervisor(
+            spec(tmp_path, crash_after=2, flag="always"), retries=1, log_stream=Log()
+        ) as sup,
+    ):
+        run_requests(sup, list(range(10)), send, concurrency=1)
+    assert server_processes(sup.tag) == []
+
+
+def test_a_rejected_request_is_not_retried(tmp_path):
+    with (
+        pytest.raises(ServerError, match="HTTP 400.*negative x -1"),
+        Supervisor(spec(tmp_path), log_stream=Log()) as sup,
+    ):
+        run_requests(sup, [1, -1, 2], send, concurrency=1)
+
+
+JOB = """
+import sys, time
+sys.path.insert(0, {root!r})
+from draftsmith.server import ServerSpec, Supervisor
+spec = ServerSpec(name="prog", grace=3, command=lambda port: [sys.executable, {prog!r}, str(port), "0", "x"])
+with Supervisor(spec, tag={tag!r}):
+    print("READY", flush=True)
+    time.sleep(600)
+"""
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGKILL])
+def test_a_killed_job_leaves_no_server_process(tmp_path, sig):
+    prog = tmp_path / "program.py"
+    prog.write_text(PROGRAM)
+    tag = f"test-{os.getpid()}-{sig.name}"
+    job = subprocess.Popen(
+        [sys.executable, "-c", JOB.format(root=str(ROOT), prog=str(prog), tag=tag)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    try:
+        assert job.stdout.readline().strip() == "READY"
+        assert len(server_processes(tag)) == 3
+        job.send_signal(sig)
+        job.wait(timeout=30)
+        deadline = time.monotonic() + 20
+        while server_processes(tag) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert server_processes(tag) == []
+    finally:
+        job.kill()
+        for pid in server_processes(tag):
+            os.kill(pid, signal.SIGKILL)
