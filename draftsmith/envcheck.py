@@ -6,7 +6,14 @@ input of every rule of that role: a changed pin or interpreter makes their outpu
 
     python -m draftsmith.envcheck check --role cpu --pins envs/cpu.txt --python /usr/bin/python3 \
         --gpus 0 --out results/env/cpu.json
-    python -m draftsmith.envcheck venv --role cpu --pins envs/cpu.txt --out results/venv/cpu
+    python -m draftsmith.envcheck venv --pins envs/cpu.txt --out results/venv/cpu
+
+Pin files may carry directive lines, `# draftsmith: <word>` (a comment to pip):
+- `no-deps`: `venv` installs the file with `pip install --no-deps`, so the file must pin the
+  whole runtime closure itself. Used where a package's own metadata pins what cannot run here
+  (envs/sglang-cpu.txt: sglang pins a CUDA torch; the role runs it on the CPU torch build).
+- `sglang-cpu`: `check` also proves, in the role's interpreter, that sglang imports with the CPU
+  compatibility layer active (draftsmith.sglang_cpu.selfcheck).
 """
 
 from __future__ import annotations
@@ -22,6 +29,8 @@ from pathlib import Path
 
 from draftsmith.common import atomic_write_json
 
+DIRECTIVE_RE = re.compile(r"^#\s*draftsmith:\s*(\S+)\s*$")
+DIRECTIVES = ("no-deps", "sglang-cpu")
 PIN_RE = re.compile(r"^([A-Za-z0-9_.\-]+)(\[[^\]]*\])?==([^\s;#]+)")
 
 # Runs inside the role's interpreter: standard library only, prints one JSON object.
@@ -65,6 +74,20 @@ def read_pins(path: Path) -> dict[str, str]:
             raise EnvError(f"{path}:{n}: {line!r} is not an exact pin (name==version)")
         pins[canonical(m.group(1))] = m.group(3)
     return pins
+
+
+def read_directives(path: Path) -> set[str]:
+    """The `# draftsmith: <word>` lines of a pin file; an unknown word is an error."""
+    found = set()
+    for n, line in enumerate(Path(path).read_text().splitlines(), 1):
+        m = DIRECTIVE_RE.match(line.strip())
+        if m:
+            if m.group(1) not in DIRECTIVES:
+                raise EnvError(
+                    f"{path}:{n}: unknown directive {m.group(1)!r} (known: {', '.join(DIRECTIVES)})"
+                )
+            found.add(m.group(1))
+    return found
 
 
 def canonical(name: str) -> str:
@@ -128,7 +151,7 @@ def check(role: str, pins_file: Path, python: str, gpus: int) -> dict:
             f"{info['cuda_available']}, torch CUDA {info['torch_cuda']}). Run this role on a GPU "
             f"node (profiles/slurm) or lower envs.{role}.gpus."
         )
-    return {
+    stamp = {
         "role": role,
         "python": info["executable"],
         "python_version": info["version"],
@@ -140,6 +163,50 @@ def check(role: str, pins_file: Path, python: str, gpus: int) -> dict:
         "gpu_count": info["gpu_count"],
         "gpus": info["gpus"],
     }
+    if "sglang-cpu" in read_directives(pins_file):
+        stamp["sglang_cpu"] = sglang_cpu_check(role, python)
+    return stamp
+
+
+def sglang_cpu_check(role: str, python: str) -> dict:
+    """Run draftsmith.sglang_cpu.selfcheck in the role's interpreter, in the server's environment."""
+    from draftsmith.sglang_cpu import server_env
+
+    try:
+        proc = subprocess.run(
+            [python, "-m", "draftsmith.sglang_cpu.selfcheck"],
+            env=server_env(),
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+    except subprocess.TimeoutExpired:
+        raise EnvError(f"role {role!r}: the SGLang CPU self-check in {python} took over 600 s")
+    try:
+        result = json.loads(proc.stdout.strip().splitlines()[-1])
+    except (IndexError, ValueError):
+        raise EnvError(
+            f"role {role!r}: the SGLang CPU self-check did not run in {python} "
+            f"(exit {proc.returncode}):\n{proc.stderr.strip()[-3000:]}"
+        ) from None
+    if result["problems"]:
+        raise EnvError(
+            f"role {role!r}: SGLang imports in {python}, but the CPU compatibility layer "
+            "(draftsmith/sglang_cpu) is not active:\n  "
+            + "\n  ".join(result["problems"])
+            + "\nThe server must run with draftsmith.sglang_cpu.server_env() (its overlay first on "
+            "PYTHONPATH, SGLANG_USE_CPU_ENGINE=1)."
+        )
+    return result
+
+
+def pip_install_args(pins_file: Path) -> list[str]:
+    """`pip install` arguments for a pin file, honouring its `no-deps` directive."""
+    args = ["--no-input"]
+    if "no-deps" in read_directives(pins_file):
+        read_pins(pins_file)  # the file is the whole closure: every line must be an exact pin
+        args.append("--no-deps")
+    return [*args, "-r", str(pins_file)]
 
 
 def build_venv(pins_file: Path, out: Path) -> None:
@@ -147,8 +214,8 @@ def build_venv(pins_file: Path, out: Path) -> None:
     tmp = out.with_name(f".tmp-{out.name}")
     shutil.rmtree(tmp, ignore_errors=True)
     venv.EnvBuilder(with_pip=True, symlinks=True).create(tmp)
-    pip = [str(tmp / "bin" / "python"), "-m", "pip", "install", "--no-input"]
-    subprocess.run([*pip, "-r", str(pins_file)], check=True, stdout=sys.stderr)
+    pip = [str(tmp / "bin" / "python"), "-m", "pip", "install", *pip_install_args(pins_file)]
+    subprocess.run(pip, check=True, stdout=sys.stderr)
     if out.exists():
         shutil.rmtree(out)
     tmp.rename(out)

@@ -86,3 +86,21 @@ def test_read_pins_rejects_ranges(tmp_path):
 def test_local_version_label():
     assert same_version("2.13.0+cpu", "2.13.0")
     assert not same_version("2.13.1", "2.13.0")
+
+
+def test_directives_and_no_deps_install_args(tmp_path):
+    from draftsmith.envcheck import pip_install_args, read_directives
+
+    f = tmp_path / "x.txt"
+    f.write_text("# a comment\n# draftsmith: no-deps\ntorch==2.13.0\n")
+    assert read_directives(f) == {"no-deps"}
+    assert pip_install_args(f) == ["--no-input", "--no-deps", "-r", str(f)]
+    f.write_text("torch==2.13.0\n")
+    assert pip_install_args(f) == ["--no-input", "-r", str(f)]
+    f.write_text("# draftsmith: nodeps\ntorch==2.13.0\n")
+    with pytest.raises(EnvError, match=r"x.txt:1: unknown directive 'nodeps'"):
+        read_directives(f)
+    # the sglang-cpu role's file is a whole closure installed without dependency resolution
+    assert read_directives(ROOT / "envs" / "sglang-cpu.txt") == {"no-deps", "sglang-cpu"}
+    pins = read_pins(ROOT / "envs" / "sglang-cpu.txt")
+    assert pins["sglang"] == "0.5.23" and pins["torch"] == "2.13.0"

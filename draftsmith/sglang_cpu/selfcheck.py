@@ -1,0 +1,62 @@
+"""Prove, inside the sglang-cpu interpreter, that SGLang imports with the compatibility layer on.
+
+Run with `draftsmith.sglang_cpu.server_env()` (validate_env does so):
+
+    python -m draftsmith.sglang_cpu.selfcheck
+
+Prints one JSON object; `problems` lists what is wrong (empty when the layer is active): the
+CPU engine flag, `sgl_kernel` resolving to our overlay, SGLang's AMX path staying off, torchvision
+importing, and the EAGLE patches applied to the modules SGLang loads for speculative decoding.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+
+def selfcheck() -> dict:
+    from draftsmith.sglang_cpu import OVERLAY
+
+    out: dict = {"problems": []}
+    problems = out["problems"]
+    try:
+        import sglang
+        import sgl_kernel
+        import torchvision
+        from sglang.srt.layers.attention import torch_native_backend
+        from sglang.srt.speculative import draft_utils
+        from sglang.srt.utils import common
+    except Exception as e:  # the message is the result
+        problems.append(f"import failed: {type(e).__name__}: {e}")
+        return out
+    from draftsmith.sglang_cpu.attention import MARK
+
+    out["sglang"] = sglang.__version__
+    out["torchvision"] = torchvision.__version__
+    out["sgl_kernel"] = sgl_kernel.__file__
+    out["is_cpu"] = bool(common.is_cpu())
+    out["amx"] = bool(common.cpu_has_amx_support())
+    out["patched"] = {
+        "TorchNativeAttnBackend": getattr(torch_native_backend.TorchNativeAttnBackend, MARK, False),
+        "DraftBackendFactory": getattr(draft_utils.DraftBackendFactory, MARK, False),
+    }
+    if not out["is_cpu"]:
+        problems.append("sglang is_cpu() is false: SGLANG_USE_CPU_ENGINE=1 is not set")
+    if Path(sgl_kernel.__file__).resolve().parent.parent != OVERLAY:
+        problems.append(f"sgl_kernel comes from {sgl_kernel.__file__}, not from {OVERLAY}")
+    if out["amx"]:
+        problems.append("SGLang took its AMX kernel path, which needs compiled kernels")
+    problems += [f"{k} is not patched" for k, ok in out["patched"].items() if not ok]
+    return out
+
+
+def main() -> None:
+    result = selfcheck()
+    print(json.dumps(result))
+    sys.exit(1 if result["problems"] else 0)
+
+
+if __name__ == "__main__":
+    main()
