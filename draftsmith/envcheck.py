@@ -181,7 +181,9 @@ def sglang_cpu_check(role: str, python: str) -> dict:
             timeout=600,
         )
     except subprocess.TimeoutExpired:
-        raise EnvError(f"role {role!r}: the SGLang CPU self-check in {python} took over 600 s")
+        raise EnvError(
+            f"role {role!r}: the SGLang CPU self-check in {python} took over 600 s"
+        ) from None
     try:
         result = json.loads(proc.stdout.strip().splitlines()[-1])
     except (IndexError, ValueError):

@@ -81,7 +81,7 @@ def forward_verify(backend, q, k, v, layer, forward_batch, save_kv_cache=True):
     seq_lens = forward_batch.seq_lens.tolist()
     rows = forward_batch.req_pool_indices.tolist()
     prefix_before = 0
-    for b, (row, seq_len) in enumerate(zip(rows, seq_lens)):
+    for b, (row, seq_len) in enumerate(zip(rows, seq_lens, strict=True)):
         keys, values = _kv(backend, layer, req_to_token[row, : seq_len + n].to(torch.int64))
         mask = torch.ones(n, seq_len + n, dtype=torch.bool)
         mask[:, seq_len:] = verify_draft_mask(spec_info, b, seq_len, prefix_before, len(rows))
@@ -136,7 +136,7 @@ def draft_decode_tables(req_to_token, req_pool_indices, seq_lens, topk: int, num
     lens = seq_lens.tolist()
     width = (max(lens) if lens else 0) + num_steps
     table = torch.zeros((len(lens) * topk, width), dtype=req_to_token.dtype)
-    for b, (row, s) in enumerate(zip(req_pool_indices.tolist(), lens)):
+    for b, (row, s) in enumerate(zip(req_pool_indices.tolist(), lens, strict=True)):
         for r in range(topk):
             table[b * topk + r, :s] = req_to_token[row, :s]
             start = s + r * num_steps
@@ -150,7 +150,9 @@ class MultiStepDraftBackend:
     def __init__(self, model_runner, topk: int, speculative_num_steps: int):
         self.topk = topk
         self.speculative_num_steps = speculative_num_steps
-        self.attn_backends = [DraftStepBackend(model_runner) for _ in range(speculative_num_steps - 1)]
+        self.attn_backends = [
+            DraftStepBackend(model_runner) for _ in range(speculative_num_steps - 1)
+        ]
         self.req_to_token_pool = model_runner.req_to_token_pool
 
     def init_forward_metadata(self, forward_batch):

@@ -36,7 +36,7 @@ def _spans(start_offset: torch.Tensor, end_offset: torch.Tensor):
     """(request i, start, end, offset of its run in the packed buffer) per request."""
     starts, ends = start_offset.tolist(), end_offset.tolist()
     offset = 0
-    for i, (s, e) in enumerate(zip(starts, ends)):
+    for i, (s, e) in enumerate(zip(starts, ends, strict=True)):
         yield i, s, e, offset
         offset += e - s
 
@@ -72,7 +72,7 @@ def assign_draft_cache_locs_contiguous_cpu(
     del pool_len
     n = topk * num_steps
     flat = out_cache_loc.view(-1)
-    for i, (row, s) in enumerate(zip(req_pool_indices.tolist(), seq_lens.tolist())):
+    for i, (row, s) in enumerate(zip(req_pool_indices.tolist(), seq_lens.tolist(), strict=True)):
         flat[i * n : (i + 1) * n] = req_to_token[row, s : s + n].to(flat.dtype)
 
 
@@ -234,6 +234,6 @@ def copy_all_layer_kv_cache_cpu(data_ptrs, strides, tgt_loc, src_loc):
     if src.numel() == 0:
         return
     n_rows = int(torch.maximum(src.max(), tgt.max())) + 1
-    for ptr, stride in zip(data_ptrs.tolist(), strides.tolist()):
+    for ptr, stride in zip(data_ptrs.tolist(), strides.tolist(), strict=True):
         rows = _rows(int(ptr), int(stride), n_rows)
         rows[tgt] = rows[src].clone()

@@ -22,8 +22,8 @@ def selfcheck() -> dict:
     out: dict = {"problems": []}
     problems = out["problems"]
     try:
-        import sglang
         import sgl_kernel
+        import sglang
         import torchvision
         from sglang.srt.layers.attention import torch_native_backend
         from sglang.srt.speculative import draft_utils
