@@ -130,7 +130,7 @@ def summary(plan: dict) -> str:
     return (
         f"hidden-state shards: {len(plan['shards'])} ranges, {plan['rows']} rows, "
         f"{plan['tokens']} tokens x {plan['bytes_per_token']} B/token "
-        f"(storage {plan['storage']}, hidden {plan['hidden_size']}; ids, mask, header)\n"
+        f"(storage {plan['storage']}, hidden {plan['hidden_size']}; states, ids, mask)\n"
         f"  total {human(plan['total_bytes'])}, still to build {human(plan['pending_bytes'])}, "
         f"free in {plan['free_path']}: {human(plan['free_bytes'])}"
     )

@@ -313,6 +313,8 @@ def test_rules_targeted_rebuild_and_staleness(tiny_target, tmp_path):
     assert pending({**config, "capture": {**config["capture"], "dtype": "float16"}}) == ranges
     ids = {**config, "capture": {**config["capture"], "aux_layer_ids": [0, 1, 2]}}
     assert pending(ids) == ranges
+    compact = {"aux": "float8_e4m3", "final": "topk"}  # a new storage mode: every shard stale
+    assert pending({**config, "capture": {**config["capture"], "storage": compact}}) == ranges
     # a corrupt shard is found by verify, deleted, and rebuilt alone
     with open(shard[0], "r+b") as f:
         f.seek(-100, 2)

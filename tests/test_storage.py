@@ -416,3 +416,28 @@ def test_plan_uses_storage_mode(tiny_target, tmp_path):
     assert small["total_bytes"] == estimate_bytes(
         50, 2, hidden, "bfloat16", Storage.from_config(cfg["capture"]["storage"]), p, vocab
     )
+
+
+def test_capture_cli_compact_mode(tiny_target, tmp_path):
+    """`python -m draftsmith.capture` with capture.storage: the manifest records the mode."""
+    from safetensors.torch import save_file
+
+    from draftsmith.capture import main
+    from draftsmith.target import write_meta
+
+    target = shutil.copytree(tiny_target, tmp_path / "target")
+    write_meta(target, source="path", origin=str(tiny_target))
+    d = data(lengths=(6, 9, 5))
+    tokens = tmp_path / "rows_000000-000003.safetensors"
+    save_file({k: d[k] for k in ("input_ids", "loss_mask", "row_offsets")}, str(tokens))
+    out = tmp_path / "hidden" / "rows_000000-000003.safetensors"
+    storage = {"aux": "float8_e4m3", "final": "topk", "topk": 6, "scale_block": 0}
+    cfg = {"capture": {"aux_layer_ids": "auto", "batch_tokens": 64, "storage": storage}}
+    args = ["--tokens", str(tokens), "--target", str(target), "--out", str(out)]
+    main(["--cfg", json.dumps(cfg), *args, "--threads", "1"])
+    shard = open_shard(out, verify_sha=True)
+    assert shard.manifest["storage"]["mode"] == "float8_e4m3+topk6"
+    assert shard.teacher_topk_ids.shape == (int(expected_trained(d).sum()), 6)
+    bad = {"capture": {**cfg["capture"], "storage": {"final": "logits"}}}
+    with pytest.raises(SystemExit, match="capture.storage.final"):
+        main(["--cfg", json.dumps(bad), *args])
