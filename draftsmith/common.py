@@ -7,11 +7,13 @@ DAG-build time with only the standard library and pyyaml.
 from __future__ import annotations
 
 import contextlib
+import glob
 import hashlib
 import json
 import logging
 import os
 import platform
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -58,6 +60,20 @@ def atomic_path(final_path: str | os.PathLike):
     except BaseException:
         tmp_path.unlink(missing_ok=True)
         raise
+
+
+def remove_stale_temps(directory: Path, prefix: str) -> None:
+    """Delete `prefix*` leftovers of a killed build in `directory` (files or staging dirs).
+
+    Callers name the prefix of one output only (e.g. `.tmp-rows_000000-000128.safetensors-`):
+    Snakemake never runs two jobs for the same output at once, so such a file is an orphan.
+    """
+    for old in sorted(Path(directory).glob(glob.escape(prefix) + "*")):
+        logging.getLogger("draftsmith").warning("removing %s, left by an interrupted job", old)
+        if old.is_dir() and not old.is_symlink():
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            old.unlink(missing_ok=True)
 
 
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:

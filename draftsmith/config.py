@@ -48,3 +48,24 @@ def aux_layer_ids(setting, num_layers: int) -> list[int]:
     if len(ids) != 3:
         raise ValueError(f"capture.aux_layer_ids must have 3 ids, got {ids}")
     return ids
+
+
+def check_range(name: str, ranges: list[str], n_rows: int, rows_per_shard: int) -> None:
+    """Raise ValueError unless `name` is one of the configured `ranges`; the message lists them."""
+    if name in ranges:
+        return
+    shown = ranges if len(ranges) <= 6 else [*ranges[:3], "...", *ranges[-2:]]
+    valid = (
+        f"the {len(ranges)} configured ranges ({n_rows} training rows, data.rows_per_shard "
+        f"{rows_per_shard}) are: {', '.join(shown)}"
+    )
+    try:
+        a, b = parse_range(name)
+    except ValueError as e:
+        raise ValueError(f"{e}; {valid}") from None
+    if b > n_rows:
+        raise ValueError(
+            f"row range {name} is past the end of the training rows [0, {n_rows}) "
+            f"(data.sources minus data.heldout_rows); {valid}"
+        )
+    raise ValueError(f"row range {name} is not a configured range; {valid}")

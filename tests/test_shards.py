@@ -21,6 +21,7 @@ from draftsmith.shards import (
     manifest_path,
     open_shard,
     verify,
+    verify_cached,
     verify_dir,
 )
 
@@ -147,9 +148,81 @@ def test_corrupt_shard_detected_and_deleted_alone(tmp_path):
     with pytest.raises(SystemExit):
         main(["verify", str(tmp_path)])
     assert bad.exists()
-    main(["verify", str(tmp_path), "--delete"])
+    with pytest.raises(SystemExit, match="1 bad shard.*rebuild") as exit_:
+        main(["verify", str(tmp_path), "--delete"])  # bad shards found: nonzero even when deleted
+    assert exit_.value.code not in (0, None)
     assert good.exists() and not bad.exists() and not manifest_path(bad).exists()
     assert verify_dir(tmp_path) == []
+    main(["verify", str(tmp_path)])  # a sound directory exits 0
+
+
+def test_manifest_is_checked_against_the_copy_inside_the_shard(tmp_path):
+    path = tmp_path / "rows_000000-000004.safetensors"
+    make_shard(path)
+    manifest = json.loads(manifest_path(path).read_text())
+    manifest["aux_layer_ids"] = [4, 5, 6]  # e.g. the manifest of another capture copied over
+    manifest_path(path).write_text(json.dumps(manifest))
+    with pytest.raises(ShardError, match=r"differs from the copy inside .*\['aux_layer_ids'\]"):
+        open_shard(path)
+    assert len(verify_dir(tmp_path)) == 1
+    with pytest.raises(SystemExit):
+        main(["verify", str(tmp_path)])
+
+
+def test_rebuilt_shard_with_the_same_tensors_has_the_same_sha256(tmp_path, monkeypatch):
+    import draftsmith.shards as shards
+
+    clock = iter(f"2026-01-0{i}T00:00:00+0000" for i in range(1, 9))
+    monkeypatch.setattr(shards.time, "strftime", lambda *_: next(clock))
+    first, second = tmp_path / "a" / "rows_000000-000004.safetensors", tmp_path / "b"
+    second = second / first.name
+    first.parent.mkdir()
+    second.parent.mkdir()
+    make_shard(first)
+    make_shard(second)  # a rebuild: same tensors, later creation time
+    m1, m2 = (json.loads(manifest_path(p).read_text()) for p in (first, second))
+    assert m1["created"] != m2["created"]
+    assert m1["sha256"] == m2["sha256"] and first.read_bytes() == second.read_bytes()
+
+
+def test_verified_stamp_skips_unchanged_shards_only(tmp_path):
+    path = tmp_path / "rows_000000-000004.safetensors"
+    make_shard(path)
+    manifest = json.loads(manifest_path(path).read_text())
+    stamps = tmp_path / "verified"
+    assert verify_cached(path, manifest, stamps) is True  # hashed, stamp written
+    assert verify_cached(path, manifest, stamps) is False  # proven before, file unchanged
+    with open(path, "r+b") as f:  # a flipped byte (the write moves the mtime)
+        f.seek(path.stat().st_size // 2)
+        byte = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    with pytest.raises(ShardError, match="checksum mismatch"):
+        verify_cached(path, manifest, stamps)
+
+
+def test_killed_writer_leaves_no_temp_after_the_next_start(tmp_path):
+    path = tmp_path / "rows_000000-000004.safetensors"
+    other = tmp_path / ".tmp-rows_000004-000008.safetensors-abc"  # another range's: kept
+    other.write_bytes(b"x")
+    code = textwrap.dedent(
+        f"""
+        import os, signal, sys, torch
+        sys.path.insert(0, {str(ROOT)!r})
+        from draftsmith.shards import ShardWriter
+        with ShardWriter({str(path)!r}, input_ids=torch.arange(4), loss_mask=torch.ones(4),
+                         row_offsets=torch.tensor([0, 4]), hidden_size=8, dtype="float32",
+                         manifest={{}}):
+            os.kill(os.getpid(), signal.SIGKILL)
+        """
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True)
+    assert proc.returncode == -9
+    left = list(tmp_path.glob(".tmp-rows_000000-000004.safetensors-*"))
+    assert len(left) == 1 and not path.exists()
+    make_shard(path)  # the next start of this range
+    assert not left[0].exists() and other.exists()
+    open_shard(path, verify_sha=True)
 
 
 def test_writer_refuses_incomplete_and_double_writes(tmp_path):

@@ -276,3 +276,42 @@ def test_reference_curve(baseline):
     assert got["loss"] == pytest.approx(ref["loss"], rel=1e-4)
     for a, b in zip(got["acc_per_pos"], ref["acc_per_pos"], strict=True):
         assert a == pytest.approx(b, abs=1e-6)
+
+
+def test_each_shard_is_proven_once_and_a_corrupt_one_is_refused(tmp_path, monkeypatch):
+    """sha256 is checked before the first use, cached by file state, and a flipped byte stops."""
+    import draftsmith.shards as shards
+
+    inputs = make_inputs(tmp_path / "in", rows=4)
+    run_train(inputs, tmp_path / "out", cfg_json(max_steps=1))
+    stamps = sorted(p.name for p in (tmp_path / "out" / "state" / "verified").iterdir())
+    assert stamps == [p.with_suffix(".json").name for p in inputs["shards"]]
+    hashed = []
+    real = shards.sha256_file
+    monkeypatch.setattr(shards, "sha256_file", lambda p: hashed.append(p) or real(p))
+    run_train(inputs, tmp_path / "out", cfg_json(max_steps=1))
+    assert hashed == []  # unchanged shards are not re-read on a rerun
+    bad = inputs["shards"][1]
+    with open(bad, "r+b") as f:  # flip one byte inside the hidden states
+        f.seek(bad.stat().st_size // 2)
+        byte = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    with pytest.raises(SystemExit, match=f"{bad.name}: checksum mismatch"):
+        run_train(inputs, tmp_path / "out", cfg_json(max_steps=1))
+    assert [Path(p).name for p in hashed] == [bad.name]  # only the changed file was re-read
+
+
+def test_run_key_ignores_manifest_keys_outside_the_shard_bytes(tmp_path):
+    """A rebuilt shard with the same bytes (new creation time) resumes the same run."""
+    from draftsmith.train import run_key
+
+    inputs = make_inputs(tmp_path / "in", rows=4)
+    cfg = json.loads(cfg_json())
+    key = run_key(cfg, inputs["shards"], inputs["vocab"], inputs["target"])
+    mpath = inputs["shards"][0].with_suffix(".json")
+    manifest = json.loads(mpath.read_text())
+    mpath.write_text(json.dumps({**manifest, "created": "later", "capture_seconds": 9.9}))
+    assert run_key(cfg, inputs["shards"], inputs["vocab"], inputs["target"]) == key
+    mpath.write_text(json.dumps({**manifest, "sha256": "0" * 64}))
+    assert run_key(cfg, inputs["shards"], inputs["vocab"], inputs["target"]) != key
