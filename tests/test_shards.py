@@ -21,7 +21,6 @@ from draftsmith.shards import (
     manifest_path,
     open_shard,
     verify,
-    verify_cached,
     verify_dir,
 )
 
@@ -186,6 +185,8 @@ def test_rebuilt_shard_with_the_same_tensors_has_the_same_sha256(tmp_path, monke
 
 
 def test_verified_stamp_skips_unchanged_shards_only(tmp_path):
+    from draftsmith.shards import verify_cached
+
     path = tmp_path / "rows_000000-000004.safetensors"
     make_shard(path)
     manifest = json.loads(manifest_path(path).read_text())
