@@ -238,8 +238,9 @@ wildcard_constraints:
 RANGES = {ranges!r}
 def stamp(stage):
     return "results/env/cpu.json"
-def python_cmd(stage):
-    return "env PYTHONPATH={root} " + sys.executable
+def configured_range(wildcards):
+    return []
+shell.prefix(f"set -euo pipefail; export PYTHONPATH={root} DRAFTSMITH_PY_CAPTURE={{sys.executable}}; ")
 def role_env(stage):
     return "../envs/cpu.yaml"
 def cfg_json(*sections):
@@ -319,7 +320,8 @@ def test_rules_targeted_rebuild_and_staleness(tiny_target, tmp_path):
     with open(shard[0], "r+b") as f:
         f.seek(-100, 2)
         f.write(b"\xff" * 4)
-    shards_main(["verify", str(tmp_path / "results" / "hidden"), "--delete"])
+    with pytest.raises(SystemExit, match="1 bad shard"):  # nonzero: a shard was bad
+        shards_main(["verify", str(tmp_path / "results" / "hidden"), "--delete"])
     assert pending(config) == [ranges[0]]
     out = snakemake(tmp_path, *names, config=config)
     assert shard[1].stat().st_mtime_ns == first[1], out
