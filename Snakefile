@@ -18,6 +18,7 @@ include: "rules/env.smk"
 include: "rules/target.smk"
 include: "rules/data.smk"
 include: "rules/hidden.smk"
+include: "rules/sglang.smk"
 include: "rules/train.smk"
 include: "rules/bench.smk"
 

@@ -78,6 +78,9 @@ def main(argv: list[str] | None = None) -> None:
         "--out", type=Path, required=True, help="results/hidden/rows_<a>-<b>.safetensors"
     )
     ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument(
+        "--patched", type=Path, help="results/sglang/patched.json (capture.backend sglang)"
+    )
     args = ap.parse_args(argv)
     log = init_logging("draftsmith.capture")
     cfg = parse_cfg(args.cfg)
@@ -130,6 +133,7 @@ def main(argv: list[str] | None = None) -> None:
                 "versions": versions(),
             },
             threads=args.threads,
+            **({"patched": args.patched} if args.patched else {}),
         )
     except (CaptureError, ShardError, ValueError) as e:
         raise SystemExit(f"error: {e}") from None

@@ -30,6 +30,7 @@ rule hidden_plan:
 rule capture:
     input:
         configured_range,
+        unpack(capture_engine_inputs),
         tokens="results/tokens/{rows}.safetensors",
         target="results/target",
         stamp=stamp("capture"),
@@ -46,9 +47,13 @@ rule capture:
         runtime=60,
     params:
         cfg=cfg_json("capture", "target"),
+        patched=lambda w, input: (
+            f"--patched {input.patched}" if "patched" in input.keys() else ""
+        ),
     shell:
         "$DRAFTSMITH_PY_CAPTURE -m draftsmith.capture --cfg {params.cfg:q} --tokens {input.tokens} "
-        "--target {input.target} --out {output.shard} --threads {threads} > {log} 2>&1"
+        "--target {input.target} --out {output.shard} --threads {threads} {params.patched} "
+        "> {log} 2>&1"
 
 
 rule hidden:

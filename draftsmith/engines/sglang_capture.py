@@ -1,0 +1,304 @@
+"""Capture backend `sglang`: a patched SGLang server prefills every row and dumps its states.
+
+The server is the pinned SGLang with the capture patch (`rule patch_sglang`, overlay first on
+its PYTHONPATH), started once per job in SGLang's capture-only mode: aux capture at the
+configured ids without a draft (`--enable-return-aux-hidden-states --speculative-algorithm
+EAGLE3 --return-aux-hidden-state-layer-ids ...`, which calls each model's
+`set_eagle3_layers_to_capture`), radix cache, chunked prefill and the overlap scheduler off
+(a prompt is always prefilled whole, in one forward; the patch refuses anything else).
+
+Each row is sent as `input_ids` to `/generate` with `max_new_tokens=1` and a unique
+`draftsmith_dump_key`, at most `capture.concurrency` at a time. The server writes
+`<dump dir>/<key>.dump` (format: `sglang/srt/draftsmith_dump.py` in the patch, docs/sglang.md);
+this client waits for it, checks magic, format, patch id, token count, hidden size, the layers
+actually captured (SGLang id i must capture the input of layer i + 1), the crc32 of the token
+ids and the file size, casts to `capture.dtype`, writes the rows into the shard through the same
+streaming `ShardWriter` as `hf`, and deletes the dump. A wrong or missing dump or an aborted
+request is retried up to `capture.retries` times, then the job fails naming the row; a server
+that dies is relaunched (bounded, `draftsmith.server.Supervisor`) and every row not yet written
+is sent again. The shard is only renamed into place once every token is written.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import struct
+import tempfile
+import threading
+import time
+import uuid
+import zlib
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from draftsmith.capture import CaptureError
+from draftsmith.shards import ShardWriter
+
+log = logging.getLogger("draftsmith.engines.sglang_capture")
+
+DUMP_MAGIC = b"DSDUMP01"
+DUMP_FORMAT = "draftsmith-dump-1"
+DUMP_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+DUMP_ROOT_ENV = "DRAFTSMITH_DUMP_ROOT"  # where dump dirs go (default /dev/shm)
+
+
+class DumpError(ValueError):
+    """A dump that is missing, malformed or does not belong to the row it was asked for."""
+
+
+def ids_crc32(input_ids: torch.Tensor) -> int:
+    """crc32 of the token ids as int64 little endian (what the patched server computes)."""
+    return zlib.crc32(np.ascontiguousarray(input_ids.numpy(), dtype="<i8").tobytes())
+
+
+def dump_root() -> Path:
+    root = Path(os.environ.get(DUMP_ROOT_ENV, "/dev/shm"))
+    return root if root.is_dir() else Path(tempfile.gettempdir())
+
+
+def read_dump(path: Path, *, expect: dict) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """(aux [S, K*H], last [S, H], header) of one dump, after checking it against `expect`.
+
+    `expect` holds key, tokens, hidden_size, layer_inputs, ids_crc32 and patch.
+    """
+    data = path.read_bytes()
+    if len(data) < 16 or data[:8] != DUMP_MAGIC:
+        raise DumpError(f"{path.name}: not a draftsmith dump (magic {data[:8]!r})")
+    (n,) = struct.unpack("<Q", data[8:16])
+    if 16 + n > len(data):
+        raise DumpError(f"{path.name}: truncated header ({len(data)} bytes, header {n})")
+    try:
+        header = json.loads(data[16 : 16 + n])
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise DumpError(f"{path.name}: corrupt header ({e})") from None
+    if header.get("format") != DUMP_FORMAT:
+        raise DumpError(f"{path.name}: format {header.get('format')!r}, expected {DUMP_FORMAT!r}")
+    for key, want in expect.items():
+        if header.get(key) != want:
+            raise DumpError(f"{path.name}: header {key} is {header.get(key)!r}, expected {want!r}")
+    dtype = DUMP_DTYPES.get(header.get("dtype"))
+    if dtype is None:
+        raise DumpError(f"{path.name}: unsupported dtype {header.get('dtype')!r}")
+    s, h, k = header["tokens"], header["hidden_size"], len(header["layer_inputs"])
+    item = torch.empty((), dtype=dtype).element_size()
+    want_size = 16 + n + s * (k + 1) * h * item
+    if len(data) != want_size:
+        raise DumpError(
+            f"{path.name}: {len(data)} bytes, expected {want_size} for {s} tokens x "
+            f"({k} + 1) x {h} x {header['dtype']}"
+        )
+    flat = torch.frombuffer(bytearray(data[16 + n :]), dtype=dtype)
+    aux = flat[: s * k * h].view(s, k * h)
+    last = flat[s * k * h :].view(s, h)
+    return aux, last, header
+
+
+def server_args(cfg: dict, target: Path, ids: list[int]) -> list[str]:
+    """The capture-only SGLang arguments (after the engine's own launch arguments)."""
+    return [
+        "--enable-return-aux-hidden-states",
+        "--speculative-algorithm",
+        "EAGLE3",
+        "--return-aux-hidden-state-layer-ids",
+        *[str(i) for i in ids],
+        "--disable-radix-cache",
+        "--chunked-prefill-size",
+        "-1",
+        "--disable-overlap-schedule",
+        "--skip-tokenizer-init",
+    ]
+
+
+class RowCapture:
+    """Sends rows, validates their dumps and writes them into the shard (thread-safe)."""
+
+    def __init__(self, tokens: dict, writer: ShardWriter, dump_dir: Path, expect: dict, cfg):
+        self.ids = tokens["input_ids"]
+        self.offsets = tokens["row_offsets"].tolist()
+        self.writer = writer
+        self.dump_dir = dump_dir
+        self.expect = expect
+        self.timeout = float(cfg.get("request_timeout", 600))
+        self.dump_wait = float(cfg.get("dump_timeout", 60))
+        self.lock = threading.Lock()
+        self.stem = writer.path.stem
+
+    def row_ids(self, r: int) -> torch.Tensor:
+        return self.ids[self.offsets[r] : self.offsets[r + 1]]
+
+    def wait_dump(self, key: str) -> Path:
+        path, err = self.dump_dir / f"{key}.dump", self.dump_dir / f"{key}.err"
+        deadline = time.monotonic() + self.dump_wait
+        while not path.exists():
+            if err.exists():
+                raise DumpError(f"{key}: the server failed to write it: {err.read_text().strip()}")
+            if time.monotonic() > deadline:
+                raise DumpError(
+                    f"{key}: no dump in {self.dump_dir} {self.dump_wait:.0f} s after the answer "
+                    "(is the server the patched SGLang, with DRAFTSMITH_DUMP_DIR set?)"
+                )
+            time.sleep(0.01)
+        return path
+
+    def send(self, url: str, r: int, attempt: int) -> int:
+        """Capture row r: request, dump, checks, shard write. Returns the row's token count."""
+        from draftsmith.server import http_json
+
+        ids = self.row_ids(r)
+        key = f"{self.stem}.r{r}.a{attempt}.{uuid.uuid4().hex[:8]}"
+        body = {
+            "input_ids": ids.tolist(),
+            "sampling_params": {"max_new_tokens": 1, "temperature": 0.0},
+            "draftsmith_dump_key": key,
+        }
+        try:
+            answer = http_json(f"{url}/generate", body, timeout=self.timeout)
+            finish = (answer or {}).get("meta_info", {}).get("finish_reason") or {}
+            if finish.get("type") == "abort":
+                raise DumpError(f"{key}: the server aborted the request: {finish.get('message')}")
+            path = self.wait_dump(key)
+            aux, last, _ = read_dump(
+                path,
+                expect={
+                    **self.expect,
+                    "key": key,
+                    "tokens": ids.numel(),
+                    "ids_crc32": ids_crc32(ids),
+                },
+            )
+            with self.lock:
+                self.writer.write(self.offsets[r], aux, last)
+        finally:
+            for suffix in (".dump", ".err"):
+                (self.dump_dir / f"{key}{suffix}").unlink(missing_ok=True)
+        return ids.numel()
+
+
+def run_rows(sup, rc: RowCapture, rows: list[int], *, concurrency: int, retries: int, bar) -> dict:
+    """Capture `rows` with bounded concurrency; restart a dead server; bounded retries per row."""
+    from draftsmith.server import RequestRejected
+
+    attempts = dict.fromkeys(rows, 0)
+    pending = list(rows)
+    stats = {"row_retries": 0}
+    with ThreadPoolExecutor(max_workers=max(1, concurrency)) as pool:
+        while pending:
+            futures = {pool.submit(rc.send, sup.url, r, attempts[r]): r for r in pending}
+            failed: dict[int, BaseException] = {}
+            try:
+                remaining = set(futures)
+                while remaining:
+                    done, remaining = wait(remaining, timeout=1.0, return_when=FIRST_COMPLETED)
+                    for fut in done:
+                        err = fut.exception()
+                        if err is None:
+                            bar.update(1)
+                        else:
+                            failed[futures[fut]] = err
+            except BaseException:
+                for fut in futures:
+                    fut.cancel()
+                sup.server.stop()
+                raise
+            pending = sorted(failed)
+            if not pending:
+                break
+            if not sup.alive():  # a crash: not the rows' fault, send them all again
+                sup.restart(f"{len(pending)} row(s) unanswered")
+                continue
+            for r, err in failed.items():
+                attempts[r] += 1
+                stats["row_retries"] += 1
+                global_row = rc.writer.manifest["row_range"][0] + r
+                if attempts[r] > retries or isinstance(err, RequestRejected):
+                    raise CaptureError(
+                        f"{rc.stem}: row {r} (global row {global_row}, {rc.row_ids(r).numel()} "
+                        f"tokens) failed {attempts[r]} time(s): {type(err).__name__}: {err}"
+                    ) from err
+                log.warning("row %d (global %d): %s; retrying", r, global_row, err)
+    return stats
+
+
+def capture_range(
+    tokens, cfg: dict, *, target, out, ids, manifest: dict, threads: int, patched=None
+) -> dict:
+    """The capture stage through the patched SGLang server; returns the shard's manifest."""
+    from draftsmith.engines import sglang as sglang_engine
+    from draftsmith.server import Supervisor
+    from draftsmith.sglang_patch import load_patched
+    from draftsmith.target import target_config
+
+    if patched is None:
+        raise CaptureError("capture.backend sglang needs --patched results/sglang/patched.json")
+    record = load_patched(patched)
+    cap = cfg["capture"]
+    text_cfg = target_config(target)
+    hidden = int(text_cfg["hidden_size"])
+    expect = {
+        "patch": record["patch_id"],
+        "hidden_size": hidden,
+        "layer_inputs": [i + 1 for i in ids],
+    }
+    n_rows = tokens["row_offsets"].numel() - 1
+    dump_dir = Path(tempfile.mkdtemp(prefix="draftsmith-dump-", dir=dump_root()))
+    spec = sglang_engine.server_spec(
+        cfg,
+        target=target,
+        threads=threads,
+        extra_args=server_args(cfg, target, ids),
+        env={"DRAFTSMITH_DUMP_DIR": str(dump_dir)},
+        pythonpath=[record["overlay_path"]],
+    )
+    t0 = time.perf_counter()
+    try:
+        with (
+            Supervisor(spec, retries=int(cap.get("server_restarts", 2))) as sup,
+            ShardWriter(
+                out,
+                input_ids=tokens["input_ids"],
+                loss_mask=tokens["loss_mask"],
+                row_offsets=tokens["row_offsets"],
+                hidden_size=hidden,
+                dtype=cap.get("dtype", "bfloat16"),
+                manifest={
+                    **manifest,
+                    "aux_layer_ids": list(ids),
+                    "backend": "sglang",
+                    "forward_dtype": cfg.get("target", {}).get("dtype", "float32"),
+                    "sglang": {
+                        "version": record["sglang_version"],
+                        "patch_id": record["patch_id"],
+                        "patch_hash": record["patch_hash"],
+                    },
+                },
+            ) as writer,
+        ):
+            rc = RowCapture(tokens, writer, dump_dir, expect, cap)
+            # order: longest first, so the slowest rows do not come last
+            lengths = [rc.row_ids(r).numel() for r in range(n_rows)]
+            rows = sorted(range(n_rows), key=lambda r: (-lengths[r], r))
+            with tqdm(total=n_rows, desc=Path(out).stem, unit="row") as bar:
+                stats = run_rows(
+                    sup,
+                    rc,
+                    rows,
+                    concurrency=int(cap.get("concurrency", 4)),
+                    retries=int(cap.get("retries", 2)),
+                    bar=bar,
+                )
+            writer.manifest["capture_seconds"] = round(time.perf_counter() - t0, 3)
+            writer.manifest["server"] = {**sup.stats(), **stats, "tp_size": spec_tp(cfg)}
+    finally:
+        shutil.rmtree(dump_dir, ignore_errors=True)
+    return writer.manifest
+
+
+def spec_tp(cfg: dict) -> int:
+    return int(cfg.get("server", {}).get("tp_size", 1))

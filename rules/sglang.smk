@@ -1,0 +1,27 @@
+# The patched SGLang (capture.backend: sglang): the capture patch applied to an overlay of the
+# capture role's installed package (results/sglang/overlay, first on the capture server's
+# PYTHONPATH). Refuses an SGLang other than the role's pin, or an install whose patched files
+# are not the pinned wheel's. Every capture job depends on patched.json (rules/hidden.smk).
+
+
+rule patch_sglang:
+    input:
+        unpack(sglang_patch_inputs),
+        stamp=stamp("capture"),
+    output:
+        record="results/sglang/patched.json",
+        overlay=directory("results/sglang/overlay"),
+    log:
+        "logs/patch_sglang.log",
+    localrule: True
+    conda:
+        role_env("capture")
+    resources:
+        mem_mb=1000,
+        runtime=10,
+    params:
+        py=python_cmd("capture"),
+    shell:
+        "{params.py} -m draftsmith.sglang_patch --pins {input.pins} --patches {input.patches} "
+        "--pristine {input.pristine} --overlay {output.overlay} --out {output.record} "
+        "> {log} 2>&1"
