@@ -126,6 +126,34 @@ def make_plan(cfg: dict, token_files: list[Path], target: Path, out_dir: Path) -
     }
 
 
+def upper_bound(cfg: dict, ranges: list[tuple[int, int]], text_cfg: dict) -> str:
+    """The shards' disk estimate before any row is tokenized (what a dry run prints).
+
+    Every row is counted at `data.max_length` tokens (and, in the compact final-state modes,
+    every token as trained), so this bounds the real total from above; the `hidden_plan` rule
+    gives the exact figure from the token files.
+    """
+    from draftsmith.storage import Storage
+
+    cap, max_len = cfg["capture"], int(cfg["data"]["max_length"])
+    hidden, vocab = int(text_cfg["hidden_size"]), int(text_cfg.get("vocab_size", 0)) or None
+    dtype = cap.get("dtype", "bfloat16")
+    storage = Storage.from_config(cap.get("storage"))
+    total = tokens = 0
+    for a, b in ranges:
+        n = (b - a) * max_len
+        trained = n if storage.final != "states" else None
+        total += shard_bytes(b - a, n, hidden, dtype, storage, trained, vocab)
+        tokens += n
+    rows = sum(b - a for a, b in ranges)
+    return (
+        f"hidden-state shards (upper bound, every row at data.max_length {max_len}): "
+        f"{len(ranges)} ranges, {rows} rows, <= {tokens} tokens x "
+        f"{round(total / max(1, tokens))} B/token (storage {storage.name(dtype)}, hidden "
+        f"{hidden}) = at most {human(total)}"
+    )
+
+
 def summary(plan: dict) -> str:
     return (
         f"hidden-state shards: {len(plan['shards'])} ranges, {plan['rows']} rows, "

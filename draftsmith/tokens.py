@@ -188,8 +188,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", required=True, help="results/tokens/rows_<a>-<b>.safetensors")
     args = ap.parse_args(argv)
     init_logging("draftsmith.tokens")
-    data = parse_cfg(args.cfg).get("data", {})
-    tokenizer = AutoTokenizer.from_pretrained(Path(args.target))
+    cfg = parse_cfg(args.cfg)
+    data = cfg.get("data", {})
+    tokenizer = AutoTokenizer.from_pretrained(
+        Path(args.target), trust_remote_code=bool(cfg.get("target", {}).get("trust_remote_code"))
+    )
     if not tokenizer.is_fast:
         raise SystemExit(f"{args.target}: the tokenizer must be a fast tokenizer (offsets)")
     rows = read_rows_jsonl(args.rows)

@@ -186,3 +186,31 @@ def capture_engine_inputs(wildcards):
     if config["capture"]["backend"] == "sglang":
         return {"patched": "results/sglang/patched.json"}
     return {}
+
+
+def print_shard_estimate():
+    """Print the shards' disk estimate at parse time (so `snakemake -n` shows it).
+
+    An upper bound from the config alone (every row at data.max_length) when the target's
+    config.json is readable now (target.source: path); rule hidden_plan gives exact figures.
+    """
+    if config["target"]["source"] != "path":
+        return
+    cfg_file = Path(config["target"]["path"]).expanduser() / "config.json"
+    if not cfg_file.is_file():
+        return
+    from draftsmith.config import parse_range
+    from draftsmith.plan import upper_bound
+
+    text_cfg = json.loads(cfg_file.read_text())
+    text_cfg = text_cfg.get("text_config", text_cfg)
+    print(
+        upper_bound(config, [parse_range(r) for r in RANGES], text_cfg), file=sys.stderr
+    )
+
+
+def remote_code_cfg():
+    """{"target": {"trust_remote_code": true}} when the config allows the target's code, else {}."""
+    if config["target"]["trust_remote_code"]:
+        return {"target": {"trust_remote_code": True}}
+    return {}

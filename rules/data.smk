@@ -87,7 +87,11 @@ rule tokenize:
         runtime=10,
     params:
         cfg=json.dumps(
-            {"data": {k: config["data"][k] for k in ("max_length", "overlong")}},
+            {
+                "data": {k: config["data"][k] for k in ("max_length", "overlong")},
+                # only when on, so the default's params (and its token files) stay as they were
+                **remote_code_cfg(),
+            },
             sort_keys=True,
         ),
     shell:

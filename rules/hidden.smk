@@ -4,6 +4,8 @@
 # A corrupt shard: `python -m draftsmith.shards verify results/hidden --delete`, then rerun;
 # only the deleted ranges are rebuilt (docs/shards.md).
 
+print_shard_estimate()
+
 
 rule hidden_plan:
     input:

@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import struct
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -128,3 +131,135 @@ def test_header_is_small_json(server_dump, tmp_path):
     (n,) = struct.unpack("<Q", data[8:16])
     assert data[:8] == b"DSDUMP01" and n < 1024
     assert json.loads(data[16 : 16 + n])["tokens"] == 10
+
+
+# ------------------------------------------------------------------ the real patched server
+
+ROLE_ENV = "DRAFTSMITH_PYTHON_SGLANG_CPU"
+CPU_SERVER_ARGS = ["--max-total-tokens", "4096", "--mem-fraction-static", "0.1"]
+AUX_IDS = [1, 2, 4]  # of the tiny target's 6 layers (auto would repeat layer 2)
+
+
+def role_python() -> str:
+    python = os.environ.get(ROLE_ENV)
+    if python:
+        return python
+    if os.environ.get("DRAFTSMITH_REQUIRE_ENGINES") == "1":
+        pytest.fail(f"{ROLE_ENV} is not set (DRAFTSMITH_REQUIRE_ENGINES=1)")
+    pytest.skip(f"{ROLE_ENV} is not set: no sglang-cpu role interpreter")
+
+
+def token_file(path: Path, lengths: list[int], vocab: int, seed: int = 0) -> Path:
+    from safetensors.torch import save_file
+
+    g = torch.Generator().manual_seed(seed)
+    total = sum(lengths)
+    offsets = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int64)
+    save_file(
+        {
+            "input_ids": torch.randint(3, vocab, (total,), generator=g, dtype=torch.int64),
+            "loss_mask": torch.randint(0, 2, (total,), generator=g).to(torch.uint8),
+            "row_offsets": offsets,
+        },
+        str(path),
+    )
+    return path
+
+
+@pytest.fixture(scope="module")
+def capture_setup(tmp_path_factory, request):
+    """A linked target dir, a 6-row token file, the hf shard of it and the patched overlay."""
+    python = role_python()
+    tiny = request.getfixturevalue("tiny_target")
+    work = tmp_path_factory.mktemp("sglcap")
+    from draftsmith.target import link_path_target
+
+    target = work / "target"
+    link_path_target(tiny, target)
+    vocab = json.loads((tiny / "config.json").read_text())["vocab_size"]
+    tokens = token_file(work / "rows_000010-000016.safetensors", [37, 5, 120, 64, 1, 90], vocab)
+    cfg = {
+        "capture": {"backend": "hf", "dtype": "bfloat16", "aux_layer_ids": AUX_IDS},
+        "target": {"dtype": "float32"},
+    }
+    hf_out = work / "hf" / "rows_000010-000016.safetensors"
+    run = subprocess.run(
+        [sys.executable, "-m", "draftsmith.capture", "--cfg", json.dumps(cfg), "--tokens",
+         str(tokens), "--target", str(target), "--out", str(hf_out), "--threads", "1"],
+        cwd=ROOT, capture_output=True, text=True,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    patch_dir = ROOT / "patches" / "sglang-0.5.23"
+    (work / "pins.txt").write_text("sglang==0.5.23\n")
+    run = subprocess.run(
+        [python, "-m", "draftsmith.sglang_patch", "--pins", str(work / "pins.txt"), "--patches",
+         *map(str, sorted(patch_dir.glob("*.patch"))), "--pristine",
+         str(patch_dir / "pristine.sha256"), "--overlay", str(work / "overlay"),
+         "--out", str(work / "patched.json")],
+        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    return {"python": python, "work": work, "target": target, "tokens": tokens, "hf": hf_out}
+
+
+def sglang_capture(setup, out: Path, faults: dict, retries: int = 2):
+    cfg = {
+        "capture": {"backend": "sglang", "role": "sglang-cpu", "dtype": "bfloat16",
+                    "aux_layer_ids": AUX_IDS, "concurrency": 3, "retries": retries},
+        "target": {"dtype": "float32"},
+        "sglang": {"extra_args": CPU_SERVER_ARGS},
+    }  # fmt: skip
+    env = {
+        **os.environ,
+        "PYTHONPATH": f"{ROOT}:{ROOT / 'tests'}",
+        "DRAFTSMITH_FAULTS": json.dumps(faults),
+    }
+    return subprocess.run(
+        [setup["python"], str(ROOT / "tests" / "sglang_faults.py"), "--cfg", json.dumps(cfg),
+         "--tokens", str(setup["tokens"]), "--target", str(setup["target"]), "--out", str(out),
+         "--threads", "1", "--patched", str(setup["work"] / "patched.json")],
+        cwd=setup["work"], env=env, capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.sglang
+def test_sglang_shard_equals_hf_despite_bad_dump_and_killed_server(capture_setup):
+    """One job: row 2's first dump arrives torn (the row is retried), and just before that retry
+    the server is SIGKILLed (relaunched, the unfinished rows re-sent). The shard equals hf's."""
+    from draftsmith.server import server_processes
+    from draftsmith.shards import open_shard
+
+    out = capture_setup["work"] / "sg" / "rows_000010-000016.safetensors"
+    run = sglang_capture(
+        capture_setup, out, {"bad_dump": {"row": 2, "times": 1}, "kill": {"row": 2, "attempt": 1}}
+    )
+    assert run.returncode == 0, run.stderr[-4000:]
+    assert "[faults] truncated" in run.stderr and "[faults] killing server" in run.stderr
+    hf, sg = open_shard(capture_setup["hf"]), open_shard(out, verify_sha=True)
+    for name in ("input_ids", "loss_mask", "row_offsets"):
+        assert torch.equal(getattr(hf, name), getattr(sg, name)), name
+    assert sg.manifest["aux_layer_ids"] == hf.manifest["aux_layer_ids"] == AUX_IDS
+    for name in ("aux_hidden_states", "last_hidden_states"):
+        a, b = getattr(hf, name).float(), getattr(sg, name).float()
+        assert torch.allclose(a, b, rtol=1e-2, atol=1e-2), (name, (a - b).abs().max())
+    m = sg.manifest
+    assert m["backend"] == "sglang" and m["sglang"]["version"] == "0.5.23"
+    assert len(m["sglang"]["patch_hash"]) == 64
+    assert m["server"]["server_restarts"] == 1 and m["server"]["row_retries"] == 1
+    assert not list(Path(out.parent).glob(".tmp-*"))
+    assert not server_processes("x-never")  # sanity of the helper
+    leftover = [p for p in Path("/dev/shm").glob("draftsmith-dump-*") if any(p.iterdir())]
+    assert not leftover or all(p.stat().st_mtime < out.stat().st_mtime - 60 for p in leftover)
+
+
+@pytest.mark.slow
+@pytest.mark.sglang
+def test_persistently_wrong_dump_fails_naming_the_row(capture_setup):
+    out = capture_setup["work"] / "bad" / "rows_000010-000016.safetensors"
+    run = sglang_capture(capture_setup, out, {"bad_dump": {"row": 3, "times": 99}}, retries=1)
+    assert run.returncode != 0
+    assert "row 3 (global row 13, 64 tokens) failed 2 time(s)" in run.stderr
+    assert "bytes, expected" in run.stderr
+    assert not out.exists() and not out.with_suffix(".json").exists()
+    assert not list(out.parent.glob(".tmp-*"))

@@ -31,6 +31,7 @@ from collections.abc import Callable
 # backend name -> module
 ENGINES = {
     "hf": "draftsmith.engines.hf",
+    "sglang": "draftsmith.engines.sglang",
 }
 
 # stage -> the function an engine defines for it

@@ -100,7 +100,43 @@ def read_dump(path: Path, *, expect: dict) -> tuple[torch.Tensor, torch.Tensor, 
     return aux, last, header
 
 
-def server_args(cfg: dict, target: Path, ids: list[int]) -> list[str]:
+def capture_server_spec(cfg, target, threads: int, ids, dump_dir: Path, overlay: str):
+    """The patched SGLang server of one capture job (the overlay first on its PYTHONPATH)."""
+    import sys
+
+    from draftsmith.server import ServerSpec
+
+    server = cfg.get("sglang", {})
+    tp = int(server.get("tp_size", 1))
+    dtype = cfg.get("target", {}).get("dtype", "float32")
+    env = {"DRAFTSMITH_DUMP_DIR": str(dump_dir)}
+    cpu_args: tuple = ()
+    if cfg["capture"].get("role") == "sglang-cpu":
+        from draftsmith import sglang_cpu
+
+        env.update(sglang_cpu.server_env({}, threads=max(1, threads)))
+        cpu_args = sglang_cpu.LAUNCH_ARGS
+    env["PYTHONPATH"] = os.pathsep.join([overlay, *filter(None, [env.get("PYTHONPATH")])])
+
+    remote_code = ["--trust-remote-code"] if cfg["target"].get("trust_remote_code") else []
+
+    def command(port: int) -> list[str]:
+        return [
+            sys.executable, "-m", "sglang.launch_server", "--model-path", str(target),
+            "--host", "127.0.0.1", "--port", str(port), "--tp-size", str(tp), "--dtype", dtype,
+            *cpu_args, *capture_args(ids), *remote_code, *server.get("extra_args", []),
+        ]  # fmt: skip
+
+    return ServerSpec(
+        name="sglang-capture",
+        command=command,
+        env=env,
+        port=int(server.get("port", 0)),
+        startup_timeout=float(server.get("startup_timeout", 900)),
+    )
+
+
+def capture_args(ids: list[int]) -> list[str]:
     """The capture-only SGLang arguments (after the engine's own launch arguments)."""
     return [
         "--enable-return-aux-hidden-states",
@@ -125,8 +161,8 @@ class RowCapture:
         self.writer = writer
         self.dump_dir = dump_dir
         self.expect = expect
-        self.timeout = float(cfg.get("request_timeout", 600))
-        self.dump_wait = float(cfg.get("dump_timeout", 60))
+        self.timeout = float(cfg.get("sglang", {}).get("request_timeout", 1800))
+        self.dump_wait = 120.0  # seconds from the answer to the dump (written by a server thread)
         self.lock = threading.Lock()
         self.stem = writer.path.stem
 
@@ -230,17 +266,29 @@ def capture_range(
     tokens, cfg: dict, *, target, out, ids, manifest: dict, threads: int, patched=None
 ) -> dict:
     """The capture stage through the patched SGLang server; returns the shard's manifest."""
-    from draftsmith.engines import sglang as sglang_engine
     from draftsmith.server import Supervisor
     from draftsmith.sglang_patch import load_patched
+    from draftsmith.storage import Storage
     from draftsmith.target import target_config
 
     if patched is None:
         raise CaptureError("capture.backend sglang needs --patched results/sglang/patched.json")
     record = load_patched(patched)
     cap = cfg["capture"]
+    storage = Storage.from_config(cap.get("storage"))
+    if storage.final == "topk":
+        raise CaptureError(
+            "capture.storage.final topk needs the target's lm_head in the client: not supported "
+            "with capture.backend sglang (use states or trained)"
+        )
     text_cfg = target_config(target)
-    hidden = int(text_cfg["hidden_size"])
+    hidden, n_layers = int(text_cfg["hidden_size"]), int(text_cfg["num_hidden_layers"])
+    if max(ids) >= n_layers - 1 or len(set(ids)) != len(ids):
+        raise CaptureError(
+            f"capture.aux_layer_ids {ids}: SGLang captures the output of layer i as the input "
+            f"of layer i + 1, so ids must be distinct and below {n_layers - 1} for this "
+            f"{n_layers}-layer target"
+        )
     expect = {
         "patch": record["patch_id"],
         "hidden_size": hidden,
@@ -248,18 +296,11 @@ def capture_range(
     }
     n_rows = tokens["row_offsets"].numel() - 1
     dump_dir = Path(tempfile.mkdtemp(prefix="draftsmith-dump-", dir=dump_root()))
-    spec = sglang_engine.server_spec(
-        cfg,
-        target=target,
-        threads=threads,
-        extra_args=server_args(cfg, target, ids),
-        env={"DRAFTSMITH_DUMP_DIR": str(dump_dir)},
-        pythonpath=[record["overlay_path"]],
-    )
+    spec = capture_server_spec(cfg, target, threads, ids, dump_dir, record["overlay_path"])
     t0 = time.perf_counter()
     try:
         with (
-            Supervisor(spec, retries=int(cap.get("server_restarts", 2))) as sup,
+            Supervisor(spec, retries=int(cfg.get("sglang", {}).get("retries", 2))) as sup,
             ShardWriter(
                 out,
                 input_ids=tokens["input_ids"],
@@ -267,6 +308,7 @@ def capture_range(
                 row_offsets=tokens["row_offsets"],
                 hidden_size=hidden,
                 dtype=cap.get("dtype", "bfloat16"),
+                storage=storage,
                 manifest={
                     **manifest,
                     "aux_layer_ids": list(ids),
@@ -280,7 +322,7 @@ def capture_range(
                 },
             ) as writer,
         ):
-            rc = RowCapture(tokens, writer, dump_dir, expect, cap)
+            rc = RowCapture(tokens, writer, dump_dir, expect, cfg)
             # order: longest first, so the slowest rows do not come last
             lengths = [rc.row_ids(r).numel() for r in range(n_rows)]
             rows = sorted(range(n_rows), key=lambda r: (-lengths[r], r))
@@ -294,11 +336,11 @@ def capture_range(
                     bar=bar,
                 )
             writer.manifest["capture_seconds"] = round(time.perf_counter() - t0, 3)
-            writer.manifest["server"] = {**sup.stats(), **stats, "tp_size": spec_tp(cfg)}
+            writer.manifest["server"] = {
+                **sup.stats(),
+                **stats,
+                "tp_size": int(cfg.get("sglang", {}).get("tp_size", 1)),
+            }
     finally:
         shutil.rmtree(dump_dir, ignore_errors=True)
     return writer.manifest
-
-
-def spec_tp(cfg: dict) -> int:
-    return int(cfg.get("server", {}).get("tp_size", 1))
