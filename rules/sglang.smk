@@ -19,9 +19,7 @@ rule patch_sglang:
     resources:
         mem_mb=1000,
         runtime=10,
-    params:
-        py=python_cmd("capture"),
     shell:
-        "{params.py} -m draftsmith.sglang_patch --pins {input.pins} --patches {input.patches} "
+        "$DRAFTSMITH_PY_CAPTURE -m draftsmith.sglang_patch --pins {input.pins} --patches {input.patches} "
         "--pristine {input.pristine} --overlay {output.overlay} --out {output.record} "
         "> {log} 2>&1"
