@@ -1,0 +1,61 @@
+"""A real tiny run of the Snakefile up to the draft, then a corrupt shard: training refuses it,
+`shards verify --delete` removes it (exit 1), a plain rerun rebuilds exactly that shard with the
+same sha256, and training resumes its finished run instead of starting again."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from wf import ROOT, snakemake, tiny_config, write_config
+
+pytestmark = [pytest.mark.slow, pytest.mark.workflow]
+
+R0, R1 = "rows_000000-000016", "rows_000016-000032"
+TRAINED = ("results/draft", "results/train/metrics.jsonl")
+
+
+def flip_byte(path: Path) -> None:
+    with open(path, "r+b") as f:
+        f.seek(path.stat().st_size // 2)
+        byte = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+
+def test_corrupt_shard_is_refused_then_rebuilt_identically_and_training_resumes(
+    tmp_path: Path, tiny_target: Path
+):
+    write_config(tmp_path, tiny_config(tiny_target))
+    snakemake(tmp_path, "--cores", "2", *TRAINED)
+    hidden = tmp_path / "results" / "hidden"
+    sha = {r: json.loads((hidden / f"{r}.json").read_text())["sha256"] for r in (R0, R1)}
+    log = tmp_path / "logs" / "train.log"
+    assert "2 hashed now, 0 unchanged" in log.read_text()
+
+    flip_byte(hidden / f"{R0}.safetensors")  # its mtime moves: train is stale, capture is not
+    proc = snakemake(tmp_path, "--cores", "2", *TRAINED, check=False)
+    assert proc.returncode != 0
+    assert f"{R0}.safetensors: checksum mismatch" in log.read_text()
+
+    verify = subprocess.run(
+        [sys.executable, "-m", "draftsmith.shards", "verify", str(hidden), "--delete"],
+        capture_output=True,
+        text=True,
+        env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"},
+    )
+    assert verify.returncode == 1, verify.stderr
+    assert not (hidden / f"{R0}.safetensors").exists() and (hidden / f"{R1}.safetensors").exists()
+
+    kept = (hidden / f"{R1}.safetensors").stat().st_mtime_ns
+    proc = snakemake(tmp_path, "--cores", "2", *TRAINED)
+    out = proc.stdout + proc.stderr
+    assert out.count("rule capture:") == 1 and "wildcards: rows=" + R0 in out, out[-3000:]
+    assert (hidden / f"{R1}.safetensors").stat().st_mtime_ns == kept
+    assert json.loads((hidden / f"{R0}.json").read_text())["sha256"] == sha[R0]
+    text = log.read_text()
+    assert "resuming" in text, text[-2000:]  # same run key: the finished run is reused
+    assert "1 hashed now, 1 unchanged" in text
