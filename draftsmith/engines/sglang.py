@@ -1,6 +1,486 @@
-"""The `sglang` engine: the pinned SGLang server, one launch per job.
+"""The `sglang` engine: regeneration and the EAGLE-3 benchmark through a real SGLang server.
 
-capture: `draftsmith.engines.sglang_capture` (the patched server dumps each row's states).
+The job runs in its stage's role interpreter (`sglang` on GPUs, `sglang-cpu` on a CPU-only
+machine), launches `python -m sglang.launch_server` with that same interpreter once for the job
+(`draftsmith.server`: health, log streaming into the rule's log, restarts, shutdown by process
+group) and talks to it over HTTP on 127.0.0.1.
+
+Requests go to SGLang's native `/generate` with token ids, not to the OpenAI chat API: the
+prompt is rendered by our own chat template code (`draftsmith.tokens.render`, the one the hf
+engine and the tokenize stage use), so the regenerated text follows exactly the template the
+draft is later trained on, and the reply comes back as token ids with SGLang's counters
+(`completion_tokens`, `spec_verify_ct`, the accepted-length histogram) in `meta_info`. The chat
+API would apply the server's idea of the template (and its reasoning / tool parsers) and
+returns text only, so neither agreement with hf nor hit-the-limit accounting could be checked
+token for token.
+
+Role `sglang-cpu` (`CPU_ROLE`): the launcher adds the CPU compatibility layer's environment
+(`draftsmith.sglang_cpu.server_env`: SGLANG_USE_CPU_ENGINE=1, its overlay first on PYTHONPATH)
+and launch flags, and serves in `target.dtype` (float32 by default, as the hf engine computes on
+CPU). Any other role launches stock SGLang: the compatibility layer is never imported for it.
 """
 
-from draftsmith.engines.sglang_capture import capture_range  # noqa: F401
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+
+from draftsmith.server import ServerSpec, Supervisor, http_json, run_requests
+
+log = logging.getLogger("draftsmith.engines.sglang")
+
+CPU_ROLE = "sglang-cpu"
+
+# capture: the patched server dumps each row's states (issue 10's client)
+from draftsmith.engines.sglang_capture import capture_range  # noqa: E402, F401
+
+
+# ---------------------------------------------------------------- launching
+
+
+def settings(cfg: dict) -> dict:
+    if "sglang" not in cfg:
+        raise SystemExit("--cfg has no `sglang` section (the server settings of this engine)")
+    return cfg["sglang"]
+
+
+def server_spec(
+    cfg: dict,
+    stage: str,
+    *,
+    target,
+    threads: int,
+    extra_args=(),
+    env: dict | None = None,
+    pythonpath=(),
+) -> ServerSpec:
+    """The SGLang server of a `stage` job: the role's interpreter (this one), `sglang.tp_size`,
+    the port (free by default), `sglang.extra_args` then `extra_args`; `env` merged in and
+    `pythonpath` entries first on the server's PYTHONPATH."""
+    s = settings(cfg)
+    role = cfg[stage]["role"]
+    args = ["--tp-size", str(s["tp_size"])]
+    if cfg.get("target", {}).get("trust_remote_code"):
+        args.append("--trust-remote-code")
+    server_env: dict[str, str] = {}
+    if role == CPU_ROLE:
+        from draftsmith import sglang_cpu  # the CPU role only: GPU jobs never import it
+
+        server_env = sglang_cpu.server_env(threads=max(1, int(threads or 1)))
+        args += [*sglang_cpu.LAUNCH_ARGS, "--dtype", cfg.get("target", {}).get("dtype", "float32")]
+    server_env.update(env or {})
+    path = [*map(str, pythonpath)]
+    if path:
+        rest = server_env.get("PYTHONPATH", os.environ.get("PYTHONPATH", ""))
+        server_env["PYTHONPATH"] = os.pathsep.join(path + ([rest] if rest else []))
+    model = str(Path(target).resolve())
+    tail = [*args, *map(str, s["extra_args"]), *map(str, extra_args)]
+
+    def command(port: int) -> list[str]:
+        return [
+            sys.executable,
+            "-m",
+            "sglang.launch_server",
+            "--model-path",
+            model,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            *tail,
+        ]
+
+    return ServerSpec(
+        name="sglang",
+        command=command,
+        env=server_env,
+        port=int(s["port"]),
+        startup_timeout=float(s["startup_timeout"]),
+    )
+
+
+def trust(cfg: dict) -> bool:
+    return bool(cfg.get("target", {}).get("trust_remote_code", False))
+
+
+def generate(url: str, payload: dict, timeout: float) -> dict:
+    out = http_json(f"{url}/generate", payload, timeout=timeout)
+    if not isinstance(out, dict) or "output_ids" not in out or "meta_info" not in out:
+        raise ValueError(f"/generate answered without output_ids/meta_info: {str(out)[:300]}")
+    return out
+
+
+def cut_at_stop(ids: list[int], stops) -> tuple[list[int], bool]:
+    """(ids up to and including the first stop token, whether one was found)."""
+    for j, t in enumerate(ids):
+        if t in stops:
+            return ids[: j + 1], True
+    return list(ids), False
+
+
+def load_tokenizer(target, role: str, trust_remote_code: bool = False):
+    """The target's tokenizer in this (the role's) interpreter."""
+    if role == CPU_ROLE:
+        # the role's torchvision is a CUDA build that transformers imports on the way to the
+        # tokenizer: its op schemas come from the compatibility layer here too
+        from draftsmith.sglang_cpu.hook import declare_torchvision_ops
+
+        declare_torchvision_ops()
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(target), trust_remote_code=trust_remote_code)
+
+
+def _generation_eos(target) -> list[int]:
+    path = Path(target) / "generation_config.json"
+    value = json.loads(path.read_text()).get("eos_token_id") if path.is_file() else None
+    return [value] if isinstance(value, int) else list(value or [])
+
+
+# ---------------------------------------------------------------- regenerate
+
+
+class SGLangGenerator:
+    """generate_fn of `draftsmith.regenerate` through the job's server; stats as HFGenerator's."""
+
+    def __init__(self, supervisor, tokenizer, stop_ids, regen: dict, request_timeout: float):
+        self.sup, self.tokenizer = supervisor, tokenizer
+        self.stop_ids = sorted(stop_ids)
+        self.max_new_tokens = int(regen["max_new_tokens"])
+        self.temperature = float(regen["temperature"])
+        self.concurrency = int(regen["batch_size"])
+        self.timeout = request_timeout
+        self.stats = {
+            "prompts": 0,
+            "new_tokens": 0,
+            "prompt_tokens": 0,
+            "seconds": 0.0,
+            "hit_limit": 0,
+            "empty": 0,
+        }
+
+    def payload(self, ids: list[int]) -> dict:
+        sampling = {
+            "max_new_tokens": self.max_new_tokens,
+            "temperature": self.temperature,
+            "top_p": 1.0,
+            "top_k": -1,
+            "stop_token_ids": self.stop_ids,
+        }
+        return {"input_ids": ids, "sampling_params": sampling}
+
+    def __call__(self, prompts: list[list[dict]]) -> list[str]:
+        from tqdm import tqdm
+
+        from draftsmith.tokens import render
+
+        encoded = [
+            list(
+                self.tokenizer(render(self.tokenizer, p, True), add_special_tokens=False).input_ids
+            )
+            for p in prompts
+        ]
+        bar = tqdm(total=len(prompts), desc="regenerate", unit="row")
+        step = max(1, len(prompts) // 10)
+
+        def done(_i, _result):
+            bar.update(1)
+            if bar.n % step == 0 or bar.n == len(prompts):
+                log.info("regenerate: %d/%d replies", bar.n, len(prompts))
+
+        t0 = time.perf_counter()
+        answers = run_requests(
+            self.sup,
+            [self.payload(ids) for ids in encoded],
+            lambda url, p: generate(url, p, self.timeout),
+            concurrency=self.concurrency,
+            on_done=done,
+        )
+        self.stats["seconds"] += time.perf_counter() - t0
+        bar.close()
+        replies = []
+        for ids, answer in zip(encoded, answers, strict=True):
+            out, ended = cut_at_stop(answer["output_ids"], self.stop_ids)
+            finish = (answer["meta_info"].get("finish_reason") or {}).get("type")
+            ended = ended or finish == "stop"
+            self.stats["new_tokens"] += len(out)
+            self.stats["prompt_tokens"] += len(ids)
+            self.stats["hit_limit"] += int(not ended)
+            body = out[:-1] if out and out[-1] in self.stop_ids else out
+            text = self.tokenizer.decode(body, skip_special_tokens=True).strip()
+            self.stats["empty"] += int(not text)
+            replies.append(text)
+        self.stats["prompts"] += len(prompts)
+        return replies
+
+    def tokens_per_second(self) -> float:
+        return self.stats["new_tokens"] / self.stats["seconds"] if self.stats["seconds"] else 0.0
+
+
+def regenerate_rows(conversations, cfg: dict, *, target, threads: int, seed: int):
+    """The regenerate stage: one server for the range, every user turn answered again."""
+    from draftsmith.regenerate import regenerate
+    from draftsmith.tokens import end_of_turn_id
+
+    regen, s = cfg["regenerate"], settings(cfg)
+    if float(regen["temperature"]) > 0:
+        log.warning("temperature > 0 through SGLang is sampled by the server, not seeded")
+    tokenizer = load_tokenizer(target, regen["role"], trust(cfg))
+    stops = {end_of_turn_id(tokenizer), *_generation_eos(target)}
+    if tokenizer.eos_token_id is not None:
+        stops.add(tokenizer.eos_token_id)
+    t0 = time.perf_counter()
+    spec = server_spec(cfg, "regenerate", target=target, threads=threads)
+    with Supervisor(spec, retries=s["retries"]) as sup:
+        gen = SGLangGenerator(sup, tokenizer, stops, regen, float(s["request_timeout"]))
+        out = regenerate(conversations, gen)
+    report = {
+        "backend": "sglang",
+        "threads": threads,
+        "device": "cpu" if cfg["regenerate"]["role"] == CPU_ROLE else "server",
+        "max_new_tokens": gen.max_new_tokens,
+        "temperature": gen.temperature,
+        "concurrency": gen.concurrency,
+        **gen.stats,
+        "wall_seconds": time.perf_counter() - t0,
+        "tokens_per_second": gen.tokens_per_second(),
+        **sup.stats(),
+    }
+    return out, report
+
+
+# ---------------------------------------------------------------- bench
+
+
+def speculative_args(bench: dict, draft) -> list[str]:
+    """EAGLE-3 flags from bench.num_steps / topk / num_draft_tokens (0: a chain's K + 1)."""
+    k, topk = int(bench["num_steps"]), int(bench["topk"])
+    n = int(bench["num_draft_tokens"]) or (k + 1 if topk == 1 else 0)
+    if not n:
+        raise SystemExit(f"bench.topk {topk} > 1 needs bench.num_draft_tokens (a tree size)")
+    return [
+        "--speculative-algorithm",
+        "EAGLE3",
+        "--speculative-draft-model-path",
+        str(Path(draft).resolve()),
+        "--speculative-num-steps",
+        str(k),
+        "--speculative-eagle-topk",
+        str(topk),
+        "--speculative-num-draft-tokens",
+        str(n),
+        "--decode-log-interval",
+        "1",  # the server's cumulative acceptance counters are updated at each logged step
+    ]
+
+
+def draft_info(draft, target) -> dict:
+    """aux ids and vocab of the exported draft, checked against the target it must serve."""
+    from draftsmith.export import ExportError, check_export
+
+    try:
+        check_export(draft)
+    except ExportError as e:
+        raise SystemExit(str(e)) from None
+    dc = json.loads((Path(draft) / "config.json").read_text())
+    tc = json.loads((Path(target) / "config.json").read_text())
+    tc = tc.get("text_config", tc)
+    if (dc["vocab_size"], dc.get("target_hidden_size", tc["hidden_size"])) != (
+        tc["vocab_size"],
+        tc["hidden_size"],
+    ):
+        raise SystemExit(
+            f"{draft}/config.json: the draft expects a target with vocab {dc['vocab_size']} "
+            f"and hidden size {dc.get('target_hidden_size')}, {target} has {tc['vocab_size']} "
+            f"and {tc['hidden_size']}: the draft was trained for another target"
+        )
+    return {
+        "aux_layer_ids": list(dc["eagle_config"]["eagle_aux_hidden_state_layer_ids"]),
+        "draft_vocab_size": dc["draft_vocab_size"],
+    }
+
+
+def server_accept_length(url: str) -> float | None:
+    """`avg_spec_accept_length` of /get_server_info (cumulative over the server's life)."""
+    info = http_json(f"{url}/get_server_info", timeout=60)
+    states = info.get("internal_states") or [{}]
+    value = states[0].get("avg_spec_accept_length")
+    return None if value is None else float(value)
+
+
+def serve_sets(spec, sets_ids: dict, sampling: dict, bench: dict, s: dict, speculative: bool):
+    """One server for every set: a warm-up request, then each set timed at bench.concurrency.
+
+    Returns name -> {"answers", "seconds", "server_accept_length"} plus the supervisor stats.
+    A set during which the server was restarted is run again (timing and counters whole).
+    """
+    timeout = float(s["request_timeout"])
+    first = next(iter(sets_ids.values()))[0]
+    out = {}
+
+    def send(url, ids):
+        return generate(url, {"input_ids": ids, "sampling_params": sampling}, timeout)
+
+    with Supervisor(spec, retries=s["retries"]) as sup:
+        warm = {**sampling, "max_new_tokens": min(16, sampling["max_new_tokens"])}
+        verifies = 0  # verify passes this launch served so far (its counters cover them all)
+        warmed = 0  # the launch the last warm-up ran on
+        for name, prompts in sets_ids.items():
+            while True:
+                if warmed != sup.launches:  # first set, or a relaunched server
+                    w = run_requests(
+                        sup,
+                        [first],
+                        lambda url, ids: generate(
+                            url, {"input_ids": ids, "sampling_params": warm}, timeout
+                        ),
+                        concurrency=1,
+                    )
+                    warmed = sup.launches
+                    verifies = w[0]["meta_info"].get("spec_verify_ct", 0)
+                launches = sup.launches
+                before = server_accept_length(sup.url) if speculative else None
+                t0 = time.perf_counter()
+                answers = run_requests(sup, prompts, send, concurrency=int(bench["concurrency"]))
+                seconds = time.perf_counter() - t0
+                if sup.launches == launches:
+                    break
+                log.warning("%s: the server restarted during the set; running it again", name)
+            figures = {"answers": answers, "seconds": seconds, "server_accept_length": None}
+            if speculative:
+                after = server_accept_length(sup.url)
+                n = sum(a["meta_info"].get("spec_verify_ct", 0) for a in answers)
+                if after is not None and n:
+                    figures["server_accept_length"] = (
+                        after * (verifies + n) - (before or 0.0) * verifies
+                    ) / n
+                verifies += n
+            out[name] = figures
+            log.info("%s: %d prompts in %.1f s (%s)", name, len(prompts), seconds, spec.name)
+        stats = sup.stats()
+    return out, stats
+
+
+def _set_figures(prompts, ids, base: dict, spec: dict, stops, k: int) -> dict:
+    from draftsmith.specdec import acceptance_figures
+
+    hist, generated, emitted, verifies, base_tokens = [0] * (k + 1), 0, 0, 0, 0
+    identical, first_diff = 0, []
+    for i, (b, sp) in enumerate(zip(base["answers"], spec["answers"], strict=True)):
+        meta = sp["meta_info"]
+        for a, n in enumerate(meta.get("spec_correct_drafts_histogram") or []):
+            if a > k:
+                raise ValueError(f"SGLang reports {a} accepted drafts with num_steps {k}")
+            hist[a] += n
+        tokens = int(meta["completion_tokens"])
+        generated += tokens
+        emitted += max(0, tokens - 1)  # the first token comes from the prefill, not a verify
+        verifies += int(meta.get("spec_verify_ct", 0))
+        base_ids, _ = cut_at_stop(b["output_ids"], stops)
+        spec_ids, _ = cut_at_stop(sp["output_ids"], stops)
+        base_tokens += int(b["meta_info"]["completion_tokens"])
+        if base_ids == spec_ids:
+            identical += 1
+        else:
+            pairs = zip(spec_ids, base_ids, strict=False)
+            shorter = min(len(spec_ids), len(base_ids))
+            at = next((j for j, (x, y) in enumerate(pairs) if x != y), shorter)
+            first_diff.append({"id": ids[i], "first_difference_at": at})
+    if sum(hist) != verifies:
+        raise ValueError(f"SGLang's histograms count {sum(hist)} passes, spec_verify_ct {verifies}")
+    out = acceptance_figures(hist, emitted, generated, len(prompts))
+    spec_tps = generated / spec["seconds"]
+    base_tps = base_tokens / base["seconds"]
+    out.update(
+        spec_seconds=spec["seconds"],
+        baseline_seconds=base["seconds"],
+        baseline_tokens=base_tokens,
+        spec_tokens_per_s=spec_tps,
+        baseline_tokens_per_s=base_tps,
+        speedup=spec_tps / base_tps,
+        pass_cost=(spec["seconds"] / verifies) * base_tps if verifies else float("nan"),
+        identical_outputs=identical,
+        differing_outputs=first_diff,
+        mean_prompt_tokens=sum(map(len, prompts)) / len(prompts),
+        accept_length=sum((a + 1) * n for a, n in enumerate(hist)) / verifies
+        if verifies
+        else float("nan"),
+        server_accept_length=spec["server_accept_length"],
+    )
+    return out
+
+
+def method_text(bench: dict, role: str, threads: int) -> str:
+    where = f"CPU ({threads} threads, role {role})" if role == CPU_ROLE else f"role {role}"
+    return (
+        f"SGLang EAGLE-3 speculative decoding ({bench['num_steps']} steps, top-k "
+        f"{bench['topk']}), greedy, at most {bench['max_new_tokens']} new tokens per prompt, "
+        f"{bench['concurrency']} request(s) at a time, on {where}: the target is served once "
+        "without and once with --speculative-algorithm EAGLE3 and the trained draft, the same "
+        "prompts through /generate on both, a warm-up request excluded. tau (SGLang count) = "
+        "sum(completion_tokens) / sum(meta_info.spec_verify_ct); tau excludes each prompt's "
+        "prefill token; acceptance by position from SGLang's accepted-drafts histogram, "
+        "checked against /get_server_info's avg_spec_accept_length. Speedup = tokens/s with "
+        "speculation / tokens/s without, both measured in this run. Pass cost = wall time of "
+        "one verification pass in plain decoding steps: speedup = tau (SGLang count) / pass cost."
+    )
+
+
+def bench_sets(sets: dict, cfg: dict, *, target, draft, threads: int):
+    """The bench stage: the target served without, then with EAGLE-3; SGLang's own counters."""
+    from draftsmith.prompts import prompt_turns
+    from draftsmith.specdec import prompt_ids
+
+    bench, s = cfg["bench"], settings(cfg)
+    info = draft_info(draft, target)
+    tokenizer = load_tokenizer(target, bench["role"], trust(cfg))
+    stops = {tokenizer.convert_tokens_to_ids("<|im_end|>"), *_generation_eos(target)}
+    stops = {t for t in stops | {tokenizer.eos_token_id} if isinstance(t, int)}
+    stops.discard(tokenizer.unk_token_id)
+    sets_ids = {
+        name: [prompt_ids(tokenizer, prompt_turns(row)) for row in rows]
+        for name, rows in sets.items()
+    }
+    sampling = {
+        "max_new_tokens": int(bench["max_new_tokens"]),
+        "temperature": 0.0,
+        "stop_token_ids": sorted(stops),
+    }
+    plain = server_spec(cfg, "bench", target=target, threads=threads)
+    eagle = server_spec(
+        cfg, "bench", target=target, threads=threads, extra_args=speculative_args(bench, draft)
+    )
+    eagle.name = "sglang-eagle3"
+    base, base_stats = serve_sets(plain, sets_ids, sampling, bench, s, speculative=False)
+    spec, spec_stats = serve_sets(eagle, sets_ids, sampling, bench, s, speculative=True)
+    k = int(bench["num_steps"])
+    results = {
+        name: _set_figures(
+            sets_ids[name], [r["id"] for r in sets[name]], base[name], spec[name], stops, k
+        )
+        for name in sets
+    }
+    for name, r in results.items():
+        srv = r["server_accept_length"]
+        if srv is not None and abs(srv - r["accept_length"]) > 1e-6 * max(1.0, srv):
+            log.warning(
+                "%s: SGLang's /get_server_info gives accept length %.4f, its per-request "
+                "counters %.4f",
+                name,
+                srv,
+                r["accept_length"],
+            )
+    role = bench["role"]
+    return results, {
+        "backend": "sglang",
+        "device": "cpu" if role == CPU_ROLE else "server",
+        "threads": threads,
+        **info,
+        "method": method_text(bench, role, threads),
+        "servers": {"baseline": base_stats, "eagle3": spec_stats},
+        "speculative_args": speculative_args(bench, draft),
+    }
