@@ -14,6 +14,8 @@ API would apply the server's idea of the template (and its reasoning / tool pars
 returns text only, so neither agreement with hf nor hit-the-limit accounting could be checked
 token for token.
 
+capture: `draftsmith.engines.sglang_capture` (a patched server dumps each row's states).
+
 Role `sglang-cpu` (`CPU_ROLE`): the launcher adds the CPU compatibility layer's environment
 (`draftsmith.sglang_cpu.server_env`: SGLANG_USE_CPU_ENGINE=1, its overlay first on PYTHONPATH)
 and launch flags, and serves in `target.dtype` (float32 by default, as the hf engine computes on
@@ -29,14 +31,12 @@ import sys
 import time
 from pathlib import Path
 
+from draftsmith.engines.sglang_capture import capture_range  # noqa: F401 (the capture stage)
 from draftsmith.server import ServerSpec, Supervisor, http_json, run_requests
 
 log = logging.getLogger("draftsmith.engines.sglang")
 
 CPU_ROLE = "sglang-cpu"
-
-# capture: the patched server dumps each row's states (issue 10's client)
-from draftsmith.engines.sglang_capture import capture_range  # noqa: E402, F401
 
 
 # ---------------------------------------------------------------- launching
