@@ -195,3 +195,11 @@ def test_server_env_puts_overlay_first_and_turns_the_cpu_engine_on():
     assert env["SGLANG_USE_CPU_ENGINE"] == "1" and env["OMP_NUM_THREADS"] == "2"
     assert env["HOME"] == "/h"
     assert "torch_native" in LAUNCH_ARGS
+
+
+def test_torchvision_schemas_are_declared_once():
+    from draftsmith.sglang_cpu.hook import TORCHVISION_SCHEMAS, _has_schema, declare_torchvision_ops
+
+    first = declare_torchvision_ops()
+    assert all(_has_schema(name) for name in TORCHVISION_SCHEMAS)
+    assert set(first) <= set(TORCHVISION_SCHEMAS) and declare_torchvision_ops() == []
