@@ -10,6 +10,11 @@ grouped up to `capture.batch_tokens` (padded rows x longest row). The shard is s
 `capture.storage` names (draftsmith/storage.py): engines hand `ShardWriter` the same states in
 every mode and pass it `storage=` (and the target's lm_head for top-k teachers).
 
+Disk: before the engine starts, the shard's size in its storage mode (`plan.shard_bytes`) is
+compared with the free space where it goes, and a shard that cannot fit stops the job with both
+figures; a disk that fills up during the capture anyway (another job wrote there) stops it with
+the same kind of message instead of a traceback, and the temp file is removed.
+
     python -m draftsmith.capture --cfg '{"capture": {...}, "target": {...}}' \\
         --tokens results/tokens/rows_000000-000128.safetensors --target results/target \\
         --out results/hidden/rows_000000-000128.safetensors --threads 2
@@ -18,6 +23,8 @@ every mode and pass it `storage=` (and the target's lm_head for top-k teachers).
 from __future__ import annotations
 
 import argparse
+import errno
+import shutil
 from pathlib import Path
 
 import torch
@@ -26,6 +33,8 @@ from draftsmith.common import init_logging, parse_cfg, versions
 from draftsmith.config import aux_layer_ids, parse_range
 from draftsmith.shards import STORAGE_DTYPES, ShardError
 from draftsmith.storage import Storage, StorageError
+
+DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 
 
 class CaptureError(ValueError):
@@ -52,6 +61,37 @@ def read_tokens(path: str | Path) -> dict[str, torch.Tensor]:
     return {"input_ids": ids.long(), "loss_mask": mask.to(torch.uint8), "row_offsets": ro.long()}
 
 
+def check_free_space(out: Path, need: int) -> None:
+    """CaptureError when the disk under `out` has less than `need` bytes free."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    free = shutil.disk_usage(out.parent).free
+    if need > free:
+        raise CaptureError(disk_message(out, need, free))
+
+
+def disk_message(out: Path, need: int, free: int) -> str:
+    from draftsmith.plan import human
+
+    return (
+        f"not enough disk space for {out}: the shard needs {human(need)}, {out.parent} has "
+        f"{human(free)} free. Free space there or put results/ on a larger disk; "
+        f"`snakemake results/hidden/plan.json` estimates all shards before any capture runs."
+    )
+
+
+def shard_size(tokens: dict, text_cfg: dict, dtype: str, storage: Storage) -> int:
+    """Bytes the shard will take in its storage mode (what hidden_plan estimates per range)."""
+    from draftsmith.plan import shard_bytes
+    from draftsmith.storage import trained_mask
+
+    trained = None
+    if storage.final != "states":
+        trained = int(trained_mask(tokens["loss_mask"], tokens["row_offsets"]).sum())
+    n_tokens, n_rows = tokens["input_ids"].numel(), tokens["row_offsets"].numel() - 1
+    hidden, vocab = int(text_cfg["hidden_size"]), int(text_cfg["vocab_size"])
+    return shard_bytes(n_rows, n_tokens, hidden, dtype, storage, trained, vocab)
+
+
 def plan_batches(lengths: list[int], batch_tokens: int) -> list[list[int]]:
     """Row indices grouped longest first so that len(group) * longest <= batch_tokens.
 
@@ -68,7 +108,11 @@ def plan_batches(lengths: list[int], batch_tokens: int) -> list[list[int]]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m draftsmith.capture", description=__doc__)
+    ap = argparse.ArgumentParser(
+        prog="python -m draftsmith.capture",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     ap.add_argument("--cfg", required=True, help="JSON with the `capture` and `target` sections")
     ap.add_argument(
         "--tokens", type=Path, required=True, help="results/tokens/rows_<a>-<b>.safetensors"
@@ -105,8 +149,11 @@ def main(argv: list[str] | None = None) -> None:
             raise CaptureError(
                 f"{args.tokens}: {n_rows} rows, but range {args.out.stem} has {b - a}"
             )
-        n_layers = int(tgt.target_config(args.target)["num_hidden_layers"])
+        text_cfg = tgt.target_config(args.target)
+        n_layers = int(text_cfg["num_hidden_layers"])
         ids = aux_layer_ids(cap.get("aux_layer_ids", "auto"), n_layers)
+        need = shard_size(tokens, text_cfg, dtype, storage)
+        check_free_space(args.out, need)
         fp = tgt.fingerprint(args.target)
         capture_range = engine("capture", cap.get("backend", "hf"))
         log.info(
@@ -137,6 +184,13 @@ def main(argv: list[str] | None = None) -> None:
         )
     except (CaptureError, ShardError, ValueError) as e:
         raise SystemExit(f"error: {e}") from None
+    except OSError as e:
+        if e.errno not in DISK_FULL:
+            raise
+        free = shutil.disk_usage(args.out.parent).free
+        raise SystemExit(
+            f"error: disk full while writing: {disk_message(args.out, need, free)}"
+        ) from None
     log.info(
         "wrote %s (%d tokens, %.1f s, sha256 %s)",
         args.out,

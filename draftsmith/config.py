@@ -1,10 +1,13 @@
-"""Row ranges and config-derived values shared by the Snakefile and the package.
+"""Config preparation, row ranges and config-derived values shared by the Snakefile and the package.
 
-Pure standard library: imported by the Snakefile at DAG-build time.
+Pure standard library: imported by the Snakefile at DAG-build time. The Snakefile calls
+`coerce(config, schema)` before schema validation (Snakemake passes nested `--config` values
+as strings), then `check_config(config)` for the rules that span sections.
 """
 
 from __future__ import annotations
 
+import math
 import re
 
 RANGE_RE = re.compile(r"^rows_(\d{6})-(\d{6})$")
@@ -34,19 +37,35 @@ def parse_range(name: str) -> tuple[int, int]:
 
 
 def aux_layer_ids(setting, num_layers: int) -> list[int]:
-    """SGLang's "output of layer i" ids; `auto` is SGLang's default [1, N//2-1, N-4]."""
+    """SGLang's "output of layer i" ids of the three aux states: three distinct ids < N - 1.
+
+    `auto` is SGLang's default [1, N//2-1, N-4] when those are three increasing ids (N >= 7);
+    for 4 <= N <= 6 they collide (N = 4 gives [1, 1, 0]), so `auto` spreads the ids instead:
+    [0, (N-1)//2, N-2]. The last layer (N - 1) is never used: transformers exposes its output
+    only after the final norm, so the benchmark could not read the state the capture stored.
+    The exported draft records the ids it was trained with (eagle_aux_hidden_state_layer_ids).
+    """
     if setting == "auto":
+        if num_layers < 4:
+            raise ValueError(
+                f"capture.aux_layer_ids auto: the target has {num_layers} layers; EAGLE-3 "
+                f"needs three distinct aux layers below the last, so at least 4 layers"
+            )
         ids = [1, num_layers // 2 - 1, num_layers - 4]
-    else:
-        ids = [int(i) for i in setting]
-    bad = [i for i in ids if not 0 <= i < num_layers]
-    if bad:
-        raise ValueError(
-            f"capture.aux_layer_ids {ids}: ids {bad} are outside [0, {num_layers}) "
-            f"for a target with {num_layers} layers"
-        )
+        if not ids[0] < ids[1] < ids[2]:
+            ids = [0, (num_layers - 1) // 2, num_layers - 2]
+        return ids
+    ids = [int(i) for i in setting]
     if len(ids) != 3:
         raise ValueError(f"capture.aux_layer_ids must have 3 ids, got {ids}")
+    bad = [i for i in ids if not 0 <= i < num_layers - 1]
+    if bad:
+        raise ValueError(
+            f"capture.aux_layer_ids {ids}: ids {bad} are outside [0, {num_layers - 1}) for a "
+            f"target with {num_layers} layers (the last layer's raw output is not available)"
+        )
+    if len(set(ids)) != 3:
+        raise ValueError(f"capture.aux_layer_ids {ids}: the three ids must be distinct")
     return ids
 
 
@@ -69,3 +88,90 @@ def check_range(name: str, ranges: list[str], n_rows: int, rows_per_shard: int) 
             f"(data.sources minus data.heldout_rows); {valid}"
         )
     raise ValueError(f"row range {name} is not a configured range; {valid}")
+
+
+# ---------------------------------------------------------------- config preparation
+
+
+class ConfigError(ValueError):
+    """A config value that cannot be used; the message names the key."""
+
+
+_TRUE, _FALSE = ("true", "yes", "on"), ("false", "no", "off")
+
+
+def _coerce_scalar(value: str, kind: str, where: str):
+    text = value.strip()
+    if kind == "boolean":
+        if text.lower() in _TRUE:
+            return True
+        if text.lower() in _FALSE:
+            return False
+        raise ConfigError(f"config validation failed: {where} = {value!r} is not true or false")
+    try:
+        number = float(text)
+    except ValueError:
+        number = math.nan
+    if not math.isfinite(number):
+        noun = "an integer" if kind == "integer" else "a number"
+        raise ConfigError(f"config validation failed: {where} = {value!r} is not {noun}")
+    if kind == "number":
+        return number
+    if not number.is_integer():
+        raise ConfigError(f"config validation failed: {where} = {value!r} is not an integer")
+    return int(number)
+
+
+def _fits(value, schema: dict) -> bool:
+    """Whether a string `value` is already acceptable to a string-typed `schema`."""
+    return schema.get("type") == "string" and value in schema.get("enum", [value])
+
+
+def coerce(value, schema: dict, where: str = "config"):
+    """`value` with strings turned into the integers, numbers and booleans `schema` asks for.
+
+    Snakemake's `--config key={...}` hands nested values over as strings (YAML's BaseLoader),
+    so `train={"lr": 0.002}` arrives as {"lr": "0.002"}. Values that already have a type are
+    left for schema validation; a string that is not a number where one is required is a
+    ConfigError naming the key. Returns a new value; the input is not changed.
+    """
+    if "oneOf" in schema:
+        if isinstance(value, str) and any(_fits(value, s) for s in schema["oneOf"]):
+            return value
+        shape = {list: "array", dict: "object"}.get(type(value))
+        for option in schema["oneOf"]:
+            if shape is not None and option.get("type") != shape:
+                continue
+            try:
+                return coerce(value, option, where)
+            except ConfigError:
+                continue
+        return value
+    kind = schema.get("type")
+    if isinstance(value, str) and kind in ("integer", "number", "boolean"):
+        return _coerce_scalar(value, kind, where)
+    if isinstance(value, dict) and kind in ("object", None):
+        props = schema.get("properties", {})
+        extra = schema.get("additionalProperties")
+        out = {}
+        for key, item in value.items():
+            sub = props.get(key, extra if isinstance(extra, dict) else None)
+            out[key] = item if sub is None else coerce(item, sub, f"{where}.{key}")
+        return out
+    if isinstance(value, list) and isinstance(schema.get("items"), dict):
+        return [coerce(v, schema["items"], f"{where}[{i}]") for i, v in enumerate(value)]
+    return value
+
+
+def check_config(config: dict) -> None:
+    """Rules that span keys, checked at parse time after schema validation (defaults filled).
+
+    (target.path is checked by `draftsmith.target.source_signature`, also at parse time.)
+    """
+    data, bench = config["data"], config["bench"]
+    if bench["heldout_size"] > data["heldout_rows"]:
+        raise ConfigError(
+            f"config: bench.heldout_size = {bench['heldout_size']} is larger than "
+            f"data.heldout_rows = {data['heldout_rows']}: the benchmark can only use rows held "
+            f"out of training; raise data.heldout_rows or lower bench.heldout_size"
+        )

@@ -7,8 +7,15 @@ rows and fix the row ranges. Every row becomes one conversation dict
 
 with an optional leading system turn, then user and assistant turns alternating, starting with
 user. A conversation may end with a user turn (the regenerate stage answers it). Rows that are not
-JSON, have empty content or break the role order are skipped, counted and listed (first few row
-numbers with reasons) in the report; they never crash the run and are never dropped silently.
+UTF-8 or not JSON, hold a lone surrogate (a JSON escape like "\\ud800" that no UTF-8 text can
+carry), have empty content or break the role order are skipped, counted and listed (file, line
+numbers and reasons) in the report and the log; they never crash the run and are never dropped
+silently.
+
+Held-out rows (`data.heldout_rows`, the benchmark's prompts) are evenly spaced over the merged
+rows: row floor((2i + 1) n / 2h) for i < h. No seed, no shuffle: the choice depends only on the
+row count, so it is reproducible, and every source and every part of a file is represented (a
+file's tail, e.g. its multi-turn rows, is not held out as a block).
 
 CLI (rule data_report): `python -m draftsmith.prompts --cfg <json> --out results/data/sources.json`.
 """
@@ -70,6 +77,14 @@ def check_conversation(turns) -> list[dict]:
             raise BadRow(f"turn {i} has unknown role {role!r}")
         if not isinstance(content, str) or not content.strip():
             raise BadRow(f"turn {i} ({role}) has empty content")
+        try:
+            content.encode("utf-8")
+        except UnicodeEncodeError as e:
+            bad = content[e.start]
+            raise BadRow(
+                f"turn {i} ({role}) holds a lone surrogate \\u{ord(bad):04x} at character "
+                f"{e.start} (not valid Unicode text)"
+            ) from None
         out.append({"role": role, "content": content})
     body = out[1:] if out[0]["role"] == "system" else out
     if not body:
@@ -122,10 +137,19 @@ PARSERS = {
 # ---------------------------------------------------------------- one source
 
 
-def _open_text(path: Path):
-    if path.suffix == ".gz":
-        return gzip.open(path, "rt", encoding="utf-8")
-    return open(path, encoding="utf-8")
+def _open_bytes(path: Path):
+    """Lines as bytes: each line is decoded on its own, so a bad one names its line number."""
+    return gzip.open(path, "rb") if path.suffix == ".gz" else open(path, "rb")
+
+
+def _decode(raw: bytes) -> str:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise BadRow(
+            f"not UTF-8 (byte 0x{raw[e.start]:02x} at byte {e.start} of the line); "
+            f"re-encode the file as UTF-8"
+        ) from None
 
 
 def source_files(config: dict) -> list[str]:
@@ -159,12 +183,13 @@ def read_source(spec: dict) -> tuple[list[dict], dict]:
     max_rows = int(spec.get("max_rows", 0) or 0)
     parse = PARSERS[fmt]
     rows, bad, n_lines = [], [], 0
-    with _open_text(path) as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
+    with _open_bytes(path) as f:
+        for lineno, raw in enumerate(f, start=1):
+            if not raw.strip():
                 continue
             n_lines += 1
             try:
+                line = _decode(raw)
                 try:
                     obj = json.loads(line)
                 except json.JSONDecodeError as e:
@@ -183,8 +208,9 @@ def read_source(spec: dict) -> tuple[list[dict], dict]:
     if bad:
         shown = ", ".join(f"line {b['line']}: {b['reason']}" for b in bad[:BAD_ROWS_LISTED])
         log.warning(
-            "%s: skipped %d bad rows (%s%s)",
+            "%s (%s): skipped %d bad rows (%s%s)",
             name,
+            path,
             len(bad),
             shown,
             ", ..." if len(bad) > BAD_ROWS_LISTED else "",
@@ -209,7 +235,7 @@ def read_source(spec: dict) -> tuple[list[dict], dict]:
 
 
 def load_sources(config: dict) -> Sources:
-    """Merge `config["data"]["sources"]` in order; the last `heldout_rows` rows are held out.
+    """Merge `config["data"]["sources"]` in order and hold out `heldout_rows` evenly spaced rows.
 
     `config` is the whole workflow config or any dict holding its `data` section (what a rule
     passes with `--cfg`). `data.max_rows` caps the training rows after the split.
@@ -227,8 +253,9 @@ def load_sources(config: dict) -> Sources:
             f"data.heldout_rows={heldout_n} leaves no training rows: the sources have "
             f"{len(merged)} valid rows"
         )
-    split = len(merged) - heldout_n
-    train, heldout = merged[:split], merged[split:]
+    held = set(heldout_indices(len(merged), heldout_n))
+    train = [r for i, r in enumerate(merged) if i not in held]
+    heldout = [r for i, r in enumerate(merged) if i in held]
     max_rows = int(data.get("max_rows", 0) or 0)
     if max_rows:
         train = train[:max_rows]
@@ -240,6 +267,11 @@ def load_sources(config: dict) -> Sources:
         "heldout_rows": len(heldout),
     }
     return Sources(train=train, heldout=heldout, report=report)
+
+
+def heldout_indices(n_rows: int, n_heldout: int) -> list[int]:
+    """Indices of the held-out rows: n_heldout evenly spaced rows of n_rows (distinct, sorted)."""
+    return [(2 * i + 1) * n_rows // (2 * n_heldout) for i in range(n_heldout)]
 
 
 def rows_for_range(sources: Sources, a: int, b: int) -> list[dict]:

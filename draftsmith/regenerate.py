@@ -6,7 +6,14 @@ answer of turn 1 in its history); a conversation ending with a user turn gets it
 
 The seam between this driver and a backend is one function:
 
-    generate_fn(prompts: list[list[{"role", "content"}]]) -> list[str]   (one reply per prompt)
+    generate_fn(prompts: list[list[{"role", "content"}]]) -> list[str | None]  (one per prompt)
+
+A None reply means the prompt is too long to answer: its tokens plus one reply token would not
+fit in the limit (the target's positions and `data.max_length`, the longest conversation the
+data stage keeps; engines read it from the cfg they are given). That conversation ends with the turns before;
+a conversation left without any answer is dropped. Engines cut replies that would run past the
+limit. Both are counted in the range's report (`too_long_turns`, `capped_replies`,
+`dropped_rows`, `dropped_ids`), never silent.
 
 `regenerate(conversations, generate_fn)` drives it. The engines (`draftsmith.engines`, chosen by
 `regenerate.backend`) provide it: `hf` generates in-process with transformers, `sglang` sends
@@ -26,7 +33,7 @@ from collections.abc import Callable
 
 log = logging.getLogger("draftsmith.regenerate")
 
-GenerateFn = Callable[[list[list[dict]]], list[str]]
+GenerateFn = Callable[[list[list[dict]]], list[str | None]]
 
 
 class MissingAnswerError(ValueError):
@@ -38,6 +45,8 @@ def regenerate(conversations: list[dict], generate_fn: GenerateFn) -> list[dict]
 
     Source assistant turns are discarded; round r asks all conversations that have an r-th user
     turn together, with their regenerated history. Returns new conversation dicts (same id/source).
+    A None reply (prompt too long) ends that conversation before the unanswered turn; one left
+    without an answer is dropped (see `dropped_ids`).
     """
     history, pending = [], []
     for conv in conversations:
@@ -55,11 +64,21 @@ def regenerate(conversations: list[dict], generate_fn: GenerateFn) -> list[dict]
                 f"generate_fn returned {len(replies)} replies for {len(prompts)} prompts"
             )
         for i, prompt, reply in zip(active, prompts, replies, strict=True):
+            if reply is None:
+                pending[i] = pending[i][:r]  # no later turn: its history would be longer still
+                continue
             history[i] = prompt + [{"role": "assistant", "content": reply}]
     return [
         {"id": conv["id"], "source": conv["source"], "conversations": turns}
         for conv, turns in zip(conversations, history, strict=True)
+        if any(t["role"] == "assistant" for t in turns)
     ]
+
+
+def dropped_ids(conversations: list[dict], regenerated: list[dict]) -> list[str]:
+    """Ids of the rows regeneration dropped (not one turn fitted in the length limit)."""
+    kept = {c["id"] for c in regenerated}
+    return [c["id"] for c in conversations if c["id"] not in kept]
 
 
 def copy_answers(conversations: list[dict]) -> list[dict]:
@@ -86,7 +105,11 @@ def main(argv: list[str] | None = None) -> None:
     from draftsmith.config import parse_range
     from draftsmith.prompts import SourceError, load_sources, rows_for_range
 
-    ap = argparse.ArgumentParser(description="Regenerate the assistant turns of one row range.")
+    ap = argparse.ArgumentParser(
+        prog="python -m draftsmith.regenerate",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     ap.add_argument("--cfg", required=True, help="JSON with the data and regenerate sections")
     ap.add_argument("--range", required=True, help="rows_<a>-<b>")
     ap.add_argument("--target", required=True, help="target HF directory")
@@ -126,10 +149,12 @@ def main(argv: list[str] | None = None) -> None:
             threads=args.threads,
             seed=int(regen.get("seed", 0)) + a,
         )
-        report.update(figures)
+        dropped = dropped_ids(rows, out)
+        report.update(figures, dropped_rows=len(dropped), dropped_ids=dropped[:20])
         log.info(
             "%s: %d rows, %d turns, %d new tokens in %.1f s generate (%.1f s wall) with %s: "
-            "%.1f tokens/s; %d hit max_new_tokens, %d empty",
+            "%.1f tokens/s; %d hit max_new_tokens, %d empty; %d turns too long for %d tokens "
+            "(%d rows dropped), %d replies cut to fit",
             args.range,
             len(rows),
             figures["prompts"],
@@ -140,6 +165,10 @@ def main(argv: list[str] | None = None) -> None:
             figures["tokens_per_second"],
             figures["hit_limit"],
             figures["empty"],
+            figures.get("too_long_turns", 0),
+            figures.get("max_total_tokens", 0),
+            len(dropped),
+            figures.get("capped_replies", 0),
         )
     report["versions"] = versions()
     write_jsonl(args.out, out)

@@ -176,6 +176,31 @@ def check_hf_dir(path: Path) -> None:
         )
     if not list(path.glob("*.safetensors")):
         raise TargetError(f"target.path {path} has no *.safetensors weights")
+    if not has_chat_template(path):
+        raise TargetError(
+            f"target.path {path} has no chat template (no chat_template.jinja, no "
+            f'chat_template.json, no "chat_template" in tokenizer_config.json): regeneration, '
+            f"the loss mask and the benchmark all render conversations with it. Use the "
+            f"instruct/chat variant of the model, or save one with "
+            f"tokenizer.chat_template = ...; tokenizer.save_pretrained({str(path)!r})"
+        )
+
+
+def has_chat_template(path: Path) -> bool:
+    """Whether an HF directory carries a chat template (read from files, no tokenizer load)."""
+    if (path / "chat_template.jinja").is_file():
+        return True
+    for name in ("chat_template.json", "tokenizer_config.json"):
+        f = path / name
+        if not f.is_file():
+            continue
+        try:
+            template = json.loads(f.read_text(encoding="utf-8")).get("chat_template")
+        except (ValueError, AttributeError) as e:
+            raise TargetError(f"{f}: not a JSON object ({e})") from None
+        if template:
+            return True
+    return False
 
 
 def _safetensors_header(fh, path: Path) -> bytes:

@@ -9,12 +9,28 @@ from snakemake.utils import validate
 
 sys.path.insert(0, workflow.basedir)
 
+import yaml  # noqa: E402
+
 from draftsmith.common import sha256_file  # noqa: E402
-from draftsmith.config import check_range, row_ranges  # noqa: E402
+from draftsmith.config import (
+    check_config,
+    check_range,
+    coerce,
+    row_ranges,
+)  # noqa: E402
 from draftsmith.prompts import BUNDLED_PATH, load_sources, source_files  # noqa: E402
 from draftsmith.target import TargetError, source_signature  # noqa: E402
 
+# --config passes nested values as strings: coerce them by the schema's types, then validate
+# (which fills every default: the schema is the one source of defaults), then cross-key checks.
+_SCHEMA = yaml.safe_load(
+    Path(workflow.basedir, "schemas", "config.schema.yaml").read_text()
+)
+_coerced = coerce(dict(config), _SCHEMA)
+config.clear()
+config.update(_coerced)
 validate(config, "../schemas/config.schema.yaml")
+check_config(config)
 
 STAGES = ("regenerate", "capture", "train", "bench")
 ROLES = sorted({"cpu", *(config[s]["role"] for s in STAGES)})

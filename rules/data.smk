@@ -1,7 +1,8 @@
 # Conversation data: prompt sources -> regenerated rows -> tokens + loss mask -> draft vocabulary.
 # Row ranges (RANGES) are fixed at DAG-build time by draftsmith.prompts.load_sources (common.smk).
-# Each job's --cfg carries only the keys it reads, so e.g. a data.max_length change re-tokenizes
-# without regenerating, and a draft.vocab_size change rebuilds only the vocabulary. Source files
+# Each job's --cfg carries only the keys it reads, so e.g. a data.overlong change re-tokenizes
+# without regenerating (data.max_length also bounds the regenerated prompt + reply), and a
+# draft.vocab_size change rebuilds only the vocabulary. Source files
 # are inputs and the bundled set's package file is a param by content (bundled_digest): editing
 # either makes every range stale. Per-range rules refuse ranges the config does not define.
 # `rule data` requests every artifact of the stage: Snakemake rebuilds a deleted intermediate
@@ -57,7 +58,7 @@ rule regenerate:
             {
                 "data": {
                     k: config["data"][k]
-                    for k in ("sources", "heldout_rows", "max_rows")
+                    for k in ("sources", "heldout_rows", "max_rows", "max_length")
                 },
                 "regenerate": config["regenerate"],
                 **server_cfg("regenerate"),

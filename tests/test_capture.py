@@ -70,7 +70,7 @@ def check_convention(model, ids):
 def test_convention_llama(tiny_target):
     model = load(tiny_target)
     n = model.config.num_hidden_layers
-    check_convention(model, aux_layer_ids("auto", n))  # [1, 2, 2] for 6 layers
+    check_convention(model, aux_layer_ids("auto", n))  # [0, 2, 4] for 6 layers
     check_convention(model, [0, 3, 4])
 
 
@@ -209,7 +209,7 @@ def test_cli_end_to_end(tiny_target, tmp_path):
         ]
     )
     m = json.loads(out.with_suffix(".json").read_text())
-    assert m["aux_layer_ids"] == [1, 2, 2] and m["dtype"] == "float16"
+    assert m["aux_layer_ids"] == [0, 2, 4] and m["dtype"] == "float16"
     assert m["row_range"] == [0, 3] and m["rows"] == 3 and m["tokens"] == 20
     assert m["target_fingerprint"] == fingerprint(target) and m["backend"] == "hf"
     assert m["convention"] == "sglang:output_of_layer" and m["norm"] == "post"
@@ -326,3 +326,50 @@ def test_rules_targeted_rebuild_and_staleness(tiny_target, tmp_path):
     out = snakemake(tmp_path, *names, config=config)
     assert shard[1].stat().st_mtime_ns == first[1], out
     assert shard[0].stat().st_mtime_ns != first[0]
+
+
+def _cli_inputs(tiny_target, tmp_path):
+    from draftsmith.target import write_meta
+
+    target = shutil.copytree(tiny_target, tmp_path / "target")
+    write_meta(target, source="path", origin=str(tiny_target))
+    tokens = tmp_path / "rows_000000-000003.safetensors"
+    save_file(random_tokens(300, [6, 9, 5], seed=5), str(tokens))
+    out = tmp_path / "hidden" / "rows_000000-000003.safetensors"
+    cfg = {"capture": {"aux_layer_ids": "auto", "dtype": "float32", "batch_tokens": 8}}
+    args = ["--cfg", json.dumps(cfg), "--tokens", str(tokens), "--target", str(target)]
+    return [*args, "--out", str(out)], out
+
+
+def test_a_shard_that_cannot_fit_stops_before_the_capture(tiny_target, tmp_path, monkeypatch):
+    import draftsmith.capture as capture
+
+    args, out = _cli_inputs(tiny_target, tmp_path)
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(capture.shutil, "disk_usage", lambda p: usage._replace(free=1000))
+    with pytest.raises(SystemExit, match=r"not enough disk space for .*rows_000000-000003") as e:
+        main(args)
+    assert "has 1000 B free" in str(e.value) and "results/hidden/plan.json" in str(e.value)
+    assert not out.parent.exists() or not list(out.parent.iterdir())
+
+
+def test_disk_full_during_capture_is_a_clear_error(tiny_target, tmp_path, monkeypatch):
+    import errno
+    import os
+
+    import draftsmith.shards as shards
+
+    args, out = _cli_inputs(tiny_target, tmp_path)
+    real, calls = os.pwrite, []
+
+    def pwrite(fd, data, pos):  # the disk fills up after the token tensors are written
+        calls.append(pos)
+        if len(calls) > 4:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(fd, data, pos)
+
+    monkeypatch.setattr(shards.os, "pwrite", pwrite)
+    with pytest.raises(SystemExit, match="disk full while writing: not enough disk space") as e:
+        main(args)
+    assert "the shard needs" in str(e.value)
+    assert list(out.parent.iterdir()) == []  # no temp file left behind

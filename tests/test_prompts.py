@@ -11,6 +11,7 @@ import pytest
 from draftsmith.prompts import (
     BUNDLED_PATH,
     SourceError,
+    heldout_indices,
     load_humaneval,
     load_sources,
     main,
@@ -128,12 +129,13 @@ def test_merge_split_caps_and_ranges(tmp_path):
     }
     s = load_sources(cfg)
     contents = [r["conversations"][0]["content"] for r in s.train]
-    assert contents == ["a0", "a1", "a2", "a3", "b0", "b1", "b2", "b3", "b4", "b5", "b6"]
-    assert [r["conversations"][0]["content"] for r in s.heldout] == ["b7", "b8", "b9"]
+    # held out: 3 rows evenly spaced over the 14 merged ones (rows 2, 7, 11), not the tail
+    assert contents == ["a0", "a1", "a3", "b0", "b1", "b2", "b4", "b5", "b6", "b8", "b9"]
+    assert [r["conversations"][0]["content"] for r in s.heldout] == ["a2", "b3", "b7"]
     assert s.report["train_rows"] == 11 and s.report["heldout_rows"] == 3
     cfg["data"]["max_rows"] = 5
     assert len(load_sources(cfg).train) == 5
-    assert [r["conversations"][0]["content"] for r in rows_for_range(s, 4, 6)] == ["b0", "b1"]
+    assert [r["conversations"][0]["content"] for r in rows_for_range(s, 4, 6)] == ["b1", "b2"]
     with pytest.raises(SourceError, match="outside"):
         rows_for_range(s, 8, 16)
     cfg["data"]["heldout_rows"] = 14
@@ -177,6 +179,68 @@ def test_bundled_set_is_varied_and_valid():
         json.loads(line)["category"] for line in BUNDLED_PATH.read_text().splitlines()[-40:]
     )
     assert len(tail) >= 6
+
+
+@pytest.mark.parametrize("n, h", [(14, 3), (10, 9), (296, 40), (7, 1), (5, 0)])
+def test_heldout_rows_are_distinct_sorted_and_spread(n, h):
+    idx = heldout_indices(n, h)
+    assert len(idx) == h and idx == sorted(set(idx)) and all(0 <= i < n for i in idx)
+    if h > 1:  # spread: no gap more than twice the even spacing, and not all in the tail
+        assert max(b - a for a, b in zip(idx, idx[1:], strict=False)) <= 2 * n / h
+        assert idx[0] < n // 2
+
+
+def test_multi_turn_rows_at_the_end_are_not_all_held_out(tmp_path):
+    """A user's file with its multi-turn rows last: the held-out set mixes both kinds."""
+    one = [json.dumps({"conversations": [{"from": "human", "value": f"q{i}"}]}) for i in range(30)]
+    multi = [
+        json.dumps(
+            {
+                "conversations": [
+                    {"from": "human", "value": f"m{i}"},
+                    {"from": "gpt", "value": "a"},
+                    {"from": "human", "value": "more"},
+                ]
+            }
+        )
+        for i in range(10)
+    ]
+    p = _write(tmp_path / "s.jsonl", one + multi)
+    s = load_sources({"data": {"sources": [{"format": "sharegpt", "path": p}], "heldout_rows": 8}})
+    turns = [len(r["conversations"]) for r in s.heldout]
+    assert 1 in turns and 3 in turns, turns
+    assert sum(len(r["conversations"]) == 3 for r in s.train) == 8
+
+
+def test_invalid_utf8_names_file_and_line(tmp_path, caplog):
+    p = tmp_path / "latin1.jsonl"
+    good = json.dumps({"prompt": "fine"}).encode()
+    bad = json.dumps({"prompt": "caf\u00e9"}).encode().replace(b"\\u00e9", "é".encode("latin-1"))
+    p.write_bytes(good + b"\n" + bad + b"\n" + good + b"\n")
+    with caplog.at_level("WARNING"):
+        rows, report = read_source({"format": "prompt", "path": str(p)})
+    assert len(rows) == 2 and report["skipped"] == 1
+    assert report["first_bad_rows"][0]["line"] == 2
+    assert "not UTF-8" in report["first_bad_rows"][0]["reason"]
+    assert str(p) in caplog.text and "line 2: not UTF-8" in caplog.text
+    gz = tmp_path / "latin1.jsonl.gz"
+    gz.write_bytes(gzip.compress(p.read_bytes()))
+    assert read_source({"format": "prompt", "path": str(gz)})[1]["first_bad_rows"][0]["line"] == 2
+
+
+def test_lone_surrogate_is_a_bad_row_naming_the_line(tmp_path):
+    rows = [
+        json.dumps({"prompt": "ok"}),
+        '{"prompt": "broken \\ud800 text"}',
+        json.dumps({"conversations": [{"from": "human", "value": "x\udfff"}]}),
+    ]
+    p = _write(tmp_path / "s.jsonl", rows[:2])
+    got, report = read_source({"format": "prompt", "path": p})
+    assert len(got) == 1 and report["first_bad_rows"][0]["line"] == 2
+    assert "lone surrogate \\ud800" in report["first_bad_rows"][0]["reason"]
+    p2 = _write(tmp_path / "g.jsonl", rows[2:])
+    _, report = read_source({"format": "sharegpt", "path": p2})
+    assert "lone surrogate \\udfff" in report["first_bad_rows"][0]["reason"]
 
 
 def test_prompt_turns_and_humaneval():

@@ -8,7 +8,7 @@ import shutil
 import pytest
 
 from draftsmith.engines.hf import HFGenerator
-from draftsmith.regenerate import MissingAnswerError, copy_answers, regenerate
+from draftsmith.regenerate import MissingAnswerError, copy_answers, dropped_ids, regenerate
 
 
 def _conv(cid, *turns):
@@ -164,10 +164,11 @@ def test_cli_regenerates_one_range(tiny_target, tmp_path):
         ]
     )
     rows = [json.loads(line) for line in out.read_text().splitlines()]
+    # rows 1 and 5 of 7 are held out (evenly spaced): training rows 2-5 are sources 3, 4, 6
     assert [r["conversations"][0]["content"] for r in rows] == [
-        "Question 2?",
         "Question 3?",
         "Question 4?",
+        "Question 6?",
     ]
     assert all(r["conversations"][-1]["role"] == "assistant" for r in rows)
     report = json.loads(rep.read_text())
@@ -189,3 +190,66 @@ def test_cli_regenerates_one_range(tiny_target, tmp_path):
                 str(rep),
             ]
         )
+
+
+def test_prompt_plus_reply_never_exceeds_the_limit(tiny_model):
+    """max_total (data.max_length, target positions): replies cut to fit, hopeless prompts skipped."""
+    model, tok = tiny_model
+    free = HFGenerator(model, tok, max_new_tokens=12, batch_size=8, progress=False)
+    lengths = [len(free._encode(p)) for p in PROMPTS]
+    limit = sorted(lengths)[2] + 3  # the two shortest get a capped reply, the rest do not fit
+    gen = HFGenerator(model, tok, max_new_tokens=12, batch_size=8, max_total=limit, progress=False)
+    assert gen.max_total == limit
+    replies = gen(PROMPTS)
+    assert [r is None for r in replies] == [n >= limit for n in lengths]
+    assert gen.stats["too_long_turns"] == sum(n >= limit for n in lengths) >= 2
+    # generated tokens: at most the room each prompt left (prompt + reply <= limit)
+    assert 0 < gen.stats["new_tokens"] <= sum(limit - n for n in lengths if n < limit)
+    assert gen.stats["capped_replies"] >= 1
+    # the target's positions are a limit too
+    assert free.max_total == model.config.max_position_embeddings
+
+
+def test_regenerate_ends_a_conversation_at_a_turn_too_long():
+    convs = [_conv("a", "u:short", "a:x", "u:long"), _conv("b", "u:long"), _conv("c", "u:ok")]
+
+    def gen(prompts):
+        return [None if p[-1]["content"] == "long" else "r" for p in prompts]
+
+    out = regenerate(convs, gen)
+    assert [c["id"] for c in out] == ["a", "c"]
+    assert [t["content"] for t in out[0]["conversations"]] == ["short", "r"]
+    assert dropped_ids(convs, out) == ["b"]
+
+
+def test_cli_skips_a_100k_character_prompt_and_counts_it(tiny_target, tmp_path):
+    from draftsmith.regenerate import main
+    from draftsmith.target import write_meta
+
+    target = tmp_path / "target"
+    shutil.copytree(tiny_target, target)
+    write_meta(target, "path", str(tiny_target))
+    src = tmp_path / "p.jsonl"
+    huge = "word " * 20_000  # 100,000 characters
+    rows = [
+        {"prompt": "Question 0?"},
+        {"prompt": huge},
+        {"prompt": "held"},
+        {"prompt": "Question 3?"},
+    ]
+    src.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = {
+        "data": {"sources": [{"format": "prompt", "path": str(src)}], "heldout_rows": 1},
+        "regenerate": {"enabled": True, "max_new_tokens": 4, "batch_size": 2},
+    }
+    out, rep = tmp_path / "rows_000000-000003.jsonl", tmp_path / "rows.report.json"
+    args = ["--range", "rows_000000-000003", "--target", str(target), "--threads", "1"]
+    main([*args, "--cfg", json.dumps(cfg), "--out", str(out), "--report", str(rep)])
+    kept = [
+        json.loads(line)["conversations"][0]["content"] for line in out.read_text().splitlines()
+    ]
+    assert kept == ["Question 0?", "Question 3?"]  # row 2 is the held-out one
+    report = json.loads(rep.read_text())
+    assert report["too_long_turns"] == 1 and report["dropped_rows"] == 1
+    assert report["max_total_tokens"] == 2048  # the tiny target's positions
+    assert len(report["dropped_ids"]) == 1

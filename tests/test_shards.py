@@ -316,7 +316,7 @@ def test_plan_estimate(tiny_target, tmp_path, capsys, monkeypatch):
     plan.main(["--cfg", cfg, "--target", str(target), "--out", str(out), *tokens])
     p = json.loads(out.read_text())
     assert p["tokens"] == 26 and p["rows"] == 3 and p["hidden_size"] == 64
-    assert p["bytes_per_token"] == 4 * 64 * 2 + 9 and p["aux_layer_ids"] == [1, 2, 2]
+    assert p["bytes_per_token"] == 4 * 64 * 2 + 9 and p["aux_layer_ids"] == [0, 2, 4]
     assert p["total_bytes"] == estimate_bytes(14, 2, 64, "float16") + estimate_bytes(
         12, 1, 64, "float16"
     )

@@ -104,7 +104,7 @@ def make_inputs(root: Path, n_shards: int = 2, rows: int = 12, seed: int = 0) ->
             row_offsets=offsets,
             hidden_size=H,
             dtype="float32",
-            manifest={"row_range": [s * rows, (s + 1) * rows], "aux_layer_ids": [1, 2, 2]},
+            manifest={"row_range": [s * rows, (s + 1) * rows], "aux_layer_ids": [0, 2, 4]},
         ) as w:
             w.write(0, torch.cat(states, -1), last)
         shards.append(path)

@@ -38,7 +38,9 @@ class HFGenerator:
 
     Prompts are sorted by length before batching (less padding); replies come back in input
     order. `stats` accumulates generated tokens (up to and including the end-of-turn token),
-    seconds, rows that hit `max_new_tokens` and empty replies.
+    seconds, rows that hit `max_new_tokens`, empty replies, prompts too long to answer within
+    `max_total` tokens (prompt + reply; the target's positions are a limit too) and replies cut
+    to fit it.
     """
 
     def __init__(
@@ -50,6 +52,7 @@ class HFGenerator:
         temperature: float = 0.0,
         batch_size: int = 32,
         seed: int = 0,
+        max_total: int = 0,
         progress: bool = True,
     ):
         from draftsmith.tokens import end_of_turn_id
@@ -57,6 +60,9 @@ class HFGenerator:
         self.model, self.tokenizer = model, tokenizer
         self.max_new_tokens, self.temperature = int(max_new_tokens), float(temperature)
         self.batch_size, self.seed, self.progress = int(batch_size), int(seed), progress
+        positions = getattr(model.config.get_text_config(), "max_position_embeddings", None)
+        limits = [int(n) for n in (max_total, positions) if n]
+        self.max_total = min(limits) if limits else 0
         stop = {end_of_turn_id(tokenizer)}
         if tokenizer.eos_token_id is not None:
             stop.add(tokenizer.eos_token_id)
@@ -73,16 +79,18 @@ class HFGenerator:
             "seconds": 0.0,
             "hit_limit": 0,
             "empty": 0,
+            "too_long_turns": 0,
+            "capped_replies": 0,
         }
 
-    def _generation_config(self):
+    def _generation_config(self, max_new_tokens: int):
         from transformers import GenerationConfig
 
         kw = {"do_sample": self.temperature > 0}
         if self.temperature > 0:
             kw.update(temperature=self.temperature, top_k=0, top_p=1.0)
         return GenerationConfig(
-            max_new_tokens=self.max_new_tokens,
+            max_new_tokens=max_new_tokens,
             eos_token_id=self.stop_ids,
             pad_token_id=self.pad_id,
             use_cache=True,
@@ -95,7 +103,13 @@ class HFGenerator:
         text = render(self.tokenizer, prompt, add_generation_prompt=True)
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
-    def generate_ids(self, batch: list[list[int]]) -> list[list[int]]:
+    def budget(self, prompt_len: int) -> int:
+        """New tokens a prompt may get: max_new_tokens, less where prompt + reply > max_total."""
+        if not self.max_total:
+            return self.max_new_tokens
+        return min(self.max_new_tokens, self.max_total - prompt_len)
+
+    def generate_ids(self, batch: list[list[int]], max_new: int = 0) -> list[list[int]]:
         """Greedy/sampled continuation of each prompt (ids), cut after its first stop token."""
         width = max(len(p) for p in batch)
         input_ids = torch.full((len(batch), width), self.pad_id, dtype=torch.long)
@@ -108,7 +122,7 @@ class HFGenerator:
             out = self.model.generate(
                 input_ids=input_ids.to(device),
                 attention_mask=attention.to(device),
-                generation_config=self._generation_config(),
+                generation_config=self._generation_config(max_new or self.max_new_tokens),
             )
         replies = []
         for row in out[:, width:].tolist():
@@ -116,19 +130,39 @@ class HFGenerator:
             replies.append(row if cut is None else row[: cut + 1])
         return replies
 
-    def __call__(self, prompts: list[list[dict]]) -> list[str]:
+    def __call__(self, prompts: list[list[dict]]) -> list[str | None]:
         if self.temperature > 0:
             torch.manual_seed(self.seed)
         encoded = [self._encode(p) for p in prompts]
-        order = sorted(range(len(prompts)), key=lambda i: len(encoded[i]))
-        replies: list[str] = [""] * len(prompts)
+        replies: list[str | None] = [None] * len(prompts)
+        fits = [i for i in range(len(prompts)) if self.budget(len(encoded[i])) >= 1]
+        too_long = len(prompts) - len(fits)
+        if too_long:
+            log.warning(
+                "%d prompts have no room for a reply within %d tokens (longest: %d tokens); "
+                "they are not answered",
+                too_long,
+                self.max_total,
+                max(len(e) for e in encoded),
+            )
+        self.stats["too_long_turns"] += too_long
+        order = sorted(fits, key=lambda i: len(encoded[i]))
         bar = tqdm(total=len(prompts), desc="regenerate", unit="row", disable=not self.progress)
+        bar.update(too_long)
         for start in range(0, len(order), self.batch_size):
             idx = order[start : start + self.batch_size]
             t0 = time.perf_counter()
-            new = self.generate_ids([encoded[i] for i in idx])
+            room = {i: self.budget(len(encoded[i])) for i in idx}
+            new = self.generate_ids([encoded[i] for i in idx], max(room.values()))
             self.stats["seconds"] += time.perf_counter() - t0
             for i, ids in zip(idx, new, strict=True):
+                if len(ids) > room[i] or (
+                    room[i] < self.max_new_tokens
+                    and len(ids) == room[i]
+                    and ids[-1] not in self.stop_ids
+                ):
+                    ids = ids[: room[i]]
+                    self.stats["capped_replies"] += 1
                 ended = bool(ids) and ids[-1] in self.stop_ids
                 self.stats["new_tokens"] += len(ids)
                 self.stats["prompt_tokens"] += len(encoded[i])
@@ -148,7 +182,10 @@ class HFGenerator:
 
 
 def regenerate_rows(conversations, cfg: dict, *, target, threads: int, seed: int):
-    """The regenerate stage: load the target, answer every user turn again."""
+    """The regenerate stage: load the target, answer every user turn again.
+
+    Prompt + reply stay within data.max_length and the target's positions (HFGenerator).
+    """
     from draftsmith.common import set_threads
     from draftsmith.regenerate import regenerate
     from draftsmith.target import load_target
@@ -163,6 +200,7 @@ def regenerate_rows(conversations, cfg: dict, *, target, threads: int, seed: int
         temperature=regen.get("temperature", 0.0),
         batch_size=regen.get("batch_size", 32),
         seed=seed,
+        max_total=int(cfg.get("data", {}).get("max_length", 0)),
     )
     t0 = time.perf_counter()
     out = regenerate(conversations, gen)
@@ -171,6 +209,7 @@ def regenerate_rows(conversations, cfg: dict, *, target, threads: int, seed: int
         "threads": threads,
         "device": str(next(model.parameters()).device),
         "max_new_tokens": gen.max_new_tokens,
+        "max_total_tokens": gen.max_total,
         "temperature": gen.temperature,
         "batch_size": gen.batch_size,
         **gen.stats,

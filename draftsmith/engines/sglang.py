@@ -145,15 +145,22 @@ def _generation_eos(target) -> list[int]:
 
 
 class SGLangGenerator:
-    """generate_fn of `draftsmith.regenerate` through the job's server; stats as HFGenerator's."""
+    """generate_fn of `draftsmith.regenerate` through the job's server; stats as HFGenerator's.
 
-    def __init__(self, supervisor, tokenizer, stop_ids, regen: dict, request_timeout: float):
+    Prompt + reply stay within `max_total` tokens (data.max_length): replies are capped to the
+    room a prompt leaves, and a prompt with no room is not sent (None, counted).
+    """
+
+    def __init__(
+        self, supervisor, tokenizer, stop_ids, regen: dict, request_timeout: float, max_total=0
+    ):
         self.sup, self.tokenizer = supervisor, tokenizer
         self.stop_ids = sorted(stop_ids)
         self.max_new_tokens = int(regen["max_new_tokens"])
         self.temperature = float(regen["temperature"])
         self.concurrency = int(regen["batch_size"])
         self.timeout = request_timeout
+        self.max_total = int(max_total)
         self.stats = {
             "prompts": 0,
             "new_tokens": 0,
@@ -161,11 +168,18 @@ class SGLangGenerator:
             "seconds": 0.0,
             "hit_limit": 0,
             "empty": 0,
+            "too_long_turns": 0,
+            "capped_replies": 0,
         }
+
+    def budget(self, prompt_len: int) -> int:
+        if not self.max_total:
+            return self.max_new_tokens
+        return min(self.max_new_tokens, self.max_total - prompt_len)
 
     def payload(self, ids: list[int]) -> dict:
         sampling = {
-            "max_new_tokens": self.max_new_tokens,
+            "max_new_tokens": self.budget(len(ids)),
             "temperature": self.temperature,
             "top_p": 1.0,
             "top_k": -1,
@@ -173,7 +187,7 @@ class SGLangGenerator:
         }
         return {"input_ids": ids, "sampling_params": sampling}
 
-    def __call__(self, prompts: list[list[dict]]) -> list[str]:
+    def __call__(self, prompts: list[list[dict]]) -> list[str | None]:
         from tqdm import tqdm
 
         from draftsmith.tokens import render
@@ -184,36 +198,47 @@ class SGLangGenerator:
             )
             for p in prompts
         ]
-        bar = tqdm(total=len(prompts), desc="regenerate", unit="row")
+        fits = [i for i, ids in enumerate(encoded) if self.budget(len(ids)) >= 1]
+        self.stats["too_long_turns"] += len(prompts) - len(fits)
+        if len(fits) < len(prompts):
+            log.warning(
+                "%d prompts have no room for a reply within %d tokens; they are not answered",
+                len(prompts) - len(fits),
+                self.max_total,
+            )
+        bar = tqdm(total=len(fits), desc="regenerate", unit="row")
         step = max(1, len(prompts) // 10)
 
         def done(_i, _result):
             bar.update(1)
-            if bar.n % step == 0 or bar.n == len(prompts):
-                log.info("regenerate: %d/%d replies", bar.n, len(prompts))
+            if bar.n % step == 0 or bar.n == len(fits):
+                log.info("regenerate: %d/%d replies", bar.n, len(fits))
 
         t0 = time.perf_counter()
         answers = run_requests(
             self.sup,
-            [self.payload(ids) for ids in encoded],
+            [self.payload(encoded[i]) for i in fits],
             lambda url, p: generate(url, p, self.timeout),
             concurrency=self.concurrency,
             on_done=done,
         )
         self.stats["seconds"] += time.perf_counter() - t0
         bar.close()
-        replies = []
-        for ids, answer in zip(encoded, answers, strict=True):
+        replies: list[str | None] = [None] * len(prompts)
+        for i, answer in zip(fits, answers, strict=True):
+            ids = encoded[i]
             out, ended = cut_at_stop(answer["output_ids"], self.stop_ids)
             finish = (answer["meta_info"].get("finish_reason") or {}).get("type")
             ended = ended or finish == "stop"
+            room = self.budget(len(ids))
+            self.stats["capped_replies"] += int(not ended and room < self.max_new_tokens)
             self.stats["new_tokens"] += len(out)
             self.stats["prompt_tokens"] += len(ids)
             self.stats["hit_limit"] += int(not ended)
             body = out[:-1] if out and out[-1] in self.stop_ids else out
             text = self.tokenizer.decode(body, skip_special_tokens=True).strip()
             self.stats["empty"] += int(not text)
-            replies.append(text)
+            replies[i] = text
         self.stats["prompts"] += len(prompts)
         return replies
 
@@ -236,13 +261,21 @@ def regenerate_rows(conversations, cfg: dict, *, target, threads: int, seed: int
     t0 = time.perf_counter()
     spec = server_spec(cfg, "regenerate", target=target, threads=threads)
     with Supervisor(spec, retries=s["retries"]) as sup:
-        gen = SGLangGenerator(sup, tokenizer, stops, regen, float(s["request_timeout"]))
+        gen = SGLangGenerator(
+            sup,
+            tokenizer,
+            stops,
+            regen,
+            float(s["request_timeout"]),
+            max_total=int(cfg.get("data", {}).get("max_length", 0)),
+        )
         out = regenerate(conversations, gen)
     report = {
         "backend": "sglang",
         "threads": threads,
         "device": "cpu" if cfg["regenerate"]["role"] == CPU_ROLE else "server",
         "max_new_tokens": gen.max_new_tokens,
+        "max_total_tokens": gen.max_total,
         "temperature": gen.temperature,
         "concurrency": gen.concurrency,
         **gen.stats,

@@ -1,0 +1,187 @@
+"""Config preparation: --config strings coerced by schema type, one source of defaults,
+cross-key checks and automatic aux layer ids, all at parse time."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+import yaml
+from wf import ROOT, snakemake, tiny_config, write_config
+
+from draftsmith.config import ConfigError, aux_layer_ids, check_config, coerce
+
+SCHEMA = yaml.safe_load((ROOT / "schemas" / "config.schema.yaml").read_text())
+
+
+def with_defaults(cfg: dict) -> dict:
+    """What Snakemake's validate(config, schema) makes of `cfg`: every default filled in."""
+    from snakemake.utils import validate
+
+    cfg = json.loads(json.dumps(cfg))
+    validate(cfg, str(ROOT / "schemas" / "config.schema.yaml"))
+    return cfg
+
+
+# ---------------------------------------------------------------- coercion
+
+
+def test_nested_strings_become_the_schema_types():
+    got = coerce(
+        {
+            "train": {"lr": "0.002", "epochs": "3", "seed": "-1"},
+            "envs": {"cpu": {"python": "", "gpus": "0"}},
+            "regenerate": {"enabled": "false", "temperature": "0"},
+            "capture": {"aux_layer_ids": ["0", "2", "5"]},
+            "data": {"sources": [{"format": "prompt", "path": "1.jsonl", "max_rows": "7"}]},
+        },
+        SCHEMA,
+    )
+    assert got["train"] == {"lr": 0.002, "epochs": 3, "seed": -1}
+    assert got["envs"]["cpu"] == {"python": "", "gpus": 0}
+    assert got["regenerate"] == {"enabled": False, "temperature": 0.0}
+    assert got["capture"]["aux_layer_ids"] == [0, 2, 5]
+    assert got["data"]["sources"][0] == {"format": "prompt", "path": "1.jsonl", "max_rows": 7}
+    assert coerce({"capture": {"aux_layer_ids": "auto"}}, SCHEMA)["capture"]["aux_layer_ids"] == (
+        "auto"
+    )
+    # typed values and unknown keys are left to schema validation
+    assert coerce({"train": {"lr": 0.5, "nope": "1"}}, SCHEMA) == {
+        "train": {"lr": 0.5, "nope": "1"}
+    }
+
+
+@pytest.mark.parametrize(
+    "cfg, needle",
+    [
+        ({"train": {"lr": "fast"}}, "train.lr = 'fast' is not a number"),
+        ({"train": {"epochs": "2.5"}}, "train.epochs = '2.5' is not an integer"),
+        ({"train": {"lr": "nan"}}, "train.lr = 'nan' is not a number"),
+        ({"envs": {"cpu": {"gpus": "one"}}}, "envs.cpu.gpus = 'one' is not an integer"),
+        ({"regenerate": {"enabled": "maybe"}}, "regenerate.enabled = 'maybe' is not true or false"),
+    ],
+)
+def test_a_string_that_is_not_a_number_names_the_key(cfg, needle):
+    with pytest.raises(ConfigError, match=re.escape(needle)):
+        coerce(cfg, SCHEMA)
+
+
+@pytest.mark.workflow
+def test_numbers_from_the_command_line_reach_the_jobs(tmp_path: Path, tiny_target: Path):
+    write_config(tmp_path, tiny_config(tiny_target))
+    proc = snakemake(
+        tmp_path,
+        "-n",
+        "-p",
+        "--config",
+        'train={"lr": 0.002, "epochs": 3}',
+        'envs={"cpu": {"python": "", "gpus": 0}}',
+        "--",
+        "results/draft",
+    )
+    out = proc.stdout + proc.stderr
+    train_cfg = json.loads(re.search(r"draftsmith\.train --cfg '(\{.*?\})'", out).group(1))
+    assert train_cfg["train"]["lr"] == 0.002 and train_cfg["train"]["epochs"] == 3
+    bad = snakemake(tmp_path, "-n", "--config", 'train={"lr": "fast"}', check=False)
+    assert bad.returncode != 0
+    assert "train.lr = 'fast' is not a number" in bad.stdout + bad.stderr
+
+
+# ---------------------------------------------------------------- one source of defaults
+
+
+def test_config_yaml_holds_only_schema_defaults():
+    """config.yaml adds nothing to the schema's defaults: reading it or not gives one config."""
+    shipped = yaml.safe_load((ROOT / "config.yaml").read_text())
+    assert with_defaults(shipped) == with_defaults({})
+
+
+@pytest.mark.workflow
+def test_another_directory_with_configfile_gets_what_the_repo_gets(tmp_path: Path):
+    """`-s repo/Snakefile --directory proj --configfile my.yaml` skips config.yaml: same jobs."""
+    repo_like, proj = tmp_path / "repo_like", tmp_path / "proj"
+    repo_like.mkdir()
+    shutil.copy(ROOT / "config.yaml", repo_like / "config.yaml")
+    (proj / "cfg").mkdir(parents=True)
+    (proj / "cfg" / "my.yaml").write_text("bench: {humaneval_size: 8}\n")
+    cmds = {}
+    for name, workdir, args in (
+        ("repo", repo_like, ()),
+        ("proj", proj, ("--configfile", str(proj / "cfg" / "my.yaml"))),
+    ):
+        proc = snakemake(workdir, "-n", "-p", *args)
+        cmds[name] = sorted(
+            line.strip()
+            for line in proc.stdout.splitlines()
+            if "-m draftsmith." in line and "--cfg" in line
+        )
+    assert cmds["repo"] and cmds["repo"] == cmds["proj"]
+
+
+def test_docs_config_shows_the_defaults_a_run_gets():
+    doc = (ROOT / "docs" / "config.md").read_text()
+    cfg = with_defaults({})
+    for key, value in (("train.ttt_steps", 4), ("train.epochs", 5), ("train.lr", 0.001)):
+        section, name = key.split(".")
+        assert cfg[section][name] == value
+        assert f"| `{key}` | " in doc and f"| `{json.dumps(value)}` |" in doc.split(f"`{key}`")[1]
+
+
+# ---------------------------------------------------------------- cross-key checks
+
+
+def test_heldout_size_over_heldout_rows_fails_at_parse_time(tmp_path: Path, tiny_target: Path):
+    cfg = with_defaults(tiny_config(tiny_target, bench={"heldout_size": 9}))
+    with pytest.raises(ConfigError, match=r"bench.heldout_size = 9 .* data.heldout_rows = 8"):
+        check_config(cfg)
+    check_config(with_defaults(tiny_config(tiny_target, bench={"heldout_size": 8})))
+
+
+@pytest.mark.workflow
+def test_parse_time_errors_name_the_key(tmp_path: Path, tiny_target: Path):
+    write_config(tmp_path, tiny_config(tiny_target, bench={"heldout_size": 9}))
+    proc = snakemake(tmp_path, "-n", check=False)
+    assert proc.returncode != 0 and "bench.heldout_size = 9" in proc.stdout + proc.stderr
+    write_config(tmp_path, tiny_config(tiny_target, target={"path": ""}))
+    proc = snakemake(tmp_path, "-n", check=False)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "target.path is empty" in out, out[-2000:]
+    assert "Missing input files" not in out
+
+
+def test_target_path_must_be_an_hf_directory(tmp_path: Path):
+    base = with_defaults({"target": {"source": "path", "path": str(tmp_path / "nope")}})
+    with pytest.raises(ConfigError, match="is not a directory"):
+        check_config(base)
+    base["target"]["path"] = str(tmp_path)
+    with pytest.raises(ConfigError, match="has no config.json"):
+        check_config(base)
+    base["target"]["path"] = "  "
+    with pytest.raises(ConfigError, match="target.path is empty"):
+        check_config(base)
+
+
+# ---------------------------------------------------------------- aux layer ids
+
+
+@pytest.mark.parametrize("n", range(4, 65))
+def test_auto_aux_ids_are_three_distinct_sorted_ids(n):
+    ids = aux_layer_ids("auto", n)
+    assert len(ids) == 3 and ids == sorted(set(ids)) and 0 <= ids[0] and ids[-1] < n - 1
+    if n >= 7:  # SGLang's own default wherever it is valid
+        assert ids == [1, n // 2 - 1, n - 4]
+
+
+def test_aux_ids_small_targets_and_explicit_ids():
+    assert aux_layer_ids("auto", 4) == [0, 1, 2]  # SGLang's formula would give [1, 1, 0]
+    assert aux_layer_ids("auto", 6) == [0, 2, 4]
+    with pytest.raises(ValueError, match="at least 4"):
+        aux_layer_ids("auto", 3)
+    with pytest.raises(ValueError, match="outside"):
+        aux_layer_ids([0, 1, 5], 6)  # the last layer
+    with pytest.raises(ValueError, match="distinct"):
+        aux_layer_ids([1, 1, 2], 6)
+    assert aux_layer_ids([3, 0, 1], 6) == [3, 0, 1]
