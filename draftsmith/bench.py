@@ -10,7 +10,9 @@ verification is lossless). This module loads the sets, gates, and writes the rep
 
 The sanity gate: a set whose tau is under `bench.tau_floor`, or exactly 1.0, fails the rule with
 the list of likely causes. Nothing is written then: a broken draft never yields a report that
-looks like a result.
+looks like a result. A smoke test (`bench.smoke: true`: a random-weight or tiny target, a few
+training steps) checks the gate the same way but only reports it: report.json's "gate" and the
+first lines of report.md and summary.html say that the gate failed and was not enforced.
 
 CLI (rule bench):
     python -m draftsmith.bench --cfg <json> --draft results/draft --target results/target
@@ -45,6 +47,9 @@ log = logging.getLogger("draftsmith.bench")
 
 GATE_CAUSES = """\
 Likely causes, most common first:
+  - an untrained or random-weight target, or a draft trained for a few steps only (a smoke
+    test): nothing to learn, so nothing is accepted. That is expected; to get the report of a
+    smoke run anyway, set bench.smoke: true (docs/own-model.md). Keep the gate for real drafts;
   - layer ids: the aux states the draft was trained on are not the ones captured here
     (eagle_config.eagle_aux_hidden_state_layer_ids vs the capture manifests; SGLang "output of
     layer i" = transformers output_hidden_states[i + 1]; vLLM numbers the same states one higher);
@@ -108,20 +113,41 @@ def load_sets(cfg: dict) -> dict[str, list[dict]]:
 # ---------------------------------------------------------------- the gate
 
 
-def gate(results: dict[str, dict], floor: float) -> None:
-    """Raise GateError when any set's tau is under the floor or exactly 1.0."""
+def check_gate(results: dict[str, dict], floor: float) -> dict:
+    """{"passed", "floor", "failed": {set: tau}, "message"}: the gate's verdict, raising nothing."""
     bad = {
         name: r["tau"]
         for name, r in results.items()
         if math.isnan(r["tau"]) or r["tau"] < floor or r["tau"] == 1.0
     }
-    if bad:
-        figures = ", ".join(f"{name}: tau {tau:.3f}" for name, tau in bad.items())
-        raise GateError(
-            f"sanity gate failed ({figures}; bench.tau_floor = {floor}). A tau this close to "
-            f"1.0 means the draft's proposals are almost never accepted, so speculation is not "
-            f"really active; this is an error, not a benchmark result.\n{GATE_CAUSES}"
-        )
+    figures = ", ".join(f"{name}: tau {tau:.3f}" for name, tau in bad.items())
+    message = (
+        f"sanity gate failed ({figures}; bench.tau_floor = {floor}). A tau this close to "
+        f"1.0 means the draft's proposals are almost never accepted, so speculation is not "
+        f"really active; this is an error, not a benchmark result.\n{GATE_CAUSES}"
+        if bad
+        else ""
+    )
+    return {"passed": not bad, "floor": floor, "failed": bad, "message": message}
+
+
+def gate(results: dict[str, dict], floor: float) -> None:
+    """Raise GateError when any set's tau is under the floor or exactly 1.0."""
+    verdict = check_gate(results, floor)
+    if not verdict["passed"]:
+        raise GateError(verdict["message"])
+
+
+def gate_line(report: dict) -> str:
+    """The report's first words on a smoke run whose gate failed ('' otherwise)."""
+    g = report.get("gate") or {}
+    if g.get("passed", True):
+        return ""
+    figures = ", ".join(f"{name}: tau {tau:.3f}" for name, tau in g["failed"].items())
+    return (
+        f"SMOKE RUN (bench.smoke: true): the sanity gate failed ({figures}; tau_floor "
+        f"{g['floor']}) and was not enforced. These figures do not describe a usable draft."
+    )
 
 
 # ---------------------------------------------------------------- report
@@ -219,7 +245,10 @@ def text_blocks(report: dict) -> dict[str, str]:
 
 def render_md(report: dict, *plots: Path) -> str:
     text = text_blocks(report)
-    lines = ["# draftsmith benchmark", "", text["method"], ""]
+    lines = ["# draftsmith benchmark", ""]
+    if gate_line(report):
+        lines += [f"**{gate_line(report)}**", ""]
+    lines += [text["method"], ""]
     lines.append("| " + " | ".join(TABLE_HEAD) + " |")
     lines.append("|" + "---|" * len(TABLE_HEAD))
     lines += ["| " + " | ".join(row) + " |" for row in table_rows(report)]
@@ -261,7 +290,8 @@ def render_html(report: dict, *plots: Path) -> str:
     return (
         f"<!doctype html><html><head><meta charset='utf-8'><title>draftsmith benchmark</title>"
         f"<style>{style}</style></head><body><h1>draftsmith benchmark</h1>"
-        f"<p>{text['method']}</p><table><tr>{head}</tr>{body}</table>"
+        + (f"<p><strong>{html.escape(gate_line(report))}</strong></p>" if gate_line(report) else "")
+        + f"<p>{text['method']}</p><table><tr>{head}</tr>{body}</table>"
         f"<p>Accepted-length histogram (passes accepting 0, 1, ... proposals): {text['hist']}.</p>"
         f"<p>{text['training']}</p>{images}<p><small>{text['provenance']}</small></p>"
         "</body></html>\n"
@@ -397,9 +427,13 @@ def main(argv: list[str] | None = None) -> None:
             r["baseline_tokens_per_s"],
             r["speedup"],
         )
-    gate(results, float(bench["tau_floor"]))
-
+    verdict = check_gate(results, float(bench["tau_floor"]))
+    if not verdict["passed"]:
+        if not bench.get("smoke", False):
+            raise GateError(verdict["message"])
+        log.warning("bench.smoke is true: not enforcing the gate. %s", verdict["message"])
     report = {
+        "gate": {**verdict, "smoke": bool(bench.get("smoke", False))},
         "sets": results,
         "config": cfg,
         **info,

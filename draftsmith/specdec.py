@@ -18,7 +18,7 @@ Greedy verification makes the output identical to plain greedy decoding of the t
 suite checks it token for token). `greedy_generate` is that baseline, with the same KV-cache
 forward, for the speedup figure.
 
-Counting (the DESIGN's acceptance contract): one verification pass emits `accepted + 1` tokens
+Counting (the acceptance contract, docs/contracts.md): one verification pass emits `accepted + 1` tokens
 (fewer when the output hits `max_new_tokens` or a stop token). tau = tokens emitted by
 verification passes / verification passes. The first token comes from the prefill, which is not a
 verification pass, so it is excluded from tau; SGLang's `completion_tokens / spec_verify_ct`

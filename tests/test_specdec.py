@@ -280,7 +280,11 @@ def test_bench_cli_report(target, tiny_target, tmp_path, monkeypatch):
     report = json.loads((out / "report.json").read_text())
     assert list(report["sets"]) == ["heldout", "humaneval"]
     held = report["sets"]["heldout"]
-    assert held["prompts"] == 3 and report["set_ids"]["heldout"] == ["r5", "r6", "r7"]
+    assert held["prompts"] == 3 and report["set_ids"]["heldout"] == [
+        "r1",
+        "r4",
+        "r6",
+    ]  # evenly spaced
     assert held["identical_outputs"] == 3  # lossless on the real CLI path as well
     assert held["tau"] > 1.05 and held["speedup"] > 0
     assert held["speedup"] == pytest.approx(held["tau_sglang"] / held["pass_cost"])
@@ -306,3 +310,31 @@ def test_bench_cli_gate_writes_nothing(target, tiny_target, tmp_path):
         bench.main(argv)
     assert "sanity gate failed" in str(err.value) and "layer ids" in str(err.value)
     assert not out.exists() or not any(out.iterdir())
+
+
+def test_gate_message_names_an_untrained_or_random_target_and_the_smoke_switch():
+    with pytest.raises(GateError) as err:
+        gate({"heldout": _set(1.0)}, 0.0)  # tau_floor 0 still refuses tau == 1.0
+    msg = str(err.value)
+    assert "untrained or random-weight target" in msg and "bench.smoke: true" in msg
+
+
+def test_bench_smoke_reports_a_failed_gate_without_failing(target, tiny_target, tmp_path):
+    """bench.smoke: the gate is checked and reported, the report is written, the job succeeds."""
+    import json
+
+    from draftsmith import bench
+
+    model, _ = target
+    argv, out = _bench_inputs(tmp_path, tiny_target, model, num_heldout=2)
+    i = argv.index("--cfg") + 1
+    cfg = json.loads(argv[i])
+    cfg["bench"].update(smoke=True, humaneval_size=0)
+    argv[i] = json.dumps(cfg)
+    bench.main(argv)
+    report = json.loads((out / "report.json").read_text())
+    assert report["gate"]["smoke"] is True and report["gate"]["passed"] is False
+    assert "heldout" in report["gate"]["failed"]
+    md = (out / "report.md").read_text()
+    assert md.splitlines()[2].startswith("**SMOKE RUN (bench.smoke: true): the sanity gate failed")
+    assert "SMOKE RUN" in (out / "summary.html").read_text()
