@@ -8,7 +8,7 @@ SGLang's own counters. Both sides are timed with the warm-up excluded, so the sp
 measured in one run on one machine, and their outputs are compared token for token (greedy
 verification is lossless). This module loads the sets, gates, and writes the report and plots.
 
-The sanity gate: a set whose tau is under `bench.tau_floor`, or exactly 1.0, fails the rule with
+The sanity gate (`draftsmith.gate`): a set whose tau is under `bench.tau_floor`, or exactly 1.0, fails the rule with
 the list of likely causes. Nothing is written then: a broken draft never yields a report that
 looks like a result. A smoke test (`bench.smoke: true`: a random-weight or tiny target, a few
 training steps) checks the gate the same way but only reports it: report.json's "gate" and the
@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import math
 from pathlib import Path
 
 from draftsmith.common import (
@@ -42,29 +41,9 @@ from draftsmith.common import (
     sha256_file,
     versions,
 )
+from draftsmith.gate import GateError, check_gate, gate, gate_line  # noqa: F401 (re-exported)
 
 log = logging.getLogger("draftsmith.bench")
-
-GATE_CAUSES = """\
-Likely causes, most common first:
-  - an untrained or random-weight target, or a draft trained for a few steps only (a smoke
-    test): nothing to learn, so nothing is accepted. That is expected; to get the report of a
-    smoke run anyway, set bench.smoke: true (docs/own-model.md). Keep the gate for real drafts;
-  - layer ids: the aux states the draft was trained on are not the ones captured here
-    (eagle_config.eagle_aux_hidden_state_layer_ids vs the capture manifests; SGLang "output of
-    layer i" = transformers output_hidden_states[i + 1]; vLLM numbers the same states one higher);
-  - wrong algorithm or feature path: the draft is fed something other than fc(concat of the 3 aux
-    states) at step 0 (with SGLang: --speculative-algorithm EAGLE instead of EAGLE3 skips the fc);
-  - vocab mapping: d2t is wrong or was recomputed on other data (draft id i -> target id
-    d2t[i] + i), or the draft lm_head rows belong to another vocabulary;
-  - a draft trained on another target (check the target fingerprint in the draft's export) or
-    not trained at all (results/train/metrics.jsonl: does the loss fall?);
-  - a chat template mismatch between training data and benchmark prompts."""
-
-
-class GateError(SystemExit):
-    """The benchmark ran but its figures say speculation is not working."""
-
 
 # ---------------------------------------------------------------- benchmark sets
 
@@ -108,46 +87,6 @@ def load_sets(cfg: dict) -> dict[str, list[dict]]:
 
 
 # ---------------------------------------------------------------- running
-
-
-# ---------------------------------------------------------------- the gate
-
-
-def check_gate(results: dict[str, dict], floor: float) -> dict:
-    """{"passed", "floor", "failed": {set: tau}, "message"}: the gate's verdict, raising nothing."""
-    bad = {
-        name: r["tau"]
-        for name, r in results.items()
-        if math.isnan(r["tau"]) or r["tau"] < floor or r["tau"] == 1.0
-    }
-    figures = ", ".join(f"{name}: tau {tau:.3f}" for name, tau in bad.items())
-    message = (
-        f"sanity gate failed ({figures}; bench.tau_floor = {floor}). A tau this close to "
-        f"1.0 means the draft's proposals are almost never accepted, so speculation is not "
-        f"really active; this is an error, not a benchmark result.\n{GATE_CAUSES}"
-        if bad
-        else ""
-    )
-    return {"passed": not bad, "floor": floor, "failed": bad, "message": message}
-
-
-def gate(results: dict[str, dict], floor: float) -> None:
-    """Raise GateError when any set's tau is under the floor or exactly 1.0."""
-    verdict = check_gate(results, floor)
-    if not verdict["passed"]:
-        raise GateError(verdict["message"])
-
-
-def gate_line(report: dict) -> str:
-    """The report's first words on a smoke run whose gate failed ('' otherwise)."""
-    g = report.get("gate") or {}
-    if g.get("passed", True):
-        return ""
-    figures = ", ".join(f"{name}: tau {tau:.3f}" for name, tau in g["failed"].items())
-    return (
-        f"SMOKE RUN (bench.smoke: true): the sanity gate failed ({figures}; tau_floor "
-        f"{g['floor']}) and was not enforced. These figures do not describe a usable draft."
-    )
 
 
 # ---------------------------------------------------------------- report
@@ -382,7 +321,11 @@ def plot_training(records: list[dict], path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description="Benchmark the draft with speculative decoding.")
+    ap = argparse.ArgumentParser(
+        prog="python -m draftsmith.bench",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     ap.add_argument("--cfg", required=True, help="JSON with the bench, data and target sections")
     ap.add_argument("--draft", required=True, type=Path, help="results/draft")
     ap.add_argument("--target", required=True, type=Path, help="results/target")
@@ -392,6 +335,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--run", default="", help="run settings JSON (default: $DRAFTSMITH_RUN)")
     for name in ("report-json", "report-md", "summary-html", "acceptance", "hist", "training"):
         ap.add_argument(f"--{name}", required=True, type=Path, help="output file")
+    ap.add_argument("--captions", type=Path, help="results/bench/captions (report captions)")
     args = ap.parse_args(argv)
     init_logging("draftsmith.bench")
     cfg = merge_run(parse_cfg(args.cfg), args.run)
@@ -435,7 +379,7 @@ def main(argv: list[str] | None = None) -> None:
     report = {
         "gate": {**verdict, "smoke": bool(bench.get("smoke", False))},
         "sets": results,
-        "config": cfg,
+        "config": {**training_config(args.draft), **cfg},
         **info,
         "target_fingerprint": fingerprint(args.target),
         "draft_fingerprint": draft_fingerprint(args.draft),
@@ -452,6 +396,19 @@ def main(argv: list[str] | None = None) -> None:
         args.summary_html, render_html(report, args.acceptance, args.hist, args.training)
     )
     atomic_write_json(args.report_json, report)
+    if args.captions:
+        from draftsmith.captions import write_captions
+
+        write_captions(report, args.captions)
+
+
+def training_config(draft_dir: Path) -> dict:
+    """The train, draft and capture sections the draft was trained with (its provenance)."""
+    from draftsmith.export import PROVENANCE
+
+    path = Path(draft_dir) / PROVENANCE
+    cfg = json.loads(path.read_text()).get("config", {}) if path.is_file() else {}
+    return {k: cfg[k] for k in ("train", "draft", "capture") if k in cfg}
 
 
 if __name__ == "__main__":

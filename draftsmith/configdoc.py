@@ -1,11 +1,14 @@
 """Render docs/config.md from schemas/config.schema.yaml (a test keeps the two in step).
 
-python -m draftsmith.configdoc > docs/config.md
+python -m draftsmith.configdoc > docs/config.md      # regenerate the reference
+python -m draftsmith.configdoc --check docs/config.md  # exit 1 when it is stale
 """
 
 from __future__ import annotations
 
+import argparse
 import json
+import sys
 from pathlib import Path
 
 import yaml
@@ -51,8 +54,19 @@ def render(schema: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main() -> None:
-    print(render(yaml.safe_load(SCHEMA.read_text())), end="")
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(
+        prog="python -m draftsmith.configdoc",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    ap.add_argument("--check", type=Path, metavar="CONFIG_MD", help="compare with this file")
+    args = ap.parse_args(argv)
+    text = render(yaml.safe_load(SCHEMA.read_text()))
+    if args.check is None:
+        print(text, end="")
+    elif args.check.read_text() != text:
+        sys.exit(f"{args.check} is stale: run `python -m draftsmith.configdoc > {args.check}`")
 
 
 if __name__ == "__main__":

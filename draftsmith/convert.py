@@ -402,8 +402,10 @@ def main(argv: list[str] | None = None) -> None:
     )
     sub = ap.add_subparsers(dest="cmd", required=True)
     for name in ("to-speculators", "to-specforge"):
-        p = sub.add_parser(name)
-        p.add_argument("--shard", type=Path, required=True)
+        p = sub.add_parser(name, help=f"write a draftsmith shard in {name[3:]}'s layout")
+        p.add_argument(
+            "--shard", type=Path, required=True, help="results/hidden/rows_*.safetensors"
+        )
         p.add_argument("--out", type=Path, required=True, help="output directory")
         if name == "to-speculators":
             p.add_argument("--target", type=Path, required=True, help="target HF dir (final norm)")
@@ -417,8 +419,8 @@ def main(argv: list[str] | None = None) -> None:
         else:
             p.add_argument("--group-size", type=int, default=SPECFORGE_GROUP)
     for name in ("from-speculators", "from-specforge"):
-        p = sub.add_parser(name)
-        p.add_argument("--src", type=Path, required=True, help="directory of samples")
+        p = sub.add_parser(name, help=f"read {name[5:]} samples into a draftsmith shard")
+        p.add_argument("--src", type=Path, required=True, help="directory of legacy samples")
         p.add_argument("--target", type=Path, required=True, help="target HF dir")
         p.add_argument("--out", type=Path, required=True, help=".../rows_<a>-<b>.safetensors")
         p.add_argument("--aux-layer-ids", help="a,b,c in SGLang numbering (if no draftsmith.json)")

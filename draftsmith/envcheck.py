@@ -4,7 +4,7 @@ The check runs a probe *inside* the role's interpreter (a subprocess), so a brok
 interpreter produces a message, not a traceback. The stamp `results/env/<role>.json` is an
 input of every rule of that role: a changed pin or interpreter makes their outputs stale.
 
-    python -m draftsmith.envcheck check --role cpu --pins envs/cpu.txt --python /usr/bin/python3 \
+    python -m draftsmith.envcheck check --role cpu --pins envs/cpu.txt --python /usr/bin/python3 \\
         --gpus 0 --out results/env/cpu.json
     python -m draftsmith.envcheck venv --pins envs/cpu.txt --out results/venv/cpu
 
@@ -230,18 +230,22 @@ def build_venv(pins_file: Path, out: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m draftsmith.envcheck", description=__doc__)
+    p = argparse.ArgumentParser(
+        prog="python -m draftsmith.envcheck",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     sub = p.add_subparsers(dest="cmd", required=True)
-    c = sub.add_parser("check")
-    c.add_argument("--role", required=True)
-    c.add_argument("--pins", type=Path, required=True)
-    c.add_argument("--python", required=True)
-    c.add_argument("--gpus", type=int, default=0)
-    c.add_argument("--out", type=Path, required=True)
+    c = sub.add_parser("check", help="prove an interpreter matches a role's pins (validate_env)")
+    c.add_argument("--role", required=True, help="role name (envs/<role>.txt)")
+    c.add_argument("--pins", type=Path, required=True, help="envs/<role>.txt")
+    c.add_argument("--python", required=True, help="the interpreter to check")
+    c.add_argument("--gpus", type=int, default=0, help="GPUs torch must see")
+    c.add_argument("--out", type=Path, required=True, help="results/env/<role>.json")
     c.add_argument("--log", type=Path, help="also write the result or the error here")
-    v = sub.add_parser("venv")
-    v.add_argument("--pins", type=Path, required=True)
-    v.add_argument("--out", type=Path, required=True)
+    v = sub.add_parser("venv", help="build a venv with exactly the pinned packages")
+    v.add_argument("--pins", type=Path, required=True, help="envs/<role>.txt")
+    v.add_argument("--out", type=Path, required=True, help="the venv directory to create")
     args = p.parse_args(argv)
     if args.cmd == "venv":
         build_venv(args.pins, args.out.resolve())

@@ -462,7 +462,9 @@ def load_export(out_dir) -> Eagle3Draft:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(
-        prog="python -m draftsmith.export", description=__doc__.split("\n")[0]
+        prog="python -m draftsmith.export",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     sub = ap.add_subparsers(dest="cmd", required=True)
     chk = sub.add_parser("check", help="contract-check an exported draft directory")

@@ -327,7 +327,11 @@ def load_humaneval(n: int = 0) -> list[dict]:
 def main(argv: list[str] | None = None) -> None:
     from draftsmith.common import atomic_write_json, init_logging, parse_cfg
 
-    ap = argparse.ArgumentParser(description="Count and validate the prompt sources.")
+    ap = argparse.ArgumentParser(
+        prog="python -m draftsmith.prompts",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     ap.add_argument("--cfg", required=True, help="JSON with the data section")
     ap.add_argument("--out", required=True, help="results/data/sources.json")
     args = ap.parse_args(argv)

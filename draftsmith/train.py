@@ -479,7 +479,9 @@ def _row(shards, names, ok, row) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(
-        prog="python -m draftsmith.train", description=__doc__.split("\n")[0]
+        prog="python -m draftsmith.train",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     ap.add_argument("--cfg", required=True, help="JSON of the train, draft and capture sections")
     ap.add_argument("--shards", nargs="+", required=True, type=Path)

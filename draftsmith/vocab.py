@@ -146,7 +146,11 @@ def target_vocab_size(target_dir) -> int:
 def main(argv: list[str] | None = None) -> None:
     from draftsmith.common import init_logging, parse_cfg
 
-    ap = argparse.ArgumentParser(description="Build the draft vocabulary (d2t/t2d).")
+    ap = argparse.ArgumentParser(
+        prog="python -m draftsmith.vocab",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     ap.add_argument("--cfg", required=True, help="JSON with the draft section")
     ap.add_argument("--target", required=True, help="target HF directory (config.json)")
     ap.add_argument("--out", required=True, help="results/vocab/vocab.safetensors")

@@ -2,7 +2,9 @@
 # target, on the held-out rows, HumanEval and any bench.files; the report and its plots.
 # bench.backend picks the engine: hf (in-process chains) or sglang (the target served by SGLang
 # without and with EAGLE-3; the job launches both servers with its role's interpreter).
-# The rule fails (sanity gate) when a set's tau is under bench.tau_floor or exactly 1.0.
+# The rule fails (sanity gate) when a set's tau is under bench.tau_floor or exactly 1.0, unless
+# bench.smoke is set. Captions are rendered by the job with the config it ran with
+# (results/bench/captions/), so `snakemake --report` never describes a figure with a newer config.
 
 
 rule bench:
@@ -18,35 +20,36 @@ rule bench:
     output:
         json=report(
             "results/bench/report.json",
-            caption="../report/report_json.rst",
+            caption=run_caption("report_json"),
             category="Benchmark",
             labels={"figure": "all numbers (JSON)"},
         ),
         md="results/bench/report.md",
         html=report(
             "results/bench/summary.html",
-            caption="../report/summary.rst",
+            caption=run_caption("summary"),
             category="Benchmark",
             labels={"figure": "summary"},
         ),
         acceptance=report(
             "results/bench/acceptance.png",
-            caption="../report/acceptance.rst",
+            caption=run_caption("acceptance"),
             category="Benchmark",
             labels={"figure": "acceptance by position"},
         ),
         hist=report(
             "results/bench/accept_hist.png",
-            caption="../report/accept_hist.rst",
+            caption=run_caption("accept_hist"),
             category="Benchmark",
             labels={"figure": "accepted length histogram"},
         ),
         training=report(
             "results/bench/training.png",
-            caption="../report/training.rst",
+            caption=run_caption("training"),
             category="Training",
             labels={"figure": "training curves"},
         ),
+        captions=directory("results/bench/captions"),
     log:
         "logs/bench/bench.log",
     conda:
@@ -62,4 +65,5 @@ rule bench:
         "--target {input.target} --metrics {input.metrics} --env-stamp {input.stamp} "
         "--threads {threads} --report-json {output.json} --report-md {output.md} "
         "--summary-html {output.html} --acceptance {output.acceptance} "
-        "--hist {output.hist} --training {output.training} > {log} 2>&1"
+        "--hist {output.hist} --training {output.training} --captions {output.captions} "
+        "> {log} 2>&1"

@@ -255,3 +255,12 @@ def remote_code_cfg():
     if config["target"]["trust_remote_code"]:
         return {"target": {"trust_remote_code": True}}
     return {}
+
+
+def run_caption(name):
+    """A report caption rendered by the bench job with the run's config (draftsmith.captions).
+
+    Absolute: Snakemake resolves captions against the rule file's folder, and these are
+    outputs in the working directory. Not a param: it changes no result.
+    """
+    return str(Path("results", "bench", "captions", f"{name}.rst").resolve())

@@ -331,8 +331,9 @@ def test_bench_smoke_reports_a_failed_gate_without_failing(target, tiny_target, 
     cfg = json.loads(argv[i])
     cfg["bench"].update(smoke=True, humaneval_size=0)
     argv[i] = json.dumps(cfg)
-    bench.main(argv)
+    bench.main([*argv, "--captions", str(out / "captions")])
     report = json.loads((out / "report.json").read_text())
+    assert "**Smoke run**" in (out / "captions" / "summary.rst").read_text()
     assert report["gate"]["smoke"] is True and report["gate"]["passed"] is False
     assert "heldout" in report["gate"]["failed"]
     md = (out / "report.md").read_text()
