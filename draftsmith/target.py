@@ -164,6 +164,10 @@ def link_path_target(src: Path, out: Path) -> None:
 
 
 def check_hf_dir(path: Path) -> None:
+    """An HF model directory draftsmith can use as a target; TargetError names what is missing.
+
+    Run at parse time (through source_signature) and again by rule target_model.
+    """
     if not str(path) or not path.exists():
         raise TargetError(f"target.path {str(path)!r} does not exist")
     if not path.is_dir():

@@ -152,16 +152,23 @@ def test_parse_time_errors_name_the_key(tmp_path: Path, tiny_target: Path):
     assert "Missing input files" not in out
 
 
-def test_target_path_must_be_an_hf_directory(tmp_path: Path):
-    base = with_defaults({"target": {"source": "path", "path": str(tmp_path / "nope")}})
-    with pytest.raises(ConfigError, match="is not a directory"):
-        check_config(base)
-    base["target"]["path"] = str(tmp_path)
-    with pytest.raises(ConfigError, match="has no config.json"):
-        check_config(base)
-    base["target"]["path"] = "  "
-    with pytest.raises(ConfigError, match="target.path is empty"):
-        check_config(base)
+def test_target_path_must_be_an_hf_directory_with_a_chat_template(tmp_path: Path, tiny_target):
+    """The parse-time target check (source_signature -> check_hf_dir), chat template included."""
+    from draftsmith.target import TargetError, source_signature
+
+    with pytest.raises(TargetError, match="does not exist"):
+        source_signature(tmp_path / "nope")
+    with pytest.raises(TargetError, match="has no config.json"):
+        source_signature(tmp_path)
+    with pytest.raises(TargetError, match="target.path is empty"):
+        source_signature("  ")
+    plain = shutil.copytree(tiny_target, tmp_path / "plain")
+    (plain / "chat_template.jinja").unlink()
+    cfg = json.loads((plain / "tokenizer_config.json").read_text())
+    cfg.pop("chat_template", None)
+    (plain / "tokenizer_config.json").write_text(json.dumps(cfg))
+    with pytest.raises(TargetError, match="has no chat template"):
+        source_signature(plain)
 
 
 # ---------------------------------------------------------------- aux layer ids

@@ -187,7 +187,7 @@ def test_assistant_content_equal_to_header_word_is_found_after_header():
 
 def test_byte_level_bpe_chatml_masks_exact_spans():
     """A trained byte-level BPE (like SmolLM2/Qwen): masked runs decode to content + <|im_end|>."""
-    from tiny import make_tokenizer
+    from draftsmith.tinymodel import make_tokenizer
 
     tok = make_tokenizer()
     turns = [

@@ -1,7 +1,17 @@
-"""Tiny random-weight targets built offline for tests: no hub, a few seconds each."""
+"""A tiny random-weight chat model, made offline in seconds: for smoke tests and the tests.
+
+It is a real transformers model directory (config.json, model.safetensors, a byte-level BPE
+tokenizer trained on a few sentences, a ChatML chat template), so every stage runs on it exactly
+as on a real target; its weights are random, so a draft trained for it accepts almost nothing
+(see docs/own-model.md, "What a smoke run shows"). Nothing is downloaded.
+
+    python -m draftsmith.tinymodel --out models/tiny-chat             # 6-layer Llama
+    python -m draftsmith.tinymodel --out models/tiny-dsv3 --arch deepseek_v3 --layers 4
+"""
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 
 CHATML_TEMPLATE = (
@@ -126,3 +136,25 @@ def make_tiny_target(
     model.save_pretrained(path, safe_serialization=True)
     tokenizer.save_pretrained(path)
     return path
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(
+        prog="python -m draftsmith.tinymodel",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    ap.add_argument("--out", type=Path, required=True, help="the model directory to write")
+    ap.add_argument("--arch", choices=["llama", "deepseek_v3"], default="llama")
+    ap.add_argument("--layers", type=int, default=6, help="decoder layers (at least 4)")
+    ap.add_argument("--hidden", type=int, default=64, help="hidden size")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    if args.out.exists() and any(args.out.iterdir()):
+        raise SystemExit(f"error: {args.out} exists and is not empty")
+    make_tiny_target(args.out, args.arch, args.layers, args.hidden, args.seed)
+    print(f"wrote a random-weight {args.arch} chat model ({args.layers} layers) to {args.out}")
+
+
+if __name__ == "__main__":
+    main()
