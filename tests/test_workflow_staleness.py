@@ -72,7 +72,7 @@ def fake_build(repo: Path) -> None:
         path = repo / name
         path.parent.mkdir(parents=True, exist_ok=True)
         path.touch()
-    for name in ("results/draft", "results/target"):
+    for name in ("results/draft", "results/target", "results/bench/captions"):
         (repo / name).mkdir(exist_ok=True)
     run_in(repo, "--cores", "1", "--touch", "--forceall")  # metadata for every job
 
