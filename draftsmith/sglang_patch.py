@@ -226,7 +226,11 @@ def load_patched(path: str | os.PathLike) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m draftsmith.sglang_patch", description=__doc__)
+    ap = argparse.ArgumentParser(
+        prog="python -m draftsmith.sglang_patch",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     ap.add_argument("--pins", type=Path, required=True, help="the capture role's pin file")
     ap.add_argument(
         "--patches", type=Path, nargs="+", required=True, help="patches/sglang-<pin>/*.patch"
