@@ -28,6 +28,7 @@ include: "rules/bench.smk"
 # only when some target asks for it (docs/output.md).
 rule all:
     default_target: True
+    localrule: True
     input:
         expand("results/env/{role}.json", role=ROLES),
         "results/target",

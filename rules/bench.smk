@@ -58,6 +58,7 @@ rule bench:
     resources:
         mem_mb=6000,
         runtime=60,
+        **gpu_resources("bench"),
     params:
         cfg=cfg_json("bench", "data", "target", server_of="bench"),
     shell:

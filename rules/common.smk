@@ -83,7 +83,50 @@ def role_python(role):
 
 
 def role_gpus(role):
+    """GPUs the role's interpreter must see (envs.<role>.gpus); 0 = a CPU role."""
     return config["envs"].get(role, {}).get("gpus", 0)
+
+
+def gpu_roles():
+    return [r for r in ROLES if role_gpus(r) > 0]
+
+
+def roles_regex(roles):
+    """A wildcard constraint matching exactly these roles (nothing when empty)."""
+    return "|".join(roles) if roles else "(?!)"
+
+
+def sglang_tp(stage):
+    """Tensor-parallel size of the stage's SGLang server: the GPUs one of its jobs uses."""
+    section = config.get(stage, {})
+    for holder in (section.get("server", {}), section, config.get("sglang", {})):
+        for key in ("tp_size", "tp"):
+            if isinstance(holder, dict) and key in holder:
+                return int(holder[key])
+    return 1
+
+
+def stage_gpus(stage):
+    """GPUs one job of the stage uses, which is what it asks SLURM for: none on a CPU role;
+    on a GPU role the SGLang tp size (backend sglang), train.nproc per node (train), else 1."""
+    if role_gpus(role_of(stage)) == 0:
+        return 0
+    if stage == "train":
+        return config["train"]["nproc"]
+    if config[stage].get("backend") == "sglang":
+        return sglang_tp(stage)
+    return 1
+
+
+def gpu_resources(stage):
+    """The GPU part of a rule's resources: {} on CPU, else gpu=N (train: gres, per node)."""
+    n = stage_gpus(stage)
+    if n == 0:
+        return {}
+    if stage == "train":
+        # per node: a multi-node job (resource nodes > 1) gets train.nproc GPUs on each
+        return {"gres": f"gpu:{n}"}
+    return {"gpu": n}
 
 
 def role_of(stage):

@@ -49,10 +49,11 @@ rule regenerate:
         "logs/regenerate/{rows}.log",
     conda:
         role_env("regenerate")
-    threads: 1
+    threads: 2
     resources:
-        mem_mb=4000,
+        mem_mb=6000,
         runtime=60,
+        **gpu_resources("regenerate"),
     params:
         cfg=json.dumps(
             {

@@ -1,3 +1,6 @@
+# Environment stamps. A CPU role is checked on the submit host (localrule); a GPU role is
+# checked where its jobs run, on a node with the GPUs it declares (envs.<role>.gpus), so a
+# missing driver or a CPU-only torch fails there, before any GPU job is queued behind it.
 # The pin files are params (their text), not inputs: the workflow's own files are reached through
 # $DRAFTSMITH_WORKFLOW (common.smk, job_environment), so no param holds a path into the workflow.
 # validate_env's `python` param is the one interpreter path in params, on purpose: the stamp
@@ -11,6 +14,9 @@ rule validate_env:
         "results/env/{role}.json",
     log:
         "logs/validate_env/{role}.log",
+    wildcard_constraints:
+        role=roles_regex([r for r in ROLES if role_gpus(r) == 0]),
+    localrule: True
     conda:
         "../envs/{role}.yaml"
     resources:
@@ -27,11 +33,22 @@ rule validate_env:
         "--out {output} --log {log}"
 
 
+use rule validate_env as validate_env_gpu with:
+    wildcard_constraints:
+        role=roles_regex(gpu_roles()),
+    localrule: False
+    resources:
+        mem_mb=4000,
+        runtime=10,
+        gpu=lambda w: role_gpus(w.role),
+
+
 rule build_venv:
     output:
         "results/venv/{role}/pyvenv.cfg",
     log:
         "logs/build_venv/{role}.log",
+    localrule: True  # pip needs the network; compute nodes often have none
     conda:
         "../envs/{role}.yaml"
     resources:

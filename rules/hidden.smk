@@ -43,10 +43,11 @@ rule capture:
         "logs/capture/{rows}.log",
     conda:
         role_env("capture")
-    threads: 1
+    threads: 2
     resources:
-        mem_mb=4000,
+        mem_mb=6000,
         runtime=60,
+        **gpu_resources("capture"),
     params:
         cfg=cfg_json("capture", "target"),
         patched=lambda w, input: (

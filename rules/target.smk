@@ -25,6 +25,7 @@ rule target_model:
         "logs/target_model.log",
     conda:
         role_env("target")
+    threads: 2
     resources:
         mem_mb=4000,
         runtime=30,

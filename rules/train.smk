@@ -3,6 +3,8 @@
 # without touching the shards. Resumable state lives in state/train/<run key>/, outside the
 # declared outputs (Snakemake deletes a failed job's outputs, never the checkpoints), so a
 # killed or failed job resumes from its newest checkpoint when rerun (docs/training.md).
+# draftsmith.launch starts train.nproc processes on each of the job's nodes (resource nodes,
+# set by a site profile; inside SLURM one srun step and a c10d rendezvous, docs/cluster.md).
 
 
 rule train:
@@ -23,19 +25,17 @@ rule train:
     resources:
         mem_mb=8000,
         runtime=240,
+        nodes=1,
+        **gpu_resources("train"),
     params:
-        # torchrun through the role interpreter when train.nproc > 1
-        launch=(
-            f"-m torch.distributed.run --standalone --nproc-per-node {config['train']['nproc']}"
-            if config["train"]["nproc"] > 1
-            else ""
-        ),
         cfg=cfg_json("train", "draft", "capture"),
+        nproc=config["train"]["nproc"],
         threads_per_proc=lambda wildcards, threads: max(
             1, threads // config["train"]["nproc"]
         ),
     shell:
-        "$DRAFTSMITH_PY_TRAIN {params.launch} -m draftsmith.train --cfg {params.cfg:q} "
+        "$DRAFTSMITH_PY_TRAIN -m draftsmith.launch --nproc-per-node {params.nproc} "
+        "--nnodes {resources.nodes} --cpus-per-node {threads} -- --cfg {params.cfg:q} "
         "--shards {input.shards} --vocab {input.vocab} --target {input.target} "
         "--out {output.draft} --metrics {output.metrics} --state state/train "
         "--threads {params.threads_per_proc} > {log} 2>&1"

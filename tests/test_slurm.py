@@ -1,0 +1,150 @@
+"""The whole workflow on a real one-node SLURM through the executor plugin (profiles/local-slurm).
+
+Needs the SLURM of scripts/slurm_up.sh: .ci/run starts it; this module starts (and stops) one
+itself when none answers and DRAFTSMITH_REQUIRE_ENGINES=1 or DRAFTSMITH_SLURM_UP=1 (root,
+Debian: apt-get installs slurm-wlm and munge), else it skips. The interpreter that runs
+snakemake is DRAFTSMITH_PYTHON_SLURM (envs/slurm.txt); the jobs run the cpu role with this
+test's interpreter.
+
+On the tiny random target the benchmark's sanity gate fails (tau exactly 1.0: a random target's
+draft is never accepted), deterministically: that is the failing job whose retry is checked.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+from slurmtools import by_rule, dry_run, require, slurm_python
+from wf import ROOT, tiny_config, write_config
+
+pytestmark = [pytest.mark.slow, pytest.mark.slurm, pytest.mark.workflow]
+
+PROFILE = ("--profile", str(ROOT / "profiles" / "local-slurm"))
+SUBMITTED = {"target_model", "regenerate", "tokenize", "capture", "vocab", "train", "bench"}
+LOCAL = {"validate_env", "data_report", "hidden_plan", "all"}
+
+
+def slurm_answers() -> bool:
+    if shutil.which("sinfo") is None:
+        return False
+    proc = subprocess.run(["sinfo", "-h", "-o", "%P"], capture_output=True, text=True)
+    return proc.returncode == 0 and "cpu" in proc.stdout
+
+
+@pytest.fixture(scope="module")
+def slurm(tmp_path_factory):
+    if slurm_answers():
+        yield None
+        return
+    if "1" not in (os.environ.get("DRAFTSMITH_REQUIRE_ENGINES"), os.environ.get("DRAFTSMITH_SLURM_UP")):
+        pytest.skip("no SLURM answers (scripts/slurm_up.sh; or DRAFTSMITH_SLURM_UP=1 to start one)")
+    state = tmp_path_factory.mktemp("slurm")
+    up = subprocess.run(
+        [str(ROOT / "scripts" / "slurm_up.sh"), str(state)], capture_output=True, text=True
+    )
+    try:
+        if up.returncode != 0:
+            require(f"scripts/slurm_up.sh failed:\n{up.stdout[-2000:]}\n{up.stderr[-2000:]}")
+        yield state
+    finally:
+        subprocess.run([str(ROOT / "scripts" / "slurm_down.sh"), str(state)], check=False)
+
+
+def squeue_since(first_id: int) -> list[dict]:
+    """SLURM's record of this run's jobs: id, state, partition, node and rule (the plugin's
+    job comment rule_<name>[_wildcards_<w>])."""
+    out = subprocess.run(
+        ["squeue", "--states=all", "-h", "-o", "%i|%T|%P|%N|%k"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    jobs = []
+    for line in out.splitlines():
+        jid, state, partition, node, comment = line.split("|", 4)
+        if int(jid) < first_id or not comment.startswith("rule_"):
+            continue
+        rule, _, wildcards = comment[len("rule_") :].partition("_wildcards_")
+        jobs.append(
+            {"id": int(jid), "state": state, "partition": partition, "node": node,
+             "rule": rule, "wildcards": wildcards}
+        )  # fmt: skip
+    return jobs
+
+
+def next_job_id() -> int:
+    out = subprocess.run(
+        ["squeue", "--states=all", "-h", "-o", "%i"], capture_output=True, text=True, check=True
+    ).stdout.split()
+    return max((int(i) for i in out if i.isdigit()), default=0) + 1
+
+
+def run(workdir: Path, python: str, *args: str) -> subprocess.CompletedProcess:
+    cmd = [python, "-m", "snakemake", "-s", str(ROOT / "Snakefile"), "--directory", str(workdir)]
+    cmd += ["--configfile", str(workdir / "config.yaml"), *PROFILE, *args]
+    return subprocess.run(cmd, capture_output=True, text=True, cwd=workdir, timeout=900)
+
+
+def test_workflow_on_slurm_records_reruns_and_retries(slurm, tmp_path: Path, tiny_target: Path):
+    python = slurm_python()
+    cfg = tiny_config(tiny_target, train={"nproc": 2})
+    cfg["envs"] = {"cpu": {"python": sys.executable, "gpus": 0}}
+    write_config(tmp_path, cfg)
+    node = socket.gethostname().split(".")[0]
+
+    # 1. the whole workflow: every stage as a SLURM job, bench failing (sanity gate) twice
+    first = next_job_id()
+    proc = run(tmp_path, python)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out[-3000:]  # bench's gate: see the module doc
+    assert "sanity gate failed" in (tmp_path / "logs/bench/bench.log").read_text()
+    for pattern, n in (
+        ("results/data/rows_*.jsonl", 2),
+        ("results/tokens/rows_*.safetensors", 2),
+        ("results/hidden/rows_*.safetensors", 2),
+        ("results/vocab/vocab.safetensors", 1),
+        ("results/draft/model.safetensors", 1),
+        ("results/train/metrics.jsonl", 1),
+    ):
+        assert len(list(tmp_path.glob(pattern))) == n, pattern
+    record = squeue_since(first)
+    counts = Counter(j["rule"] for j in record)
+    assert counts == {
+        "target_model": 1, "regenerate": 2, "tokenize": 2, "capture": 2, "vocab": 1,
+        "train": 1, "bench": 2,
+    }, record  # fmt: skip
+    assert not LOCAL & set(counts)  # local rules ran in the snakemake process, not in SLURM
+    assert {(j["partition"], j["node"]) for j in record} == {("cpu", node)}
+    states = {(j["rule"], j["state"]) for j in record}
+    assert states == {(r, "COMPLETED") for r in SUBMITTED - {"bench"}} | {("bench", "FAILED")}
+    # retries: 1 in the profile: the failed bench job was submitted a second time, then the run stopped
+    assert out.count("Error in rule bench") == 2, out[-3000:]
+    # training: 2 processes through one srun step and a c10d rendezvous inside the job
+    train_log = (tmp_path / "logs/train.log").read_text()
+    assert "--rdzv-backend=c10d" in train_log and "2 process(es)" in train_log
+
+    # 2. one shard gone: only its capture job and what depends on it are planned ...
+    shard = "rows_000016-000032"
+    (tmp_path / f"results/hidden/{shard}.safetensors").unlink()
+    planned = by_rule(dry_run(tmp_path, *PROFILE, python=python))
+    assert {r: len(js) for r, js in planned.items()} == {
+        "capture": 1, "train": 1, "bench": 1, "all": 1
+    }  # fmt: skip
+    assert planned["capture"][0].wildcards == f"rows={shard}"
+    # ... and only those are resubmitted (up to the draft: bench would fail again as above)
+    first = next_job_id()
+    proc = run(tmp_path, python, "results/draft")
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    record = squeue_since(first)
+    assert sorted((j["rule"], j["wildcards"], j["state"]) for j in record) == [
+        ("capture", f"rows={shard}", "COMPLETED"),
+        ("train", "", "COMPLETED"),
+    ], record
+    assert (tmp_path / f"results/hidden/{shard}.safetensors").is_file()
