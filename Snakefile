@@ -28,7 +28,6 @@ include: "rules/bench.smk"
 # only when some target asks for it (docs/output.md).
 rule all:
     default_target: True
-    localrule: True
     input:
         expand("results/env/{role}.json", role=ROLES),
         "results/target",
@@ -36,3 +35,4 @@ rule all:
         rules.hidden.input,
         rules.train.output,
         rules.bench.output,
+    localrule: True

@@ -56,9 +56,9 @@ rule bench:
         role_env("bench")
     threads: 2
     resources:
+        **gpu_resources("bench"),
         mem_mb=6000,
         runtime=60,
-        **gpu_resources("bench"),
     params:
         cfg=cfg_json("bench", "data", "target", server_of="bench"),
     shell:

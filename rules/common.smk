@@ -97,18 +97,14 @@ def roles_regex(roles):
 
 
 def sglang_tp(stage):
-    """Tensor-parallel size of the stage's SGLang server: the GPUs one of its jobs uses."""
-    section = config.get(stage, {})
-    for holder in (section.get("server", {}), section, config.get("sglang", {})):
-        for key in ("tp_size", "tp"):
-            if isinstance(holder, dict) and key in holder:
-                return int(holder[key])
-    return 1
+    """Tensor-parallel size of the SGLang servers (sglang.tp_size): the GPUs one job uses."""
+    return int(config.get("sglang", {}).get("tp_size", 1))
 
 
 def stage_gpus(stage):
     """GPUs one job of the stage uses, which is what it asks SLURM for: none on a CPU role;
-    on a GPU role the SGLang tp size (backend sglang), train.nproc per node (train), else 1."""
+    on a GPU role the SGLang tp size (backend sglang), train.nproc per node (train), else 1.
+    """
     if role_gpus(role_of(stage)) == 0:
         return 0
     if stage == "train":

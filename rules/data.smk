@@ -51,9 +51,9 @@ rule regenerate:
         role_env("regenerate")
     threads: 2
     resources:
+        **gpu_resources("regenerate"),
         mem_mb=6000,
         runtime=60,
-        **gpu_resources("regenerate"),
     params:
         cfg=json.dumps(
             {

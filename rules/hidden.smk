@@ -45,9 +45,9 @@ rule capture:
         role_env("capture")
     threads: 2
     resources:
+        **gpu_resources("capture"),
         mem_mb=6000,
         runtime=60,
-        **gpu_resources("capture"),
     params:
         cfg=cfg_json("capture", "target"),
         patched=lambda w, input: (

@@ -23,10 +23,10 @@ rule train:
         role_env("train")
     threads: 2
     resources:
+        **gpu_resources("train"),
         mem_mb=8000,
         runtime=240,
         nodes=1,
-        **gpu_resources("train"),
     params:
         cfg=cfg_json("train", "draft", "capture"),
         nproc=config["train"]["nproc"],

@@ -120,36 +120,37 @@ def test_multi_node_training_comes_from_the_site_profile(tmp_path: Path, tiny_ta
     assert "--nproc-per-node 8 --nnodes 4" in train.shell
 
 
-def schema_backends() -> set[str]:
-    schema = yaml.safe_load((ROOT / "schemas/config.schema.yaml").read_text())
-    return set(schema["properties"]["regenerate"]["properties"]["backend"]["enum"])
+def sglang_stages() -> list[str]:
+    """The stages whose backend may be sglang in the config schema."""
+    props = yaml.safe_load((ROOT / "schemas/config.schema.yaml").read_text())["properties"]
+    return [
+        s
+        for s in ("regenerate", "capture", "bench")
+        if "sglang" in props[s]["properties"].get("backend", {}).get("enum", [])
+    ]
 
 
 def test_sglang_backends_ask_for_the_tp_size(tmp_path: Path, tiny_target: Path):
-    if "sglang" not in schema_backends():
+    stages = sglang_stages()
+    if not stages:
         pytest.skip("the config schema has no sglang backend yet")
     write_config(tmp_path, tiny_config(tiny_target))
-    cfg = gpu_config(regenerate={"backend": "sglang"}, capture={"backend": "sglang"})
+    cfg = gpu_config(sglang={"tp_size": 4}, **{s: {"backend": "sglang"} for s in stages})
     files = (tmp_path / "config.yaml", write(tmp_path / "gpu.yaml", cfg))
     jobs = by_rule(dry_run(tmp_path, *SITE, python=slurm_python(), configfiles=files))
-    tp = expected_tp(files)
-    for rule in ("regenerate", "capture"):
-        assert {j.gpus() for j in jobs[rule]} == {tp}, rule
+    assert expected_tp(files) == 4
+    for rule in stages:
+        assert {j.gpus() for j in jobs[rule]} == {4}, rule
     for rule in CPU_RULES:
         assert_no_gpus(jobs[rule])
 
 
 def expected_tp(files) -> int:
-    """The tp size the merged config files give (read independently of rules/common.smk)."""
-    merged: dict = {}
+    """The SGLang tp size the config files give (read independently of rules/common.smk)."""
+    tp = 1
     for f in files:
-        for k, v in (yaml.safe_load(Path(f).read_text()) or {}).items():
-            merged[k] = {**merged.get(k, {}), **v} if isinstance(v, dict) else v
-    for holder in (merged.get("regenerate", {}).get("server", {}), merged.get("sglang", {})):
-        for key in ("tp_size", "tp"):
-            if key in holder:
-                return int(holder[key])
-    return 1
+        tp = (yaml.safe_load(Path(f).read_text()) or {}).get("sglang", {}).get("tp_size", tp)
+    return tp
 
 
 PRESETS = sorted((ROOT / "config").glob("*sglang*.yaml")) if (ROOT / "config").is_dir() else []
