@@ -284,9 +284,13 @@ def print_shard_estimate():
 
     text_cfg = json.loads(cfg_file.read_text())
     text_cfg = text_cfg.get("text_config", text_cfg)
-    print(
-        upper_bound(config, [parse_range(r) for r in RANGES], text_cfg), file=sys.stderr
-    )
+    # draftsmith.storage imports torch: a snakemake without it (a submit host with only
+    # envs/slurm.txt) plans without the estimate
+    try:
+        estimate = upper_bound(config, [parse_range(r) for r in RANGES], text_cfg)
+    except ModuleNotFoundError:
+        return
+    print(estimate, file=sys.stderr)
 
 
 def remote_code_cfg():
