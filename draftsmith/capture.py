@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from draftsmith.common import init_logging, parse_cfg, versions
+from draftsmith.common import init_logging, merge_run, parse_cfg, versions
 from draftsmith.config import aux_layer_ids, parse_range
 from draftsmith.shards import STORAGE_DTYPES, ShardError
 from draftsmith.storage import Storage, StorageError
@@ -125,9 +125,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument(
         "--patched", type=Path, help="results/sglang/patched.json (capture.backend sglang)"
     )
+    ap.add_argument("--run", default="", help="run settings JSON (default: $DRAFTSMITH_RUN)")
     args = ap.parse_args(argv)
     log = init_logging("draftsmith.capture")
-    cfg = parse_cfg(args.cfg)
+    cfg = merge_run(parse_cfg(args.cfg), args.run)
     if "capture" not in cfg:
         raise SystemExit("--cfg has no `capture` section")
     cap = cfg["capture"]

@@ -49,7 +49,7 @@ rule capture:
         mem_mb=6000,
         runtime=60,
     params:
-        cfg=cfg_json("capture", "target"),
+        cfg=cfg_json("capture", "target", server_of="capture"),
         patched=lambda w, input: (
             f"--patched {input.patched}" if "patched" in input.keys() else ""
         ),

@@ -96,7 +96,7 @@ def test_server_dump_roundtrips_through_client(server_dump, tmp_path):
         ("truncated", "bytes, expected"),
         ("padded", "bytes, expected"),
         ("other_tokens", "header tokens is 5, expected 6"),
-        ("other_layers", "header layer_inputs is \\[1, 3, 5\\], expected \\[2, 4, 6\\]"),
+        ("other_layers", "captured the inputs of layers \\[1, 3, 5\\], but ids \\[1, 3, 5\\]"),
         ("other_ids", "header ids_crc32"),
         ("other_patch", "header patch"),
         ("magic", "not a draftsmith dump"),
@@ -171,7 +171,10 @@ def capture_setup(tmp_path_factory, request):
     """A linked target dir, a 6-row token file, the hf shard of it and the patched overlay."""
     python = role_python()
     tiny = request.getfixturevalue("tiny_target")
-    work = tmp_path_factory.mktemp("sglcap")
+    return prepare(tiny, tmp_path_factory.mktemp("sglcap"), python, AUX_IDS)
+
+
+def prepare(tiny: Path, work: Path, python: str, aux_ids: list[int]) -> dict:
     from draftsmith.target import link_path_target
 
     target = work / "target"
@@ -179,7 +182,7 @@ def capture_setup(tmp_path_factory, request):
     vocab = json.loads((tiny / "config.json").read_text())["vocab_size"]
     tokens = token_file(work / "rows_000010-000016.safetensors", [37, 5, 120, 64, 1, 90], vocab)
     cfg = {
-        "capture": {"backend": "hf", "dtype": "bfloat16", "aux_layer_ids": AUX_IDS},
+        "capture": {"backend": "hf", "dtype": "bfloat16", "aux_layer_ids": aux_ids},
         "target": {"dtype": "float32"},
     }
     hf_out = work / "hf" / "rows_000010-000016.safetensors"
@@ -199,15 +202,23 @@ def capture_setup(tmp_path_factory, request):
         cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True,
     )  # fmt: skip
     assert run.returncode == 0, run.stderr
-    return {"python": python, "work": work, "target": target, "tokens": tokens, "hf": hf_out}
+    return {
+        "python": python,
+        "work": work,
+        "target": target,
+        "tokens": tokens,
+        "hf": hf_out,
+        "ids": aux_ids,
+    }
 
 
 def sglang_capture(setup, out: Path, faults: dict, retries: int = 2):
     cfg = {
         "capture": {"backend": "sglang", "role": "sglang-cpu", "dtype": "bfloat16",
-                    "aux_layer_ids": AUX_IDS, "concurrency": 3, "retries": retries},
+                    "aux_layer_ids": setup["ids"], "concurrency": 3, "retries": retries},
         "target": {"dtype": "float32"},
-        "sglang": {"extra_args": CPU_SERVER_ARGS},
+        "sglang": {"tp_size": 1, "extra_args": CPU_SERVER_ARGS, "port": 0,
+                   "startup_timeout": 900, "request_timeout": 600, "retries": 2},
     }  # fmt: skip
     env = {
         **os.environ,
@@ -263,3 +274,47 @@ def test_persistently_wrong_dump_fails_naming_the_row(capture_setup):
     assert "bytes, expected" in run.stderr
     assert not out.exists() and not out.with_suffix(".json").exists()
     assert not list(out.parent.glob(".tmp-*"))
+
+
+def assert_same_shard(hf_path: Path, sg_path: Path, ids: list[int]) -> dict:
+    from draftsmith.shards import open_shard
+
+    hf, sg = open_shard(hf_path), open_shard(sg_path, verify_sha=True)
+    for name in ("input_ids", "loss_mask", "row_offsets"):
+        assert torch.equal(getattr(hf, name), getattr(sg, name)), name
+    assert sg.manifest["aux_layer_ids"] == hf.manifest["aux_layer_ids"] == ids
+    diffs = {}
+    for name in ("aux_hidden_states", "last_hidden_states"):
+        a, b = getattr(hf, name).float(), getattr(sg, name).float()
+        diffs[name] = float((a - b).abs().max())
+        assert torch.allclose(a, b, rtol=1e-2, atol=1e-2), (name, diffs[name])
+    return diffs
+
+
+@pytest.mark.slow
+@pytest.mark.sglang
+def test_tiny_deepseek_v3_mla_moe_through_the_cpu_server(tmp_path_factory):
+    """A 6-layer DeepSeek-V3-shaped model (MLA attention, MoE) through the patched server on
+    CPU: with ids starting at 1 the shard equals hf's; with ids [2, 3, 4] SGLang 0.5.23's
+    deepseek_v2 captures the inputs of layers 2, 3, 4 (not 3, 4, 5) and the job refuses at once."""
+    import sys as _sys
+
+    _sys.path.insert(0, str(ROOT / "tests"))
+    from tiny import make_tiny_target
+
+    python = role_python()
+    work = tmp_path_factory.mktemp("sglcap_dsv3")
+    tiny = make_tiny_target(work / "model", arch="deepseek_v3", num_layers=6)
+    setup = prepare(tiny, work, python, [1, 2, 4])
+    out = work / "sg" / "rows_000010-000016.safetensors"
+    run = sglang_capture(setup, out, {})
+    assert run.returncode == 0, run.stderr[-4000:]
+    assert_same_shard(setup["hf"], out, [1, 2, 4])
+
+    setup["ids"] = [2, 3, 4]
+    out = work / "shifted" / "rows_000010-000016.safetensors"
+    run = sglang_capture(setup, out, {})
+    assert run.returncode != 0
+    assert "captured the inputs of layers [2, 3, 4]" in run.stderr
+    assert "failed 1 time(s)" in run.stderr  # deterministic: not retried
+    assert not out.exists()

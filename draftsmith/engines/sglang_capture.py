@@ -53,6 +53,10 @@ class DumpError(ValueError):
     """A dump that is missing, malformed or does not belong to the row it was asked for."""
 
 
+class LayerMismatch(DumpError):
+    """The server captured other layers than the ids ask for: never retried (deterministic)."""
+
+
 def ids_crc32(input_ids: torch.Tensor) -> int:
     """crc32 of the token ids as int64 little endian (what the patched server computes)."""
     return zlib.crc32(np.ascontiguousarray(input_ids.numpy(), dtype="<i8").tobytes())
@@ -81,6 +85,15 @@ def read_dump(path: Path, *, expect: dict) -> tuple[torch.Tensor, torch.Tensor, 
     if header.get("format") != DUMP_FORMAT:
         raise DumpError(f"{path.name}: format {header.get('format')!r}, expected {DUMP_FORMAT!r}")
     for key, want in expect.items():
+        if key == "layer_inputs" and header.get(key) != want:
+            raise LayerMismatch(
+                f"{path.name}: the server captured the inputs of layers {header.get(key)}, but "
+                f"ids {[i - 1 for i in want]} mean the outputs of those layers, i.e. the inputs "
+                f"of {want}. This SGLang model class reads the ids differently (SGLang 0.5.23's "
+                "deepseek_v2.py, used by DeepSeek-V3 and Kimi-K2.5, adds 1 only when the first "
+                "id is 1); a stock server would feed a draft the same shifted layers, so pick "
+                "ids that start with 1"
+            )
         if header.get(key) != want:
             raise DumpError(f"{path.name}: header {key} is {header.get(key)!r}, expected {want!r}")
     dtype = DUMP_DTYPES.get(header.get("dtype"))
@@ -101,39 +114,21 @@ def read_dump(path: Path, *, expect: dict) -> tuple[torch.Tensor, torch.Tensor, 
 
 
 def capture_server_spec(cfg, target, threads: int, ids, dump_dir: Path, overlay: str):
-    """The patched SGLang server of one capture job (the overlay first on its PYTHONPATH)."""
-    import sys
+    """The patched SGLang server of one capture job: the sglang engine's launch (role, tp,
+    CPU layer, `sglang.extra_args`) in capture-only mode, the overlay first on its PYTHONPATH."""
+    from draftsmith.engines.sglang import server_spec
 
-    from draftsmith.server import ServerSpec
-
-    server = cfg.get("sglang", {})
-    tp = int(server.get("tp_size", 1))
-    dtype = cfg.get("target", {}).get("dtype", "float32")
-    env = {"DRAFTSMITH_DUMP_DIR": str(dump_dir)}
-    cpu_args: tuple = ()
-    if cfg["capture"].get("role") == "sglang-cpu":
-        from draftsmith import sglang_cpu
-
-        env.update(sglang_cpu.server_env({}, threads=max(1, threads)))
-        cpu_args = sglang_cpu.LAUNCH_ARGS
-    env["PYTHONPATH"] = os.pathsep.join([overlay, *filter(None, [env.get("PYTHONPATH")])])
-
-    remote_code = ["--trust-remote-code"] if cfg["target"].get("trust_remote_code") else []
-
-    def command(port: int) -> list[str]:
-        return [
-            sys.executable, "-m", "sglang.launch_server", "--model-path", str(target),
-            "--host", "127.0.0.1", "--port", str(port), "--tp-size", str(tp), "--dtype", dtype,
-            *cpu_args, *capture_args(ids), *remote_code, *server.get("extra_args", []),
-        ]  # fmt: skip
-
-    return ServerSpec(
-        name="sglang-capture",
-        command=command,
-        env=env,
-        port=int(server.get("port", 0)),
-        startup_timeout=float(server.get("startup_timeout", 900)),
+    spec = server_spec(
+        cfg,
+        "capture",
+        target=target,
+        threads=threads,
+        extra_args=capture_args(ids),
+        env={"DRAFTSMITH_DUMP_DIR": str(dump_dir)},
+        pythonpath=[overlay] if overlay else [],
     )
+    spec.name = "sglang-capture"
+    return spec
 
 
 def capture_args(ids: list[int]) -> list[str]:
@@ -253,7 +248,7 @@ def run_rows(sup, rc: RowCapture, rows: list[int], *, concurrency: int, retries:
                 attempts[r] += 1
                 stats["row_retries"] += 1
                 global_row = rc.writer.manifest["row_range"][0] + r
-                if attempts[r] > retries or isinstance(err, RequestRejected):
+                if attempts[r] > retries or isinstance(err, (RequestRejected, LayerMismatch)):
                     raise CaptureError(
                         f"{rc.stem}: row {r} (global row {global_row}, {rc.row_ids(r).numel()} "
                         f"tokens) failed {attempts[r]} time(s): {type(err).__name__}: {err}"
