@@ -163,10 +163,11 @@ def link_path_target(src: Path, out: Path) -> None:
         raise
 
 
-def check_hf_dir(path: Path) -> None:
+def check_hf_dir(path: Path, require_weights: bool = True) -> None:
     """An HF model directory draftsmith can use as a target; TargetError names what is missing.
 
-    Run at parse time (through source_signature) and again by rule target_model.
+    Run at parse time (through source_signature, without requiring weights, so a directory with
+    only config and tokenizer can be planned) and again by rule target_model (weights required).
     """
     if not str(path) or not path.exists():
         raise TargetError(f"target.path {str(path)!r} does not exist")
@@ -178,7 +179,7 @@ def check_hf_dir(path: Path) -> None:
         raise TargetError(
             f"target.path {path} has no tokenizer (looked for {', '.join(TOKENIZER_FILES)})"
         )
-    if not list(path.glob("*.safetensors")):
+    if require_weights and not list(path.glob("*.safetensors")):
         raise TargetError(f"target.path {path} has no *.safetensors weights")
     if not has_chat_template(path):
         raise TargetError(
@@ -236,7 +237,8 @@ def source_signature(path: str | os.PathLike) -> str:
     `rsync -a` keep), plus the safetensors header (tensor names, dtypes, shapes, offsets) of a
     weight file or the bytes of any other file up to SMALL_FILE_BYTES. No tensor data is read,
     so a 1 TB target costs a few MB of reads. Raises TargetError when `path` is not a usable HF
-    directory (the message names it).
+    directory (the message names it); weights are not required here (a directory with only
+    config and tokenizer can be planned with `snakemake -n`), rule target_model refuses one.
     """
     if not str(path).strip():
         raise TargetError(
@@ -244,7 +246,7 @@ def source_signature(path: str | os.PathLike) -> str:
             "directory (config.json, tokenizer, *.safetensors)"
         )
     path = Path(path).expanduser()
-    check_hf_dir(path)
+    check_hf_dir(path, require_weights=False)
     h = hashlib.sha256()
     for f in model_files(path):
         st = f.stat()

@@ -57,6 +57,12 @@ if config["target"]["source"] == "path":
         TARGET_SIGNATURE = source_signature(config["target"]["path"])
     except TargetError as e:
         raise ValueError(f"config: {e}") from None
+    if not list(Path(config["target"]["path"]).expanduser().glob("*.safetensors")):
+        print(
+            f"warning: target.path {config['target']['path']} has no *.safetensors weights "
+            "yet: fine for planning (snakemake -n), rule target_model fails until they exist",
+            file=sys.stderr,
+        )
 else:
     TARGET_SIGNATURE = ""
 
