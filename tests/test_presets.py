@@ -80,8 +80,7 @@ def kimi_dir(path: Path) -> Path:
 
 
 def llama_dir(path: Path) -> Path:
-    sys.path.insert(0, str(ROOT / "tests"))
-    from tiny import make_tokenizer
+    from draftsmith.tinymodel import make_tokenizer
 
     path.mkdir()
     (path / "config.json").write_text(json.dumps(LLAMA_CONFIG))

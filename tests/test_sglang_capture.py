@@ -297,10 +297,7 @@ def test_tiny_deepseek_v3_mla_moe_through_the_cpu_server(tmp_path_factory):
     """A 6-layer DeepSeek-V3-shaped model (MLA attention, MoE) through the patched server on
     CPU: with ids starting at 1 the shard equals hf's; with ids [2, 3, 4] SGLang 0.5.23's
     deepseek_v2 captures the inputs of layers 2, 3, 4 (not 3, 4, 5) and the job refuses at once."""
-    import sys as _sys
-
-    _sys.path.insert(0, str(ROOT / "tests"))
-    from tiny import make_tiny_target
+    from draftsmith.tinymodel import make_tiny_target
 
     python = role_python()
     work = tmp_path_factory.mktemp("sglcap_dsv3")
