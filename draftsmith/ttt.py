@@ -69,7 +69,13 @@ def teacher_ok(shard, lm_head: torch.Tensor, t2d: torch.Tensor) -> torch.Tensor:
         every = torch.ones(s1 - s0, dtype=torch.bool)
         ok[rel] = teacher_argmax_in_vocab(shard.last_hidden_states, lm_head, t2d, every)
     else:
-        ok[rel] = t2d[shard.teacher_topk_ids[s0:s1, 0].long()]
+        ids = shard.teacher_topk_ids.long()
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= t2d.shape[0]):
+            raise ValueError(
+                f"{getattr(shard, 'path', 'shard')}: top-k ids outside [0, {t2d.shape[0]}): "
+                "corrupt shard or another target (python -m draftsmith.shards verify)"
+            )
+        ok[rel] = t2d[ids[s0:s1, 0]]
     return ok
 
 

@@ -263,6 +263,15 @@ def test_training_teacher_same_in_every_mode(tmp_path):
             assert int((p > 0).sum(-1).max()) <= 8
 
 
+def test_topk_ids_outside_the_vocabulary_refused(tmp_path):
+    d = data()
+    path = tmp_path / "rows_000000-000004.safetensors"
+    write(path, d, MODES["topk"])
+    shard = open_shard(path)
+    with pytest.raises(ValueError, match="top-k ids outside"):
+        teacher_ok(shard, d["lm_head"][:100], torch.ones(100, dtype=torch.bool))
+
+
 def test_topk_teacher_padding_is_uniform():
     ids = torch.tensor([[[5, -1], [-1, -1]]])
     logp = torch.tensor([[[-0.1, float("-inf")], [float("-inf"), float("-inf")]]])
