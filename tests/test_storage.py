@@ -10,7 +10,14 @@ import pytest
 import torch
 
 from draftsmith.shards import ShardError, ShardWriter, estimate_bytes, manifest_path, open_shard
-from draftsmith.storage import Storage, StorageError, decode_fp8, encode_fp8, topk_teacher
+from draftsmith.storage import (
+    Storage,
+    StorageError,
+    check_layout,
+    decode_fp8,
+    encode_fp8,
+    topk_teacher,
+)
 from draftsmith.ttt import (
     batch_teacher,
     pack_batch,
@@ -183,11 +190,18 @@ def test_manifest_mode_must_match_tensors(tmp_path):
         "unknown mode": lambda m: m["storage"].update(final="zstd"),
         "wrong k": lambda m: m["storage"].update(topk=4),
     }
+    shard = open_shard(path)
+    tensors = {
+        "loss_mask": shard.loss_mask,
+        "row_offsets": shard.row_offsets,
+    }
     for what, edit in edits.items():
         m = json.loads(json.dumps(good))
         edit(m)
+        with pytest.raises(StorageError):  # the layout check alone
+            check_layout(m, tensors)
         mpath.write_text(json.dumps(m))
-        with pytest.raises(ShardError, match=str(path)):
+        with pytest.raises(ShardError, match="rows_000000-000004"):  # and through open_shard
             open_shard(path)
         print(what, "refused")
     mpath.write_text(json.dumps(good))
