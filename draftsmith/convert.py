@@ -4,6 +4,7 @@
     python -m draftsmith.convert from-speculators --src DIR --target T --out results/hidden/rows_<a>-<b>.safetensors
     python -m draftsmith.convert to-specforge     --shard S --out DIR
     python -m draftsmith.convert from-specforge   --src DIR --target T --out results/hidden/rows_<a>-<b>.safetensors
+    python -m draftsmith.convert recode --shard S --storage JSON [--target T --device cuda] --out O
 
 speculators (both generations): `draftsmith.convert_speculators`. SpecForge: `input_ids`,
 `loss_mask`, `hidden_state [1, S, H]` post-norm, `aux_hidden_state [1, S, 3H]` in one torch.save
@@ -22,7 +23,8 @@ Storage modes (draftsmith/storage.py): `from-*` write any mode (`--storage '{"au
 target's lm_head, read from --target). `to-*` read any mode whose final state is stored at every
 token (float8 aux states are dequantized to the shard's dtype); a shard that keeps the final
 state only at trained positions or as top-k log-probabilities cannot give the per-token final
-states both formats require, and is refused with that reason.
+states both formats require, and is refused with that reason. `recode` rewrites a shard in
+another mode (e.g. one captured with `final: trained` into float8 + top-k, on a GPU).
 """
 
 from __future__ import annotations
@@ -373,6 +375,50 @@ def _sidecar(out: Path, shard, fmt: str, last: str) -> None:
     )
 
 
+def recode(shard_path: Path, out: Path, storage: Storage, target: Path | None, device: str) -> dict:
+    """Rewrite a shard in another storage mode (e.g. a `trained` capture into float8 + top-k).
+
+    The source must hold final states at every trained position (`states` or `trained`; a top-k
+    shard is refused). Top-k output runs the target's lm_head on `device` (a GPU for Kimi-sized
+    vocabularies: 2 x V x H flops per trained position).
+    """
+    src = open_shard(shard_path)
+    if out.resolve() == Path(shard_path).resolve():
+        raise ConvertError(f"{out}: recode writes a new shard; pick another --out")
+    if src.storage.final == "topk":
+        raise ConvertError(
+            f"{shard_path}: a top-k shard has no final states to recode from; recapture instead"
+        )
+    lm_head = None
+    if storage.final == "topk":
+        if target is None:
+            raise ConvertError("recode to a top-k mode needs --target (the target's lm_head)")
+        lm_head = lm_head_weight(target).to(device)
+    m = src.manifest
+    drop = ("tensors", "storage", "sha256", "created", "capture_seconds", "batches")
+    keep = {k: v for k, v in m.items() if k not in drop}
+    keep["recoded_from"] = {
+        "shard": str(shard_path),
+        "storage": m.get("storage"),
+        "sha256": m.get("sha256"),
+    }
+    offs = src.row_offsets.tolist()
+    with ShardWriter(
+        out,
+        input_ids=src.input_ids,
+        loss_mask=src.loss_mask,
+        row_offsets=src.row_offsets,
+        hidden_size=m["hidden_size"],
+        dtype=m["dtype"],
+        manifest=keep,
+        storage=storage,
+        lm_head=lm_head,
+    ) as w:
+        for a, b in tqdm(list(zip(offs, offs[1:], strict=False)), desc="recode", unit="row"):
+            w.write(a, src.aux(a, b), src.teacher(a, b)["last"].to(device))
+    return w.manifest
+
+
 def to_specforge(shard_path: Path, out: Path, group: int) -> int:
     shard = open_full(shard_path, "SpecForge")
     start = shard.manifest["row_range"][0]
@@ -431,10 +477,16 @@ def main(argv: list[str] | None = None) -> None:
             help='storage mode as JSON, like capture.storage: {"aux": "float8_e4m3", '
             '"final": "topk", "topk": 32} (default: the reference layout)',
         )
+    p = sub.add_parser("recode", help="rewrite a shard in another storage mode")
+    p.add_argument("--shard", type=Path, required=True)
+    p.add_argument("--out", type=Path, required=True, help=".../rows_<a>-<b>.safetensors")
+    p.add_argument("--storage", required=True, help="the output's storage mode as JSON")
+    p.add_argument("--target", type=Path, help="target HF dir (its lm_head, for top-k)")
+    p.add_argument("--device", default="cpu", help="where top-k logits are computed (cuda)")
     args = ap.parse_args(argv)
     try:
         storage = None
-        if args.cmd.startswith("from-"):
+        if args.cmd.startswith("from-") or args.cmd == "recode":
             try:
                 storage = Storage.from_config(json.loads(args.storage))
             except (json.JSONDecodeError, TypeError) as e:
@@ -443,6 +495,8 @@ def main(argv: list[str] | None = None) -> None:
             n = sp.to_speculators(args.shard, args.target, args.out, args.layout)
         elif args.cmd == "to-specforge":
             n = to_specforge(args.shard, args.out, args.group_size)
+        elif args.cmd == "recode":
+            n = recode(args.shard, args.out, storage, args.target, args.device)["rows"]
         elif args.cmd == "from-speculators":
             m = sp.from_speculators(
                 args.src, args.target, args.out, args.aux_layer_ids, args.dtype, storage

@@ -464,3 +464,57 @@ def test_capture_cli_compact_mode(tiny_target, tmp_path):
     bad = {"capture": {**cfg["capture"], "storage": {"final": "logits"}}}
     with pytest.raises(SystemExit, match="capture.storage.final"):
         main(["--cfg", json.dumps(bad), *args])
+
+
+def test_recode_trained_capture_to_fp8_topk(tmp_path, tiny_target):
+    """`convert recode`: a `trained` shard rewritten as float8 + top-k equals writing that mode
+    directly from the same states (the top-k recomputed from the stored bf16 states)."""
+    from draftsmith.convert import ConvertError, lm_head_weight, main
+
+    head = lm_head_weight(tiny_target)
+    h = head.shape[1]
+    g = torch.Generator().manual_seed(9)
+    lengths = [7, 5, 8]
+    t = sum(lengths)
+    kw = {
+        "input_ids": torch.randint(0, head.shape[0], (t,), generator=g),
+        "loss_mask": (torch.rand(t, generator=g) > 0.3).to(torch.uint8),
+        "row_offsets": torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()]),
+        "hidden_size": h,
+        "dtype": "bfloat16",
+        "manifest": {"row_range": [0, 3], "aux_layer_ids": [1, 2, 4]},
+    }
+    aux, last = torch.randn(t, 3 * h, generator=g), torch.randn(t, h, generator=g).bfloat16()
+    src = tmp_path / "src" / "rows_000000-000003.safetensors"
+    with ShardWriter(src, **kw, storage=Storage(final="trained")) as w:
+        w.write(0, aux, last)
+    want = Storage(aux="float8_e4m3", final="topk", topk=5)
+    direct = tmp_path / "direct" / "rows_000000-000003.safetensors"
+    with ShardWriter(direct, **kw, storage=want, lm_head=head) as w:
+        w.write(0, aux.bfloat16(), last)
+    out = tmp_path / "out" / "rows_000000-000003.safetensors"
+    spec = '{"aux": "float8_e4m3", "final": "topk", "topk": 5}'
+    main(
+        [
+            "recode",
+            "--shard",
+            str(src),
+            "--out",
+            str(out),
+            "--storage",
+            spec,
+            "--target",
+            str(tiny_target),
+        ]
+    )
+    a, b = open_shard(out, verify_sha=True), open_shard(direct)
+    assert a.manifest["storage"] == b.manifest["storage"]
+    assert a.manifest["recoded_from"]["storage"]["final"] == "trained"
+    for key in ("aux_hidden_states", "aux_scales", "teacher_topk_ids", "teacher_topk_logprobs"):
+        assert torch.equal(getattr(a, key).view(torch.uint8), getattr(b, key).view(torch.uint8)), (
+            key
+        )
+    with pytest.raises(ConvertError, match="no final states"):
+        from draftsmith.convert import recode
+
+        recode(out, tmp_path / "x" / "rows_000000-000003.safetensors", Storage(), None, "cpu")
