@@ -48,10 +48,10 @@ def main() -> None:
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "slurm"))
     args = ap.parse_args()
 
-    from tiny import make_tiny_target
     from wf import tiny_config, write_config
 
     from draftsmith.common import atomic_write_json, atomic_write_text
+    from draftsmith.tinymodel import make_tiny_target
 
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp) / "work"
