@@ -148,6 +148,11 @@ class MultiStepDraftBackend:
     """`num_steps - 1` draft decode step backends sharing one set of KV tables per forward."""
 
     def __init__(self, model_runner, topk: int, speculative_num_steps: int):
+        if topk > 1 and getattr(model_runner, "page_size", 1) != 1:
+            # with pages, each branch's draft slots start on a fresh page (another layout)
+            raise NotImplementedError(
+                "draftsmith torch_native draft decode: topk > 1 needs page size 1"
+            )
         self.topk = topk
         self.speculative_num_steps = speculative_num_steps
         self.attn_backends = [
