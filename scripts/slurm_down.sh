@@ -22,6 +22,10 @@ tac "$PIDS" | while read -r name pid; do
   echo "stopped $name ($pid)"
 done
 : >"$PIDS"
+rundir="$(cat "$STATE/rundir" 2>/dev/null || true)"
+case "$rundir" in
+/run/draftsmith-slurm-*) rm -rf "$rundir" ;;
+esac
 if [ "$(readlink /etc/slurm/slurm.conf 2>/dev/null)" = "$(cd "$STATE" && pwd)/slurm.conf" ]; then
   rm -f /etc/slurm/slurm.conf
 fi

@@ -5,10 +5,10 @@
 #   scripts/slurm_up.sh STATE_DIR          # sinfo, sbatch, snakemake --executor slurm ...
 #   scripts/slurm_down.sh STATE_DIR        # stops exactly the daemons this script started
 #
-# Everything it writes lives in STATE_DIR (config, spool, logs, munge key and socket), except
-# one symlink /etc/slurm/slurm.conf -> STATE_DIR/slurm.conf: commands inside a job (the
-# executor plugin's srun) find the configuration only there, since the plugin drops SLURM_CONF
-# from the job's environment. It refuses to replace a slurm.conf that is not such a symlink.
+# Everything it writes lives in STATE_DIR (config, spool, logs), except munge's key and socket
+# (/run/draftsmith-slurm-<port>/, see below) and one symlink /etc/slurm/slurm.conf ->
+# STATE_DIR/slurm.conf: commands inside a job (the executor plugin's srun) find the
+# configuration only there, since the plugin drops SLURM_CONF from the job's environment. It refuses to replace a slurm.conf that is not such a symlink.
 # Installs slurm-wlm's daemons and munge with apt-get when they are missing (apt-get update once).
 # Environment:
 #   FAKE_GPUS=N       advertise N fake GPUs (gres gpu, type "fake"; character devices that
@@ -34,18 +34,23 @@ if ! dpkg -s "${pkgs[@]}" >/dev/null 2>&1; then
     >"$STATE/apt.log"
 fi
 
-# munge: our own key, socket and pid file (the system's munged, if any, is left alone)
-mkdir -p "$STATE/munge"
-[ -s "$STATE/munge/munge.key" ] || mungekey --create --keyfile="$STATE/munge/munge.key"
-chown -R munge:munge "$STATE/munge"
-chmod 0755 "$STATE/munge"   # munged: socket dir must be searchable by all
-chmod 0600 "$STATE/munge/munge.key"
-SOCKET="$STATE/munge/munge.socket"
-runuser -u munge -- /usr/sbin/munged --key-file="$STATE/munge/munge.key" \
-  --socket="$SOCKET" --pid-file="$STATE/munge/munged.pid" \
-  --log-file="$STATE/munge/munged.log" --seed-file="$STATE/munge/munged.seed"
-for _ in $(seq 50); do [ -s "$STATE/munge/munged.pid" ] && break; sleep 0.1; done
-echo "munged $(cat "$STATE/munge/munged.pid")" >>"$PIDS"
+# munge: our own key, socket and pid file (the system's munged, if any, is left alone). munged
+# wants every directory above its socket searchable by all, which a private STATE_DIR (mktemp,
+# pytest) is not: its files live in /run/draftsmith-slurm-<port>/munge (removed by slurm_down.sh).
+RUNDIR="/run/draftsmith-slurm-$PORT"
+MUNGE="$RUNDIR/munge"
+mkdir -p "$MUNGE"
+echo "$RUNDIR" >"$STATE/rundir"
+[ -s "$MUNGE/munge.key" ] || mungekey --create --keyfile="$MUNGE/munge.key"
+chown -R munge:munge "$MUNGE"
+chmod 0755 "$RUNDIR" "$MUNGE"
+chmod 0600 "$MUNGE/munge.key"
+SOCKET="$MUNGE/munge.socket"
+runuser -u munge -- /usr/sbin/munged --key-file="$MUNGE/munge.key" \
+  --socket="$SOCKET" --pid-file="$MUNGE/munged.pid" \
+  --log-file="$MUNGE/munged.log" --seed-file="$MUNGE/munged.seed"
+for _ in $(seq 50); do [ -s "$MUNGE/munged.pid" ] && break; sleep 0.1; done
+echo "munged $(cat "$MUNGE/munged.pid")" >>"$PIDS"
 munge --socket="$SOCKET" -n | unmunge --socket="$SOCKET" >/dev/null
 
 NODE="$(hostname -s)"
