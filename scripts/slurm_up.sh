@@ -8,7 +8,8 @@
 # Everything it writes lives in STATE_DIR (config, spool, logs), except munge's key and socket
 # (/run/draftsmith-slurm-<port>/, see below) and one symlink /etc/slurm/slurm.conf ->
 # STATE_DIR/slurm.conf: commands inside a job (the executor plugin's srun) find the
-# configuration only there, since the plugin drops SLURM_CONF from the job's environment. It refuses to replace a slurm.conf that is not such a symlink.
+# configuration only there, since the plugin drops SLURM_CONF from the job's environment.
+# It refuses to replace a slurm.conf that is not such a symlink.
 # Installs slurm-wlm's daemons and munge with apt-get when they are missing (apt-get update once).
 # Environment:
 #   FAKE_GPUS=N       advertise N fake GPUs (gres gpu, type "fake"; character devices that
