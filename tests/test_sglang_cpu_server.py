@@ -24,7 +24,6 @@ from pathlib import Path
 import pytest
 import torch
 from roles import role_python
-from tiny import make_tiny_target
 from wf import ROOT
 
 from draftsmith.envcheck import check
@@ -32,6 +31,7 @@ from draftsmith.export import export_draft, target_embedding, verifier_ref
 from draftsmith.model import DraftConfig, Eagle3Draft
 from draftsmith.server import ServerSpec, Supervisor, http_json, server_processes
 from draftsmith.sglang_cpu import LAUNCH_ARGS, OVERLAY, server_env
+from draftsmith.tinymodel import make_tiny_target
 
 pytestmark = [pytest.mark.slow, pytest.mark.sglang]
 
