@@ -165,7 +165,7 @@ def _arrow_reader(src: Path, weight, eps, a: int, b: int):
         row = ds[i]
         f = src / HS_DIR / f"hs_{i}.safetensors"
         where = f"{src} row {i}"
-        ids = torch.tensor(row["input_ids"], dtype=torch.long)
+        ids = torch.as_tensor(row["input_ids"], dtype=torch.long)
         if "seq_len" in row and int(row["seq_len"]) != ids.numel():
             raise ConvertError(f"{where}: seq_len {row['seq_len']} != {ids.numel()} input_ids")
         if not f.is_file():
@@ -195,7 +195,7 @@ def _arrow_reader(src: Path, weight, eps, a: int, b: int):
         if not torch.equal(token_ids, ids):
             raise ConvertError(f"{f}: token_ids differ from the dataset's input_ids of row {i}")
         input_ids, loss_mask = _check_sample(
-            f, ids, torch.tensor(row["loss_mask"]), [torch.empty(shape[0], 0)]
+            f, ids, torch.as_tensor(row["loss_mask"]), [torch.empty(shape[0], 0)]
         )
         s = {
             "input_ids": input_ids,
@@ -276,6 +276,7 @@ def _to_arrow(shard, out: Path, weight, last: str) -> int:
             }
             save_file(tensors, str(stage / HS_DIR / f"hs_{r}.safetensors"))
         ds = datasets.Dataset.from_dict(cols)
+        ds.set_format(type="torch")  # saved in state.json: speculators' reader expects tensors
         ds.save_to_disk(str(stage / "dataset"))
         for p in (stage / "dataset").iterdir():
             p.rename(stage / p.name)
