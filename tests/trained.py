@@ -1,0 +1,152 @@
+"""A project directory with a draft our own pipeline trained on a tiny target, for the real-engine
+tests (vLLM, SGLang): results/target (tiny Llama, 6 layers, head_dim 32: vLLM's CPU attention
+needs >= 32) and results/draft, trained (capture, vocabulary, TTT training, export) on the
+target's own greedy continuations of random prompts. The target's weights are scaled so that
+its greedy output depends on the context (at the tiny model's initial scale it repeats one
+token, which a draft predicts without looking at the aux states): the draft must use the
+states, so acceptance tells right layers from wrong ones."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+ROOT = Path(__file__).resolve().parents[1]
+IDS = [1, 2, 4]  # SGLang numbering; vLLM reads [2, 3, 5]
+PROMPTS = [
+    "Explain how a binary search works.",
+    "Write a short story about a lighthouse keeper.",
+    "What is the capital of France?",
+    "Translate good morning into Spanish.",
+    "def add(a, b):",
+    "1 + 1 = 2, 2 * 3 = 6",
+    "The quick brown fox jumps over the lazy dog.",
+    "Sure! Here is a concise answer.",
+]
+
+
+def rows(texts):
+    return [
+        {"id": f"p{i}", "conversations": [{"role": "user", "content": t}]}
+        for i, t in enumerate(texts)
+    ]
+
+
+def train_tiny_project(root: Path) -> Path:
+    """Build it under `root` (about a minute on 2 shared cores); returns `root`."""
+    from tiny import CORPUS, make_tiny_target
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from draftsmith.engines.hf import capture_shard
+    from draftsmith.prompts import prompt_turns
+    from draftsmith.specdec import greedy_generate, prompt_ids, stop_ids
+    from draftsmith.target import fingerprint, write_meta
+    from draftsmith.train import main as train_main
+
+    torch.set_num_threads(1)  # shared cores: one thread is fastest for a model this small
+    src = make_tiny_target(root / "src", hidden_size=128)
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    with torch.no_grad():  # x2: greedy output depends on the context, not only the last token
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.mul_(2.0)
+    model.save_pretrained(src)
+    target = shutil.copytree(src, root / "results" / "target")
+    write_meta(target, "path", str(src))
+    tok = AutoTokenizer.from_pretrained(target)
+    stops = stop_ids(model, tok)
+    g = torch.Generator().manual_seed(0)
+    words = " ".join(CORPUS).split()
+    texts = [
+        " ".join(words[int(j)] for j in torch.randint(0, len(words), (6,), generator=g))
+        for _ in range(192)
+    ]
+    ids, mask, offsets = [], [], [0]
+    for row in rows(texts + PROMPTS):
+        p = prompt_ids(tok, prompt_turns(row))
+        with torch.no_grad():
+            out = greedy_generate(model, p, 48, stops)
+        ids += p + out
+        mask += [0] * len(p) + [1] * len(out)
+        offsets.append(len(ids))
+    tokens = {
+        "input_ids": torch.tensor(ids),
+        "loss_mask": torch.tensor(mask, dtype=torch.uint8),
+        "row_offsets": torch.tensor(offsets),
+    }
+    n_rows = len(offsets) - 1
+    shard = root / "results" / "hidden" / f"rows_000000-{n_rows:06d}.safetensors"
+    meta = {"row_range": [0, n_rows], "target_fingerprint": fingerprint(target), "target_layers": 6}
+    capture_shard(model, tokens, shard, IDS, "float32", 2048, meta, progress=False)
+    k = 128
+    counts = torch.bincount(tokens["input_ids"][tokens["loss_mask"].bool()], minlength=384)
+    hot = torch.sort(torch.argsort(counts, descending=True, stable=True)[:k]).values
+    t2d = torch.zeros(model.config.vocab_size, dtype=torch.bool)
+    t2d[hot] = True
+    vocab = root / "results" / "vocab.safetensors"
+    save_file({"d2t": hot - torch.arange(k), "t2d": t2d, "counts": counts[hot]}, str(vocab))
+    cfg = {
+        "train": {
+            "role": "cpu",
+            "ttt_steps": 3,
+            "epochs": 16,
+            "lr": 0.003,
+            "warmup_ratio": 0.05,
+            "batch_tokens": 2048,
+            "max_steps": 0,
+            "seed": 0,
+            "checkpoint_every": 0,
+            "noise_std": 0.0,
+            "nproc": 1,
+            "precision": "fp32",
+        },
+        "draft": {"vocab_size": k, "init_from_target": True},
+        "capture": {"aux_layer_ids": IDS},
+    }
+    here = Path.cwd()
+    os.chdir(root)  # the export's verifier reference is relative to the project root
+    try:
+        train_main(
+            ["--cfg", json.dumps(cfg), "--shards", str(shard), "--vocab", str(vocab),
+             "--target", "results/target", "--out", "results/draft",
+             "--metrics", "results/train/metrics.jsonl", "--state", "state/train",
+             "--threads", "1", "--device", "cpu"]
+        )  # fmt: skip
+    finally:
+        os.chdir(here)
+    return root
+
+
+def run_bench(root: Path, engine: str, draft: str, cfg: dict, python: str | None = None) -> dict:
+    """bench_sets of `engine` on PROMPTS, run in `python` (a role interpreter) from `root`:
+    {"res": {"s": figures}, "info": ..., "log": the process's output}."""
+    code = (
+        "import json, sys\n"
+        "from draftsmith.engines import engine\n"
+        "def main():\n"
+        "    sets, cfg, draft = json.loads(sys.argv[1]), json.loads(sys.argv[2]), sys.argv[3]\n"
+        f"    res, info = engine('bench', {engine!r})(sets, cfg, target='results/target',"
+        " draft=draft, threads=2)\n"
+        "    print('RESULT ' + json.dumps({'res': res, 'info': info}))\n"
+        "if __name__ == '__main__':\n"
+        "    main()\n"
+    )
+    script = root / f"bench_{engine}.py"
+    script.write_text(code)
+    cmd = [python or "python3", str(script), json.dumps({"s": rows(PROMPTS)}), json.dumps(cfg)]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
+    p = subprocess.run(
+        [*cmd, draft], cwd=root, env=env, capture_output=True, text=True, timeout=1800
+    )
+    if p.returncode:
+        raise AssertionError(f"{engine} bench failed:\n{p.stdout[-2000:]}\n{p.stderr[-6000:]}")
+    line = next(ln for ln in p.stdout.splitlines() if ln.startswith("RESULT "))
+    out = json.loads(line[len("RESULT ") :])
+    out["log"] = p.stdout + p.stderr
+    return out
