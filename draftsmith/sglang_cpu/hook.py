@@ -64,6 +64,9 @@ class _Loader(importlib.abc.Loader):
     def __init__(self, name: str, loader):
         self.name, self.loader = name, loader
 
+    def __getattr__(self, name):  # get_source, get_code, is_package, ...: the real loader's
+        return getattr(self.loader, name)
+
     def create_module(self, spec):
         return self.loader.create_module(spec)
 
