@@ -107,7 +107,9 @@ def test_workflow_on_slurm_records_reruns_and_retries(slurm, tmp_path: Path, tin
     proc = run(tmp_path, python)
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0, out[-3000:]  # bench's gate: see the module doc
-    assert "sanity gate failed" in (tmp_path / "logs/bench/bench.log").read_text()
+    bench_log = tmp_path / "logs/bench/bench.log"
+    assert bench_log.is_file(), out[-6000:]  # an earlier job failed: its error is in out
+    assert "sanity gate failed" in bench_log.read_text()
     for pattern, n in (
         ("results/data/rows_*.jsonl", 2),
         ("results/tokens/rows_*.safetensors", 2),
