@@ -109,7 +109,11 @@ def command(
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m draftsmith.launch", description=__doc__)
+    p = argparse.ArgumentParser(
+        prog="python -m draftsmith.launch",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--nproc-per-node", type=int, required=True)
     p.add_argument("--nnodes", type=int, default=1)
     p.add_argument("--cpus-per-node", type=int, default=1)
