@@ -83,7 +83,8 @@ def test_numbers_from_the_command_line_reach_the_jobs(tmp_path: Path, tiny_targe
         "results/draft",
     )
     out = proc.stdout + proc.stderr
-    train_cfg = json.loads(re.search(r"draftsmith\.train --cfg '(\{.*?\})'", out).group(1))
+    cfgs = [json.loads(c) for c in re.findall(r"--cfg '(\{[^']*\})'", out)]
+    train_cfg = next(c for c in cfgs if "train" in c)
     assert train_cfg["train"]["lr"] == 0.002 and train_cfg["train"]["epochs"] == 3
     bad = snakemake(tmp_path, "-n", "--config", 'train={"lr": "fast"}', check=False)
     assert bad.returncode != 0
