@@ -49,15 +49,22 @@ def _counters(llm, k: int) -> tuple[int, int, list[int]]:
 
 
 def check_draft(draft: Path, target: Path) -> dict:
-    """The draft's config after the export contract check, matched against the target."""
+    """The export's (SGLang-contract) config after the contract check, matched against the
+    target. `draft` is an export (`results/draft`) or its speculators copy, which is checked
+    with the export it belongs to."""
     from draftsmith.export import ExportError, check_export
     from draftsmith.target import target_config
 
+    export = draft
+    if "speculators_model_type" in json.loads((draft / "config.json").read_text()):
+        export = draft.parent
+        if not (export / "config.json").is_file():
+            raise SystemExit(f"{draft}: a speculators directory outside a draftsmith export")
     try:
-        check_export(draft)
+        check_export(export)
     except ExportError as e:
         raise SystemExit(str(e)) from None
-    c = json.loads((draft / "config.json").read_text())
+    c = json.loads((export / "config.json").read_text())
     t = target_config(target)
     want = (t["vocab_size"], t["hidden_size"])
     if (c["vocab_size"], c.get("target_hidden_size", c["hidden_size"])) != want:
