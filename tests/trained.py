@@ -40,13 +40,13 @@ def rows(texts):
 
 def train_tiny_project(root: Path) -> Path:
     """Build it under `root` (about a minute on 2 shared cores); returns `root`."""
-    from tiny import CORPUS, make_tiny_target
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from draftsmith.engines.hf import capture_shard
     from draftsmith.prompts import prompt_turns
     from draftsmith.specdec import greedy_generate, prompt_ids, stop_ids
     from draftsmith.target import fingerprint, write_meta
+    from draftsmith.tinymodel import CORPUS, make_tiny_target
     from draftsmith.train import main as train_main
 
     torch.set_num_threads(1)  # shared cores: one thread is fastest for a model this small
