@@ -287,7 +287,8 @@ def _live_members(pgid: int) -> list[int]:
 
 
 def server_processes(tag: str) -> list[int]:
-    """Pids of live processes whose environment carries DRAFTSMITH_SERVER=<tag>."""
+    """Pids of live processes whose DRAFTSMITH_SERVER starts with `tag` (a supervisor's tag is
+    `<job pid>-<random>`, so `f"{pid}-"` finds every server process a job started)."""
     needle = f"{MARKER}={tag}".encode()
     pids = []
     for entry in os.listdir("/proc"):
@@ -299,7 +300,7 @@ def server_processes(tag: str) -> list[int]:
             state = _proc_stat(entry)[0]
         except OSError:
             continue
-        if needle in env and state != b"Z":
+        if state != b"Z" and any(e.startswith(needle) for e in env):
             pids.append(int(entry))
     return pids
 
