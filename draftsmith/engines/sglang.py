@@ -483,9 +483,16 @@ def bench_sets(sets: dict, cfg: dict, *, target, draft, threads: int):
         "temperature": 0.0,
         "stop_token_ids": sorted(stops),
     }
-    plain = server_spec(cfg, "bench", target=target, threads=threads)
+    # our own warm-up request replaces SGLang's start-up one, so the speculative server's
+    # cumulative counters hold exactly the requests this job sent
+    skip = ["--skip-server-warmup"]
+    plain = server_spec(cfg, "bench", target=target, threads=threads, extra_args=skip)
     eagle = server_spec(
-        cfg, "bench", target=target, threads=threads, extra_args=speculative_args(bench, draft)
+        cfg,
+        "bench",
+        target=target,
+        threads=threads,
+        extra_args=[*skip, *speculative_args(bench, draft)],
     )
     eagle.name = "sglang-eagle3"
     base, base_stats = serve_sets(plain, sets_ids, sampling, bench, s, speculative=False)
