@@ -427,6 +427,7 @@ def train(
                 "tokens": tokens,
                 "tokens_per_s": tokens / (time.perf_counter() - t0),
                 "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+                **rss_now_mb(),
             }
             with open(metrics_tmp, "a") as f:
                 f.write(json.dumps(record) + "\n")
@@ -463,6 +464,21 @@ def train(
     if world > 1:
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()
+
+
+def rss_now_mb() -> dict:
+    """Current (not peak) resident memory in MB: all of it, and the anonymous part (the heap;
+    RSS also counts the memory-mapped shard pages read so far, which the kernel may drop).
+    Empty where /proc is absent."""
+    try:
+        fields = dict(ln.split(":", 1) for ln in Path("/proc/self/status").read_text().splitlines())
+    except OSError:
+        return {}
+    kb = {k: int(v.split()[0]) for k, v in fields.items() if k in ("VmRSS", "RssAnon")}
+    return {
+        "rss_mb": kb.get("VmRSS", 0) / 1024,
+        "rss_anon_mb": kb.get("RssAnon", 0) / 1024,
+    }
 
 
 def _row(shards, names, ok, row) -> dict:

@@ -208,6 +208,8 @@ def test_baseline_learns_and_exports(baseline, tmp_path):
             "peak_rss_mb",
         }
         assert len(rec["loss_per_pos"]) == TRAIN["ttt_steps"]
+        if Path("/proc/self/status").exists():  # current RSS, not only the peak (issue 14)
+            assert 0 < rec["rss_anon_mb"] <= rec["rss_mb"] <= rec["peak_rss_mb"] + 1
 
 
 def test_kill_and_resume_equals_uninterrupted(inputs, tmp_path):
