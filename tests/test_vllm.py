@@ -79,7 +79,7 @@ def test_vllm_with_the_old_config_reads_wrong_layers(trained, tmp_path):
     assert check.returncode and "vLLM reads it before" in check.stderr + check.stdout
     (trained / "bench_raw.py").write_text(
         "import json, os, sys\n"
-        "os.environ.update(VLLM_CPU_KVCACHE_SPACE='1', VLLM_CPU_NUM_OF_RESERVED_CPU='0',"
+        "os.environ.update(VLLM_CPU_NUM_OF_RESERVED_CPU='0',"
         " VLLM_ENABLE_V1_MULTIPROCESSING='0', HF_HUB_OFFLINE='1')\n"
         "from draftsmith.engines import vllm as v\n"
         "def main():\n"

