@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -122,47 +123,53 @@ def main() -> None:
         },
     }
     dump_dir = Path(tempfile.mkdtemp(prefix="draftsmith-dump-", dir=sc.dump_root()))
-    spec = sc.capture_server_spec(cfg, args.target, 1, ids, dump_dir, str(work / "overlay"))
-    expect = {
-        "patch": record["patch_id"],
-        "hidden_size": hidden,
-        "layer_inputs": [i + 1 for i in ids],
-    }
-    times = {"plain": [], "capture": []}
-    with Supervisor(spec, retries=0) as sup:
-        plain_pass(sup.url, sc.RowCapture(tokens, _Null(), dump_dir, expect, cfg), rows[:4], 2)
-        for i in range(args.repeats):
-            order = ("plain", "capture") if i % 2 == 0 else ("capture", "plain")
-            for kind in order:
-                if kind == "plain":
-                    rc = sc.RowCapture(tokens, _Null(), dump_dir, expect, cfg)
-                    t = plain_pass(sup.url, rc, rows, args.concurrency)
-                else:
-                    out = work / f"rows_000000-{n_rows:06d}.safetensors"
-                    t = capture_pass(
-                        sup, tokens, cfg, out, dump_dir, expect, rows, args.concurrency
-                    )
-                times[kind].append(round(t, 3))
-                print(f"{kind:8s} pass {i}: {t:.2f} s", file=sys.stderr, flush=True)
-    # the stock server: the same launch without the overlay, the dump dir and capture mode
-    stock = sc.capture_server_spec(cfg, args.target, 1, ids, dump_dir, "")
-    stock_cmd = stock.command
-    block = sc.capture_args(ids)[: 4 + len(ids)]  # aux capture on, convention, the ids
+    try:
+        spec = sc.capture_server_spec(cfg, args.target, 1, ids, dump_dir, str(work / "overlay"))
+        expect = {
+            "patch": record["patch_id"],
+            "hidden_size": hidden,
+            "layer_inputs": [i + 1 for i in ids],
+        }
+        times = {"plain": [], "capture": []}
+        with Supervisor(spec, retries=0) as sup:
+            plain_pass(sup.url, sc.RowCapture(tokens, _Null(), dump_dir, expect, cfg), rows[:4], 2)
+            for i in range(args.repeats):
+                order = ("plain", "capture") if i % 2 == 0 else ("capture", "plain")
+                for kind in order:
+                    if kind == "plain":
+                        rc = sc.RowCapture(tokens, _Null(), dump_dir, expect, cfg)
+                        t = plain_pass(sup.url, rc, rows, args.concurrency)
+                    else:
+                        out = work / f"rows_000000-{n_rows:06d}.safetensors"
+                        t = capture_pass(
+                            sup, tokens, cfg, out, dump_dir, expect, rows, args.concurrency
+                        )
+                    times[kind].append(round(t, 3))
+                    print(f"{kind:8s} pass {i}: {t:.2f} s", file=sys.stderr, flush=True)
+        # the stock server: the same launch without the overlay, the dump dir and capture mode
+        stock = sc.capture_server_spec(cfg, args.target, 1, ids, dump_dir, "")
+        stock_cmd = stock.command
+        block = sc.capture_args(ids)[: 4 + len(ids)]  # aux capture on, convention, the ids
 
-    def command(port):
-        argv = stock_cmd(port)
-        i = next(i for i in range(len(argv)) if argv[i : i + len(block)] == block)
-        return argv[:i] + argv[i + len(block) :]
+        def command(port):
+            argv = stock_cmd(port)
+            i = next(i for i in range(len(argv)) if argv[i : i + len(block)] == block)
+            return argv[:i] + argv[i + len(block) :]
 
-    stock.command = command
-    stock.env = {k: v for k, v in stock.env.items() if k != "DRAFTSMITH_DUMP_DIR"}
-    times["stock_plain"] = []
-    with Supervisor(stock, retries=0) as sup:
-        rc = sc.RowCapture(tokens, _Null(), dump_dir, expect, cfg)
-        plain_pass(sup.url, rc, rows[:4], 2)
-        for i in range(args.repeats):
-            times["stock_plain"].append(round(plain_pass(sup.url, rc, rows, args.concurrency), 3))
-            print(f"stock    pass {i}: {times['stock_plain'][-1]:.2f} s", file=sys.stderr)
+        stock.command = command
+        stock.env = {k: v for k, v in stock.env.items() if k != "DRAFTSMITH_DUMP_DIR"}
+        times["stock_plain"] = []
+        with Supervisor(stock, retries=0) as sup:
+            rc = sc.RowCapture(tokens, _Null(), dump_dir, expect, cfg)
+            plain_pass(sup.url, rc, rows[:4], 2)
+            for i in range(args.repeats):
+                times["stock_plain"].append(
+                    round(plain_pass(sup.url, rc, rows, args.concurrency), 3)
+                )
+                print(f"stock    pass {i}: {times['stock_plain'][-1]:.2f} s", file=sys.stderr)
+    finally:
+        shutil.rmtree(dump_dir, ignore_errors=True)
+        shutil.rmtree(work, ignore_errors=True)
     med = {k: statistics.median(v) for k, v in times.items()}
     n_tokens = tokens["input_ids"].numel()
     result = {
