@@ -380,6 +380,15 @@ def run_set(model, tokenizer, draft, rows, bench: dict, aux_ids: list[int]) -> d
             )
             first_diff.append({"id": row["id"], "first_difference_at": at})
     out = summarize(traces)
+    out["per_prompt"] = [
+        {
+            "id": row["id"],
+            "output_ids": t.tokens,
+            "verify_passes": t.passes,
+            "accept_len_hist": [t.accepted.count(a) for a in range(k + 1)],
+        }
+        for row, t in zip(rows, traces, strict=True)
+    ]
     spec_tps = out["generated_tokens"] / seconds["spec"]
     base_tps = base_tokens / seconds["base"]
     out.update(

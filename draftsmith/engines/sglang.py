@@ -402,13 +402,15 @@ def _set_figures(prompts, ids, base: dict, spec: dict, stops, k: int) -> dict:
     from draftsmith.specdec import acceptance_figures
 
     hist, generated, emitted, verifies, base_tokens = [0] * (k + 1), 0, 0, 0, 0
-    identical, first_diff = 0, []
+    identical, first_diff, per_prompt = 0, [], []
     for i, (b, sp) in enumerate(zip(base["answers"], spec["answers"], strict=True)):
         meta = sp["meta_info"]
+        mine = [0] * (k + 1)
         for a, n in enumerate(meta.get("spec_correct_drafts_histogram") or []):
             if a > k:
                 raise ValueError(f"SGLang reports {a} accepted drafts with num_steps {k}")
             hist[a] += n
+            mine[a] += n
         tokens = int(meta["completion_tokens"])
         generated += tokens
         emitted += max(0, tokens - 1)  # the first token comes from the prefill, not a verify
@@ -416,6 +418,14 @@ def _set_figures(prompts, ids, base: dict, spec: dict, stops, k: int) -> dict:
         base_ids, _ = cut_at_stop(b["output_ids"], stops)
         spec_ids, _ = cut_at_stop(sp["output_ids"], stops)
         base_tokens += int(b["meta_info"]["completion_tokens"])
+        per_prompt.append(
+            {
+                "id": ids[i],
+                "output_ids": spec_ids,
+                "verify_passes": int(meta.get("spec_verify_ct", 0)),
+                "accept_len_hist": mine,
+            }
+        )
         if base_ids == spec_ids:
             identical += 1
         else:
@@ -443,6 +453,7 @@ def _set_figures(prompts, ids, base: dict, spec: dict, stops, k: int) -> dict:
         if verifies
         else float("nan"),
         server_accept_length=spec["server_accept_length"],
+        per_prompt=per_prompt,
     )
     return out
 
