@@ -34,12 +34,13 @@ pytestmark = [pytest.mark.slow, pytest.mark.sglang, pytest.mark.workflow]
 ROLE_ENV = "DRAFTSMITH_PYTHON_SGLANG_CPU"
 RANGE = "rows_000000-000064"  # the workflow's one range
 PART = "rows_000000-000016"  # what the kill tests regenerate (its rows are RANGE's first 16)
-# Two tau figures on the same prompts may differ only where float32 near-ties flip an argmax
-# (torch_native attention vs transformers' sdpa, one-token vs batched forwards); every such
-# flip moves one verification pass by one accepted token at most. Over the ~100 passes of the
-# held-out set, a tolerance of 0.03 allows about 3 such passes and is 10x smaller than what a
-# wrong layer id or vocabulary mapping does (tau collapses to ~1.0 from ~1.3).
-TAU_TOLERANCE = 0.03
+# Measured (8 held-out prompts, one request at a time, float32): SGLang's outputs and per-prompt
+# counters equal the hf engine's exactly, so the taus are equal. With requests batched, a float32
+# near-tie can flip one prompt's greedy continuation (seen once at 4 requests at a time: tau
+# 1.183 vs 1.215); such a prompt is excluded from the exact per-prompt check, and the tolerance
+# allows about one of 8 prompts to diverge. A wrong layer id or vocabulary mapping puts SGLang's
+# tau at ~1.0, far outside it.
+TAU_TOLERANCE = 0.05
 
 
 def role_python() -> str:
@@ -85,7 +86,7 @@ def workflow_config(py: str) -> dict:
             "max_new_tokens": 32,
             "heldout_size": 8,
             "humaneval_size": 0,
-            "concurrency": 4,
+            "concurrency": 1,
             "tau_floor": 1.0,
         },
         "sglang": {
@@ -177,6 +178,19 @@ def test_benchmark_tau_agrees_with_hf(run, tmp_path):
             f"per-request {s['accept_length']:.4f}"
         )
         assert s["tau_sglang"] > 1.05  # speculation is really on: drafts are accepted
+        # where both engines produced the same tokens, SGLang's counters equal ours exactly
+        same = [
+            (p, q)
+            for p, q in zip(s["per_prompt"], h["per_prompt"], strict=True)
+            if p["output_ids"] == q["output_ids"]
+        ]
+        print(f"{name}: {len(same)} of {s['prompts']} prompts with the same tokens in both")
+        assert len(same) >= 0.75 * s["prompts"]
+        for p, q in same:
+            assert (p["verify_passes"], p["accept_len_hist"]) == (
+                q["verify_passes"],
+                q["accept_len_hist"],
+            ), p["id"]
         assert abs(s["tau_sglang"] - h["tau_sglang"]) <= TAU_TOLERANCE
         assert abs(s["tau"] - h["tau"]) <= TAU_TOLERANCE
         assert s["server_accept_length"] == pytest.approx(s["accept_length"], rel=1e-6)
