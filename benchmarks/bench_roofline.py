@@ -131,7 +131,7 @@ def pass_costs(model, context: int, max_k: int, min_time: float) -> dict:
 
         def step(n):
             model(input_ids=ids[:, context : context + n], past_key_values=cache, use_cache=True)
-            cache.crop(context)
+            cache.crop(-n)  # drop the n tokens just added
 
         return {n: timed(lambda n=n: step(n), min_time) for n in range(1, max_k + 2)}
 

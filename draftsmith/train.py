@@ -24,6 +24,7 @@ renamed into place). A rerun resumes from the newest complete checkpoint.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import hashlib
 import json
 import logging
@@ -466,6 +467,23 @@ def train(
         torch.distributed.destroy_process_group()
 
 
+def bound_cpu_memory(primitive_cache: int = 64) -> None:
+    """Keep the trainer's heap from growing with the number of distinct batch shapes.
+
+    Measured (docs/tuning.md): without this, RSS grows with every new shape (the packs' length
+    and the compact TTT layout change every step) and is not a leak: oneDNN caches one primitive
+    (with its bf16 weight copies) per matmul shape, 1024 by default, and glibc's dynamic mmap
+    threshold moves freed large tensors onto the fragmented heap. A small primitive cache
+    (unless ONEDNN_PRIMITIVE_CACHE_CAPACITY is set; read at oneDNN's first use) and a fixed mmap
+    threshold (large tensors go back to the system when freed; glibc only) bound both.
+    """
+    os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", str(primitive_cache))
+    try:
+        ctypes.CDLL(None).mallopt(-3, 128 * 1024)  # M_MMAP_THRESHOLD
+    except (OSError, AttributeError):
+        pass  # not glibc
+
+
 def rss_now_mb() -> dict:
     """Current (not peak) resident memory in MB: all of it, and the anonymous part (the heap;
     RSS also counts the memory-mapped shard pages read so far, which the kernel may drop).
@@ -515,6 +533,7 @@ def main(argv: list[str] | None = None) -> None:
         if section not in cfg:
             raise SystemExit(f"--cfg has no {section!r} section")
     set_threads(args.threads)
+    bound_cpu_memory()
     train(
         cfg,
         sorted(args.shards),

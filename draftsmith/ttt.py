@@ -126,18 +126,14 @@ class Batch:
         return self.pos.shape[1]
 
 
-def pack_batch(
-    packs: list[list[dict]], steps: int, aux_width: int, hidden: int, length: int = 0
-) -> Batch:
+def pack_batch(packs: list[list[dict]], steps: int, aux_width: int, hidden: int) -> Batch:
     """packs: per pack, rows as dicts of 1-d/2-d tensors (input_ids, loss_mask, ok, aux, and
     the teacher input `Shard.teacher` gives: last, or topk_ids + topk_logprobs).
 
-    `length`: pad every pack to at least this many tokens (padding is masked out of every
-    loss; a fixed length keeps the step's tensor shapes, and so the heap, from varying).
     An empty `packs` gives one all-padding pack (a process with no share still joins the step).
     """
     packs = packs or [[]]
-    length = max(1, length, max(sum(r["input_ids"].numel() for r in p) for p in packs))
+    length = max(1, max(sum(r["input_ids"].numel() for r in p) for p in packs))
     b, tail = len(packs), length + steps + 2
     first = next((r for p in packs for r in p), {"last": torch.zeros(0, hidden)})
     k = first["topk_ids"].shape[1] if "topk_ids" in first else 0
