@@ -240,10 +240,16 @@ def stamp(stage):
     return "results/env/cpu.json"
 def configured_range(wildcards):
     return []
+def print_shard_estimate():
+    pass
+def capture_engine_inputs(wildcards):
+    return {{}}
+def gpu_resources(stage):
+    return {{}}
 shell.prefix(f"set -euo pipefail; export PYTHONPATH={root} DRAFTSMITH_PY_CAPTURE={{sys.executable}}; ")
 def role_env(stage):
     return "../envs/cpu.yaml"
-def cfg_json(*sections):
+def cfg_json(*sections, server_of=None):
     return json.dumps({{s: config[s] for s in sections}}, sort_keys=True)
 include: "{root}/rules/hidden.smk"
 """
