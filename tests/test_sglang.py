@@ -246,13 +246,14 @@ def test_server_killed_mid_range_is_relaunched_and_the_job_completes(run, tmp_pa
     tag = f"{job.pid}-"
     try:
         wait_for(log, "regenerate: 3/16 replies", job)  # some replies are in, most are not
-        servers = [
+        servers = [  # the server's main process (not the guard, whose argv names it too)
             pid
             for pid in server_processes(tag)
-            if b"sglang.launch_server" in Path(f"/proc/{pid}/cmdline").read_bytes()
+            if Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[1:3]
+            == [b"-m", b"sglang.launch_server"]
         ]
         assert servers, "no SGLang server process found for the job"
-        os.kill(min(servers), signal.SIGKILL)  # the server's main process: its workers follow
+        os.kill(servers[0], signal.SIGKILL)  # its workers follow (the guard ends the group)
         assert job.wait(timeout=1500) == 0, log.read_text()[-4000:]
     finally:
         job.kill()
