@@ -70,7 +70,8 @@ def test_defaults_quoted_in_the_docs_are_the_schemas():
         prose = re.sub(r"```.*?```", " ", page.read_text(), flags=re.S)
         text = " ".join(prose.split())
         for n, line in enumerate(re.split(r"(?<=[.;:!?])\s+(?=[A-Z(])", text), start=1):
-            if "default" not in line.lower():
+            # "the embedded default" names the shipped config, not a key's default value
+            if "default" not in line.lower().replace("embedded default", ""):
                 continue
             for key, value in re.findall(r"`([a-z_]+(?:\.[a-z_]+)?): ([^`]+)`", line):
                 section, _, name = key.rpartition(".")
