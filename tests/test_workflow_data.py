@@ -30,16 +30,19 @@ def test_data_stage_builds_and_rebuilds_only_what_is_stale(tmp_path: Path, tiny_
     assert sources["train_rows"] == 32 and sources["heldout_rows"] == 8
     for rows in (R0, R1):
         lines = (tmp_path / f"results/data/{rows}.jsonl").read_text().splitlines()
-        assert len(lines) == 16
-        assert all(json.loads(x)["conversations"][-1]["role"] == "assistant" for x in lines)
         report = json.loads((tmp_path / f"results/data/{rows}.report.json").read_text())
+        # rows whose prompt leaves no room within data.max_length (128 here) are dropped, counted
         assert report["tokens_per_second"] > 0 and report["rows"] == 16
+        assert len(lines) == 16 - report["dropped_rows"] > 0
+        assert len(report["dropped_ids"]) == report["dropped_rows"]
+        assert all(json.loads(x)["conversations"][-1]["role"] == "assistant" for x in lines)
         assert "tokens/s" in (tmp_path / f"logs/regenerate/{rows}.log").read_text()
     from draftsmith.tokens import read_tokens
     from draftsmith.vocab import load_vocab
 
     tokens = read_tokens(tmp_path / f"results/tokens/{R0}.safetensors")
-    assert tokens["row_offsets"].numel() == 17 and int(tokens["loss_mask"].sum()) > 0
+    n0 = len((tmp_path / f"results/data/{R0}.jsonl").read_text().splitlines())
+    assert tokens["row_offsets"].numel() == n0 + 1 and int(tokens["loss_mask"].sum()) > 0
     d2t, t2d = load_vocab(tmp_path / VOCAB)
     assert d2t.numel() == 64 and int(t2d.sum()) == 64
     assert stale(tmp_path, "data") == {}
@@ -62,7 +65,8 @@ def test_data_stage_builds_and_rebuilds_only_what_is_stale(tmp_path: Path, tiny_
     # Config changes re-run exactly the jobs that read the changed keys.
     for section, change, expected in [
         ("draft", {"vocab_size": 32}, {"vocab": 1}),
-        ("data", {"max_length": 64}, {"tokenize": 2, "vocab": 1}),
+        # data.max_length also bounds prompt + reply in regeneration
+        ("data", {"max_length": 64}, {"regenerate": 2, "tokenize": 2, "vocab": 1}),
         ("regenerate", {"max_new_tokens": 4}, {"regenerate": 2, "tokenize": 2, "vocab": 1}),
     ]:
         write_config(tmp_path, tiny_config(tiny_target, **{section: change}))
