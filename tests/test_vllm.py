@@ -2,8 +2,8 @@
 
 A draft trained here by our own pipeline functions (capture, vocabulary, TTT training) on a
 tiny target's greedy outputs is benchmarked by the hf engine and by the vllm engine on the same
-prompts: vLLM's acceptance counters must equal ours exactly (same passes, same accepted tokens,
-same histogram, same outputs) from `results/draft`, the directory the docs tell vLLM users to
+prompts: vLLM's acceptance counters must equal ours (same outputs and tokens; passes and histogram
+equal up to one float32 near-tie, see trained.assert_same_acceptance) from `results/draft`, the directory the docs tell vLLM users to
 serve, and from its speculators copy. The control: the same weights with the pre-fix config
 (vLLM's ids equal to SGLang's, one layer too early) give vLLM different, lower acceptance. A
 full-vocabulary draft (no d2t) loads and runs.
@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 from roles import role_python
-from trained import IDS, PROMPTS, rows, run_bench, train_tiny_project
+from trained import IDS, PROMPTS, assert_same_acceptance, rows, run_bench, train_tiny_project
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
@@ -38,9 +38,6 @@ def bench(root: Path, engine: str, draft: str, python: str | None = None) -> dic
     return run_bench(root, engine, draft, cfg, python)
 
 
-SAME = ("verify_passes", "generated_tokens", "accept_len_hist", "reached_by_pos", "tau")
-
-
 def test_vllm_tau_equals_ours_from_results_draft(trained):
     python = role_python("vllm-cpu")
     ours = bench(trained, "hf", "results/draft")["res"]["s"]
@@ -53,8 +50,7 @@ def test_vllm_tau_equals_ours_from_results_draft(trained):
         run = bench(trained, "vllm", draft, python)
         theirs = run["res"]["s"]
         assert "Using auxiliary layers from speculative config: (2, 3, 5)" in run["log"], draft
-        for key in SAME:
-            assert theirs[key] == ours[key], (draft, key, theirs[key], ours[key])
+        assert_same_acceptance(theirs, ours, draft)
         assert theirs["identical_outputs"] == len(PROMPTS)
         assert run["info"]["vllm_aux_layer_ids"] == [i + 1 for i in IDS]
         report[draft] = theirs["tau"]
