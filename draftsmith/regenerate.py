@@ -40,6 +40,20 @@ class MissingAnswerError(ValueError):
     """Regeneration is off but a row has a user turn without a source answer."""
 
 
+def new_stats() -> dict:
+    """The counters every regeneration engine keeps (the same report fields for every backend)."""
+    return {
+        "prompts": 0,
+        "new_tokens": 0,
+        "prompt_tokens": 0,
+        "seconds": 0.0,
+        "hit_limit": 0,
+        "empty": 0,
+        "too_long_turns": 0,
+        "capped_replies": 0,
+    }
+
+
 def regenerate(conversations: list[dict], generate_fn: GenerateFn) -> list[dict]:
     """Answer every user turn of every conversation again with `generate_fn`, turn by turn.
 

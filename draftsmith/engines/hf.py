@@ -24,6 +24,7 @@ import torch
 from tqdm import tqdm
 
 from draftsmith.capture import CaptureError, plan_batches
+from draftsmith.regenerate import new_stats
 from draftsmith.shards import ShardWriter
 from draftsmith.storage import Storage
 
@@ -72,16 +73,7 @@ class HFGenerator:
         self.pad_id = (
             tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.stop_ids[0]
         )
-        self.stats = {
-            "prompts": 0,
-            "new_tokens": 0,
-            "prompt_tokens": 0,
-            "seconds": 0.0,
-            "hit_limit": 0,
-            "empty": 0,
-            "too_long_turns": 0,
-            "capped_replies": 0,
-        }
+        self.stats = new_stats()
 
     def _generation_config(self, max_new_tokens: int):
         from transformers import GenerationConfig

@@ -32,6 +32,7 @@ import time
 from pathlib import Path
 
 from draftsmith.engines.sglang_capture import capture_range  # noqa: F401 (the capture stage)
+from draftsmith.regenerate import new_stats
 from draftsmith.server import ServerSpec, Supervisor, http_json, run_requests
 
 log = logging.getLogger("draftsmith.engines.sglang")
@@ -161,16 +162,7 @@ class SGLangGenerator:
         self.concurrency = int(regen["batch_size"])
         self.timeout = request_timeout
         self.max_total = int(max_total)
-        self.stats = {
-            "prompts": 0,
-            "new_tokens": 0,
-            "prompt_tokens": 0,
-            "seconds": 0.0,
-            "hit_limit": 0,
-            "empty": 0,
-            "too_long_turns": 0,
-            "capped_replies": 0,
-        }
+        self.stats = new_stats()
 
     def budget(self, prompt_len: int) -> int:
         if not self.max_total:
