@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import roles
 import torch
 
 from draftsmith.engines.sglang_capture import DumpError, ids_crc32, read_dump
@@ -135,18 +136,12 @@ def test_header_is_small_json(server_dump, tmp_path):
 
 # ------------------------------------------------------------------ the real patched server
 
-ROLE_ENV = "DRAFTSMITH_PYTHON_SGLANG_CPU"
 CPU_SERVER_ARGS = ["--max-total-tokens", "4096", "--mem-fraction-static", "0.1"]
 AUX_IDS = [1, 2, 4]  # of the tiny target's 6 layers (auto would repeat layer 2)
 
 
 def role_python() -> str:
-    python = os.environ.get(ROLE_ENV)
-    if python:
-        return python
-    if os.environ.get("DRAFTSMITH_REQUIRE_ENGINES") == "1":
-        pytest.fail(f"{ROLE_ENV} is not set (DRAFTSMITH_REQUIRE_ENGINES=1)")
-    pytest.skip(f"{ROLE_ENV} is not set: no sglang-cpu role interpreter")
+    return roles.role_python("sglang-cpu")  # skips, or fails under DRAFTSMITH_REQUIRE_ENGINES=1
 
 
 def token_file(path: Path, lengths: list[int], vocab: int, seed: int = 0) -> Path:

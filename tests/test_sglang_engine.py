@@ -52,7 +52,6 @@ def test_pythonpath_entries_go_first(tmp_path, monkeypatch):
 
 
 def test_cpu_role_gets_the_compatibility_layer(tmp_path):
-    pytest.importorskip("draftsmith.sglang_cpu")
     spec = eng.server_spec(cfg("sglang-cpu"), "regenerate", target=tmp_path, threads=1)
     argv = spec.command(1)
     assert spec.env["SGLANG_USE_CPU_ENGINE"] == "1"

@@ -15,10 +15,10 @@ import sys
 from pathlib import Path
 
 import pytest
+import roles
 
 ROOT = Path(__file__).resolve().parents[1]
 PATCH_DIR = ROOT / "patches" / "sglang-0.5.23"
-ROLE_ENV = "DRAFTSMITH_PYTHON_SGLANG_CPU"
 
 ORIGINAL = "def f():\n    return 1\n"
 PATCH = """diff -ruN a/sglang/mod.py b/sglang/mod.py
@@ -154,13 +154,8 @@ def test_pristine_hashes_cover_every_changed_file():
         assert f"sglang/srt/models/{model}.py" in touched
 
 
-def role_python() -> str | None:
-    python = os.environ.get(ROLE_ENV)
-    if python:
-        return python
-    if os.environ.get("DRAFTSMITH_REQUIRE_ENGINES") == "1":
-        pytest.fail(f"{ROLE_ENV} is not set (DRAFTSMITH_REQUIRE_ENGINES=1)")
-    pytest.skip(f"{ROLE_ENV} is not set: no sglang-cpu role interpreter")
+def role_python() -> str:
+    return roles.role_python("sglang-cpu")  # skips, or fails under DRAFTSMITH_REQUIRE_ENGINES=1
 
 
 @pytest.mark.slow
