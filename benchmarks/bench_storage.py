@@ -57,8 +57,14 @@ MODES = {
     "float8_e4m3+trained": Storage(aux="float8_e4m3", final="trained"),
     "bfloat16+topk32": Storage(final="topk", topk=32),
     "float8_e4m3+topk32": Storage(aux="float8_e4m3", final="topk", topk=32),
+    # the teacher's own top-40 over the draft vocabulary, exact, tail kept as one bucket: the
+    # largest k within 0.4x here (uint16 draft ids + float16 log-probs + a flag byte)
+    "float8_e4m3+topk40-draft": Storage(
+        aux="float8_e4m3", final="topk", topk=40, topk_vocab="draft"
+    ),
 }
-TRAINED = ("float8_e4m3+topk32", "float8_e4m3", "bfloat16+topk32")  # + bfloat16 x seeds
+DRAFT_TOPK = "float8_e4m3+topk40-draft"
+TRAINED = ("float8_e4m3+topk32", "float8_e4m3", "bfloat16+topk32", DRAFT_TOPK)  # + bf16 x seeds
 KIMI = {"hidden": 7168, "vocab": 163840, "layers": 61}
 GOAL = 0.4
 
@@ -76,25 +82,55 @@ def since(t0: tuple[float, float]) -> tuple[float, float]:
 
 
 def capture_all(results: Path, work: Path, cfg: dict) -> dict:
-    """One forward per batch, every mode's writer fed the same states; CPU/wall seconds."""
+    """One forward per batch, every missing mode's writer fed the same states; CPU/wall seconds.
+
+    Modes already captured under `work` are kept; a later capture of the missing modes also
+    writes the reference (to hidden-baseline/) so its cost is timed against the same forward.
+    capture.json: {"tokens", "threads", "runs": [{"modes", forward and write seconds}]}.
+    """
+    done = work / "capture.json"
+    token_files = sorted((results / "tokens").glob("rows_*.safetensors"))
+    old = json.loads(done.read_text()) if done.exists() else None
+    if old is not None and "runs" not in old:  # the first format: one run of every mode then
+        old = {
+            "tokens": old["tokens"],
+            "threads": old["threads"],
+            "runs": [{**old, "modes": sorted(old["write_cpu_s"])}],
+        }
+    have = {m for r in (old or {"runs": []})["runs"] for m in r["modes"]}
+    missing = [
+        m
+        for m in MODES
+        if m not in have or not all((work / "hidden" / m / f.name).exists() for f in token_files)
+    ]
+    if not missing:
+        return old
+    run = capture_run(results, work, cfg, token_files, missing)
+    out = {"tokens": run["tokens"], "threads": run["threads"], "runs": []}
+    out["runs"] = [r for r in (old or out)["runs"] if not set(r["modes"]) & set(missing)] + [run]
+    atomic_write_json(done, out)
+    return out
+
+
+def capture_run(results: Path, work: Path, cfg: dict, token_files: list, modes: list) -> dict:
     from draftsmith.config import aux_layer_ids
     from draftsmith.engines.hf import forward_states, pad_rows
     from draftsmith.target import fingerprint, load_target, target_config
+    from draftsmith.vocab import load_vocab
 
     target = results / "target"
-    token_files = sorted((results / "tokens").glob("rows_*.safetensors"))
-    done = work / "capture.json"
-    if done.exists() and all(
-        (work / "hidden" / m / f.name).exists() for m in MODES for f in token_files
-    ):
-        return json.loads(done.read_text())
+    dirs = {m: work / "hidden" / m for m in modes}
+    if "bfloat16" not in dirs:  # the baseline the capture cost is measured against
+        dirs["bfloat16"] = work / "hidden-baseline"
+    d2t, _ = load_vocab(results / "vocab" / "vocab.safetensors")
+    draft_ids = d2t + torch.arange(d2t.shape[0])
     model, _ = load_target(target, dtype=torch.float32)
     lm_head = model.get_output_embeddings().weight.detach()
     n_layers = int(target_config(target)["num_hidden_layers"])
     ids = aux_layer_ids(cfg["capture"]["aux_layer_ids"], n_layers)
     hidden = int(model.config.hidden_size)
     fwd = [0.0, 0.0]
-    write = {m: [0.0, 0.0] for m in MODES}
+    write = {m: [0.0, 0.0] for m in dirs}
     tokens_total = 0
     for f in token_files:
         tok = read_tokens(f)
@@ -112,11 +148,12 @@ def capture_all(results: Path, work: Path, cfg: dict) -> dict:
         }
         with contextlib.ExitStack() as stack:
             writers = {}
-            for m, storage in MODES.items():
+            for m, path in dirs.items():
+                storage = MODES[m]
                 t0 = clocks()
                 writers[m] = stack.enter_context(
                     ShardWriter(
-                        work / "hidden" / m / f.name,
+                        path / f.name,
                         input_ids=tok["input_ids"],
                         loss_mask=tok["loss_mask"],
                         row_offsets=tok["row_offsets"],
@@ -125,6 +162,7 @@ def capture_all(results: Path, work: Path, cfg: dict) -> dict:
                         manifest=manifest,
                         storage=storage,
                         lm_head=lm_head if storage.final == "topk" else None,
+                        draft_ids=draft_ids if storage.draft_topk else None,
                     )
                 )
                 write[m] = [x + y for x, y in zip(write[m], since(t0), strict=True)]
@@ -137,7 +175,7 @@ def capture_all(results: Path, work: Path, cfg: dict) -> dict:
                     for b, r in enumerate(rows):
                         w.write(offsets[r], aux[b, : lengths[r]], last[b, : lengths[r]])
                     write[m] = [x + y for x, y in zip(write[m], since(t0), strict=True)]
-            for m in MODES:  # close (sha256, fsync, rename) one at a time, timed
+            for m in dirs:  # close (sha256, fsync, rename) one at a time, timed
                 t0 = clocks()
                 stack_close = writers[m].__exit__(None, None, None)
                 assert stack_close is False
@@ -145,7 +183,8 @@ def capture_all(results: Path, work: Path, cfg: dict) -> dict:
             stack.pop_all()
         tokens_total += tok["input_ids"].numel()
         print(f"captured {f.name}: forward {fwd[1]:.0f} s wall so far", flush=True)
-    out = {
+    return {
+        "modes": sorted(modes),
         "tokens": tokens_total,
         "forward_cpu_s": fwd[0],
         "forward_wall_s": fwd[1],
@@ -153,8 +192,6 @@ def capture_all(results: Path, work: Path, cfg: dict) -> dict:
         "write_wall_s": {m: v[1] for m, v in write.items()},
         "threads": torch.get_num_threads(),
     }
-    atomic_write_json(done, out)
-    return out
 
 
 # ------------------------------------------------------------------------------------ bytes
@@ -247,18 +284,18 @@ def read_pass(paths) -> tuple[float, float]:
     return since(t0)
 
 
-def read_throughput(work: Path, tokens: int, repeats: int = 5) -> dict:
+def read_throughput(work: Path, tokens: int, modes=tuple(MODES), repeats: int = 5) -> dict:
     """Tokens per CPU-second (one torch thread, best of `repeats`, modes interleaved so that
     load from other jobs hits every mode alike), warm and cold page cache; wall beside it."""
     torch.set_num_threads(1)  # as docs/shards.md recommends for loaders
-    paths = {m: sorted((work / "hidden" / m).glob("rows_*.safetensors")) for m in MODES}
-    times = {m: {"warm": [], "cold": []} for m in MODES}
-    for m in MODES:
+    paths = {m: sorted((work / "hidden" / m).glob("rows_*.safetensors")) for m in modes}
+    times = {m: {"warm": [], "cold": []} for m in modes}
+    for m in modes:
         read_pass(paths[m])  # warm the page cache
     for _ in range(repeats):
-        for m in MODES:
+        for m in modes:
             times[m]["warm"].append(read_pass(paths[m]))
-        for m in MODES:
+        for m in modes:
             drop_cache(paths[m])
             times[m]["cold"].append(read_pass(paths[m]))
     out = {}
@@ -317,6 +354,63 @@ def fidelity(work: Path, results: Path) -> dict:
         "topk32_mass_covered": cover / n,
         "topk32_argmax_agreement": agree / n,
         "fp8_aux_relative_rms_error": (err_num / err_den) ** 0.5,
+    }
+
+
+@torch.no_grad()
+def topk_fidelity(work: Path, results: Path, mode: str) -> dict:
+    """A top-k-over-the-draft-vocabulary mode at trained positions, against the exact teacher
+    (from the reference shards' bf16 final states): the mass its k entries cover, the teacher
+    mass it leaves as the tail bucket vs the exact one, the error of the listed probabilities,
+    argmax agreement; and, for comparison, what the full vocabulary's top-k of the same k covers
+    (k entries spent partly outside the draft vocabulary)."""
+    from draftsmith.storage import topk_teacher
+    from draftsmith.train import target_tensors
+    from draftsmith.ttt import tail_mass, teacher_logprobs
+    from draftsmith.vocab import load_vocab
+
+    d2t, t2d = load_vocab(results / "vocab" / "vocab.safetensors")
+    w = target_tensors(results / "target")["lm_head"].float()
+    hot = d2t + torch.arange(d2t.shape[0])
+    rows = w[hot]
+    k = MODES[mode].topk
+    acc = {"cover": 0.0, "rest_err": 0.0, "listed_err": 0.0, "agree": 0, "full_cover": 0.0}
+    acc["outside"], n = 0.0, 0
+    for p_ref in sorted((work / "hidden" / "bfloat16").glob("rows_*.safetensors")):
+        ref = open_shard(p_ref)
+        top = open_shard(work / "hidden" / mode / p_ref.name)
+        idx = ref.trained.nonzero().flatten()
+        t = top.teacher(0, top.n_tokens)
+        for s in range(0, idx.numel(), 1024):
+            sel = idx[s : s + 1024]
+            last = ref.last_hidden_states[sel].float()
+            exact = teacher_logprobs(last, rows)
+            approx = topk_teacher(
+                t["draft_topk_ids"][sel], t["topk_logprobs"][sel], None, hot.numel()
+            )
+            p, q = exact.exp(), approx.exp()
+            listed = torch.isfinite(approx)
+            acc["cover"] += float((p * listed).sum())
+            acc["rest_err"] += float((tail_mass(approx, q) - (p * ~listed).sum(-1)).abs().sum())
+            acc["listed_err"] += float(((q - p) * listed).abs().sum())
+            acc["agree"] += int((exact.argmax(-1) == approx.argmax(-1)).sum())
+            full_top = (last @ w.T).topk(k, dim=-1).indices
+            inside = t2d[full_top]
+            acc["outside"] += float((~inside).sum())
+            mask = torch.zeros(sel.numel(), w.shape[0], dtype=torch.bool).scatter(
+                -1, full_top, True
+            )
+            acc["full_cover"] += float((p * mask[:, hot]).sum())
+            n += sel.numel()
+    return {
+        "trained_positions": n,
+        "k": k,
+        "mass_covered": acc["cover"] / n,
+        "tail_mass_abs_error": acc["rest_err"] / n,
+        "listed_abs_error": acc["listed_err"] / n,
+        "argmax_agreement": acc["agree"] / n,
+        "full_vocab_topk_mass_covered": acc["full_cover"] / n,
+        "full_vocab_topk_entries_outside_draft_vocab": acc["outside"] / n,
     }
 
 
@@ -455,28 +549,35 @@ def render(report: dict) -> str:
             f"{r['kimi_bytes_per_token']:.0f} | {r['kimi_vs_specforge']:.3f} | "
             f"{r['kimi_vs_specforge_all_trained']:.3f} |"
         )
-    ref_cost = cap["forward_cpu_s"] + cap["write_cpu_s"]["bfloat16"]
+    first = cap["runs"][0]
     lines += [
         "",
         "## Capture and read throughput",
         "",
-        f"Capture: one float32 forward per batch ({cap['forward_cpu_s']:.0f} CPU-s, "
-        f"{cap['forward_wall_s']:.0f} s wall for {cap['tokens']} tokens, {cap['threads']} "
-        "threads), the same states written in every mode. Read: every row's `aux` + `teacher` "
+        f"Capture: one float32 forward per batch ({first['forward_cpu_s']:.0f} CPU-s, "
+        f"{first['forward_wall_s']:.0f} s wall for {cap['tokens']} tokens, {cap['threads']} "
+        "threads), the same states written in every mode of that capture run; a mode added "
+        "later was captured in a run of its own with the reference beside it, and its cost is "
+        "against that run's forward + reference. Read: every row's `aux` + `teacher` "
         "decoded as training reads them (float8 dequantized to float32, top-k expanded to [n, k] "
-        "with padding), one torch thread, best of 5, modes interleaved; CPU time (wall time "
-        "under this load is in the JSON).",
+        "with padding), one torch thread, best of 5, modes interleaved (a later mode: with the "
+        "reference, in its own pass); CPU time (wall time under this load is in the JSON).",
         "",
-        "| mode | encode + write CPU-s | capture tokens/CPU-s | capture cost vs reference | "
-        "read tokens/CPU-s warm | cold |",
-        "|---|---|---|---|---|---|",
+        "| mode | capture run | encode + write CPU-s | capture tokens/CPU-s | capture cost vs "
+        "reference | read tokens/CPU-s warm | cold | reference in the same pass, warm / cold |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for m in MODES:
-        w = cap["write_cpu_s"][m]
-        cost = cap["forward_cpu_s"] + w
+        n_run, run = next((i, r) for i, r in enumerate(cap["runs"]) if m in r["modes"])
+        w = run["write_cpu_s"][m]
+        cost = run["forward_cpu_s"] + w
+        ref_cost = run["forward_cpu_s"] + run["write_cpu_s"]["bfloat16"]
+        same = rd[m].get("reference_same_pass", rd["bfloat16"])
         lines.append(
-            f"| `{m}` | {w:.1f} | {cap['tokens'] / cost:.0f} | {cost / ref_cost:.3f} | "
-            f"{rd[m]['warm_tokens_per_cpu_s']:.0f} | {rd[m]['cold_tokens_per_cpu_s']:.0f} |"
+            f"| `{m}` | {n_run + 1} | {w:.1f} | {cap['tokens'] / cost:.0f} | "
+            f"{cost / ref_cost:.3f} | {rd[m]['warm_tokens_per_cpu_s']:.0f} | "
+            f"{rd[m]['cold_tokens_per_cpu_s']:.0f} | {same['warm_tokens_per_cpu_s']:.0f} / "
+            f"{same['cold_tokens_per_cpu_s']:.0f} |"
         )
     f = report["fidelity"]
     lines += [
@@ -490,6 +591,19 @@ def render(report: dict) -> str:
         f"{f['topk32_argmax_agreement']:.4f} (means over trained positions)",
         f"- float8 e4m3 aux states: relative RMS error {f['fp8_aux_relative_rms_error']:.4f} "
         "against the bf16 reference",
+    ]
+    for m, g in f.get("modes", {}).items():
+        lines.append(
+            f"- `{m}` (the teacher's own top-{g['k']} over the draft vocabulary, exact "
+            f"log-probs, the rest as one bucket): mass covered {g['mass_covered']:.4f} (the full "
+            f"vocabulary's top-{g['k']} covers {g['full_vocab_topk_mass_covered']:.4f}, "
+            f"{g['full_vocab_topk_entries_outside_draft_vocab']:.1f} of its {g['k']} entries "
+            f"outside the draft vocabulary), listed probabilities off by "
+            f"{g['listed_abs_error']:.1e} in total, tail mass off by "
+            f"{g['tail_mass_abs_error']:.1e} (float16 rounding), argmax agreement "
+            f"{g['argmax_agreement']:.4f}"
+        )
+    lines += [
         "",
         "## Held-out tau of a draft trained on each mode",
         "",
@@ -513,15 +627,24 @@ def render(report: dict) -> str:
         f"bf16 seed-to-seed: tau {', '.join(f'{x:.3f}' for x in s['taus'])}: range "
         f"[{s['min']:.3f}, {s['max']:.3f}], mean {s['mean']:.3f}.",
         "",
-        "| mode | tau (seed 0) | tau - bf16 seed 0 | seed-0 tau inside the bf16 seed range | "
-        "all its seeds | their mean - bf16 mean |",
-        "|---|---|---|---|---|---|",
+        "| mode | tau (seed 0) | seed 0 vs the bf16 seed range | all its seeds (0, 1, ...) | "
+        "seeds inside / below the range | mean | mean - bf16 mean | mean inside the range | "
+        "paired: tau - bf16 tau of the same seed, mean |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for m, v in report["verdict"].items():
+        n_in, n_below = v.get("seeds_within", 0), v.get("seeds_below", 0)
+        paired = v.get("paired_diffs") or []
+        paired_text = ", ".join(f"{x:+.3f}" for x in paired)
+        if paired:
+            paired_text += f" (mean {v['paired_mean']:+.3f})"
         lines.append(
-            f"| `{m}` | {v['tau']:.3f} | {v['tau'] - s['taus'][0]:+.3f} | "
-            f"{'yes' if v['within'] else 'above' if v['no_loss'] else 'below'} | "
-            f"{', '.join(f'{x:.3f}' for x in v['taus'])} | {v['mean'] - s['mean']:+.3f} |"
+            f"| `{m}` | {v['tau']:.3f} | "
+            f"{'inside' if v['within'] else 'above' if v['no_loss'] else 'below'} | "
+            f"{', '.join(f'{x:.3f}' for x in v['taus'])} | {n_in} / {n_below} of "
+            f"{len(v['taus'])} | {v['mean']:.3f} | {v['mean'] - s['mean']:+.3f} | "
+            f"{'yes' if v.get('mean_within') else 'no'} | "
+            f"{paired_text} |"
         )
     ident = report.get("trained_identity")
     if ident:
@@ -551,6 +674,32 @@ def cached(path: Path, compute):
     return value
 
 
+def read_all(work: Path, tokens: int) -> dict:
+    """read.json (the first modes, measured together); a mode added later is measured with
+    the reference in its own pass (read-<mode>.json, its reference figures beside it)."""
+    out = cached(work / "read.json", lambda: read_throughput(work, tokens))
+    for m in MODES:
+        if m not in out:
+            got = cached(
+                work / f"read-{m}.json", lambda m=m: read_throughput(work, tokens, (m, "bfloat16"))
+            )
+            out = {**out, m: {**got[m], "reference_same_pass": got["bfloat16"]}}
+    return out
+
+
+def fidelity_all(work: Path, results: Path) -> dict:
+    """fidelity.json (top-32 of the full vocabulary, fp8) plus, per later top-k mode,
+    fidelity-<mode>.json."""
+    out = cached(work / "fidelity.json", lambda: fidelity(work, results))
+    out = {**out, "modes": {}}
+    for m, st in MODES.items():
+        if st.final == "topk" and st.draft_topk:
+            out["modes"][m] = cached(
+                work / f"fidelity-{m}.json", lambda m=m: topk_fidelity(work, results, m)
+            )
+    return out
+
+
 def summarize_runs(report: dict, seeds: int) -> None:
     """The bf16 seed-to-seed spread and each mode's tau against it (from the runs so far)."""
     runs = report["runs"]
@@ -563,16 +712,29 @@ def summarize_runs(report: dict, seeds: int) -> None:
         "seeds_done": len(taus),
     }
     report["verdict"] = {}
+    lo, hi = min(taus), max(taus)
     for m in TRAINED:
-        mode_taus = [runs[f"{m}-seed{s}"]["tau"] for s in range(seeds) if f"{m}-seed{s}" in runs]
-        if mode_taus:
-            tau = mode_taus[0]
+        by_seed = {s: runs[f"{m}-seed{s}"]["tau"] for s in range(seeds) if f"{m}-seed{s}" in runs}
+        if 0 in by_seed:
+            mode_taus = list(by_seed.values())
+            mean = statistics.mean(mode_taus)
+            paired = [
+                t - runs[f"bfloat16-seed{s}"]["tau"]
+                for s, t in by_seed.items()
+                if f"bfloat16-seed{s}" in runs
+            ]
             report["verdict"][m] = {
-                "tau": tau,
+                "tau": by_seed[0],
                 "taus": mode_taus,
-                "mean": statistics.mean(mode_taus),
-                "no_loss": tau >= min(taus),
-                "within": min(taus) <= tau <= max(taus),
+                "seeds": list(by_seed),
+                "mean": mean,
+                "no_loss": by_seed[0] >= lo,
+                "within": lo <= by_seed[0] <= hi,
+                "seeds_within": sum(lo <= t <= hi for t in mode_taus),
+                "seeds_below": sum(t < lo for t in mode_taus),
+                "mean_within": lo <= mean <= hi,
+                "paired_diffs": paired,
+                "paired_mean": statistics.mean(paired) if paired else None,
             }
 
 
@@ -613,8 +775,8 @@ def main(argv: list[str] | None = None) -> None:
         "shards": sorted(p.name for p in (args.results / "tokens").glob("rows_*.safetensors")),
         "capture": cap,
         "bytes": bytes_table(args.work, sf, cfg["capture"]["dtype"]),
-        "read": cached(args.work / "read.json", lambda: read_throughput(args.work, cap["tokens"])),
-        "fidelity": cached(args.work / "fidelity.json", lambda: fidelity(args.work, args.results)),
+        "read": read_all(args.work, cap["tokens"]),
+        "fidelity": fidelity_all(args.work, args.results),
         "draft_vocab": cfg["draft"]["vocab_size"],
         "versions": versions(),
     }
@@ -623,7 +785,8 @@ def main(argv: list[str] | None = None) -> None:
     # report is rewritten after every run, so a partial run still leaves its figures
     plan = [("bfloat16-seed0", "bfloat16", 0), ("float8_e4m3+topk32-seed0", TRAINED[0], 0)]
     plan += [(f"bfloat16-seed{s}", "bfloat16", s) for s in range(1, args.seeds)]
-    plan += [(f"{m}-seed0", m, 0) for m in TRAINED[1:]]
+    plan += [(f"{DRAFT_TOPK}-seed{s}", DRAFT_TOPK, s) for s in range(args.seeds)]
+    plan += [(f"{m}-seed0", m, 0) for m in TRAINED[1:] if m != DRAFT_TOPK]
     if args.only_cached:  # extra seeds of the modes, run by hand (same config, --seed)
         plan += [(f"{m}-seed{s}", m, s) for m in TRAINED for s in range(1, args.seeds)]
     report["runs"] = {}

@@ -125,6 +125,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument(
         "--patched", type=Path, help="results/sglang/patched.json (capture.backend sglang)"
     )
+    ap.add_argument(
+        "--vocab",
+        type=Path,
+        help="results/vocab/vocab.safetensors (capture.storage.topk_vocab draft)",
+    )
     ap.add_argument("--run", default="", help="run settings JSON (default: $DRAFTSMITH_RUN)")
     args = ap.parse_args(argv)
     log = init_logging("draftsmith.capture")
@@ -141,6 +146,16 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"error: {e}") from None
     from draftsmith import target as tgt
     from draftsmith.engines import engine
+
+    extra = {"patched": args.patched} if args.patched else {}
+    if storage.draft_topk:  # the hf engine stores the teacher's top-k over this vocabulary
+        if args.vocab is None:
+            raise SystemExit("error: capture.storage.topk_vocab draft needs --vocab")
+        if cap.get("backend", "hf") == "hf":
+            from draftsmith.vocab import load_vocab
+
+            d2t, _ = load_vocab(args.vocab)
+            extra["draft_ids"] = d2t + torch.arange(d2t.shape[0])
 
     try:
         a, b = parse_range(args.out.stem)
@@ -183,7 +198,7 @@ def main(argv: list[str] | None = None) -> None:
                 "versions": versions(),
             },
             threads=args.threads,
-            **({"patched": args.patched} if args.patched else {}),
+            **extra,
         )
     except (CaptureError, ShardError, ValueError) as e:
         raise SystemExit(f"error: {e}") from None

@@ -4,7 +4,7 @@
     python -m draftsmith.convert from-speculators --src DIR --target T --out results/hidden/rows_<a>-<b>.safetensors
     python -m draftsmith.convert to-specforge     --shard S --out DIR
     python -m draftsmith.convert from-specforge   --src DIR --target T --out results/hidden/rows_<a>-<b>.safetensors
-    python -m draftsmith.convert recode --shard S --storage JSON [--target T --device cuda] --out O
+    python -m draftsmith.convert recode --shard S --storage JSON [--target T --device cuda] [--vocab V] --out O
 
 speculators (both generations): `draftsmith.convert_speculators`. SpecForge: `input_ids`,
 `loss_mask`, `hidden_state [1, S, H]` post-norm, `aux_hidden_state [1, S, 3H]` in one torch.save
@@ -188,6 +188,11 @@ def _write_shard(
 
     `storage` is the output's storage mode; a top-k mode reads the lm_head of `target`."""
     storage = storage or Storage()
+    if storage.draft_topk:
+        raise ConvertError(
+            "topk_vocab draft depends on the draft vocabulary: convert to states or trained, "
+            "then `python -m draftsmith.convert recode --vocab results/vocab/vocab.safetensors`"
+        )
     lm_head = lm_head_weight(target) if storage.final == "topk" else None
     ids, masks, lengths, hidden, src_dtype = [], [], [], None, None
     for f in tqdm(files, desc="tokens", unit="file"):
@@ -375,12 +380,20 @@ def _sidecar(out: Path, shard, fmt: str, last: str) -> None:
     )
 
 
-def recode(shard_path: Path, out: Path, storage: Storage, target: Path | None, device: str) -> dict:
+def recode(
+    shard_path: Path,
+    out: Path,
+    storage: Storage,
+    target: Path | None,
+    device: str,
+    vocab: Path | None = None,
+) -> dict:
     """Rewrite a shard in another storage mode (e.g. a `trained` capture into float8 + top-k).
 
     The source must hold final states at every trained position (`states` or `trained`; a top-k
     shard is refused). Top-k output runs the target's lm_head on `device` (a GPU for Kimi-sized
-    vocabularies: 2 x V x H flops per trained position).
+    vocabularies: 2 x V x H flops per trained position); a top-k over the draft vocabulary
+    (`topk_vocab: draft`) also needs the vocab file.
     """
     src = open_shard(shard_path)
     if out.resolve() == Path(shard_path).resolve():
@@ -394,6 +407,14 @@ def recode(shard_path: Path, out: Path, storage: Storage, target: Path | None, d
         if target is None:
             raise ConvertError("recode to a top-k mode needs --target (the target's lm_head)")
         lm_head = lm_head_weight(target).to(device)
+    draft_ids = None
+    if storage.draft_topk:
+        if vocab is None:
+            raise ConvertError("recode to topk_vocab draft needs --vocab (the draft vocabulary)")
+        from draftsmith.vocab import load_vocab
+
+        d2t, _ = load_vocab(vocab)
+        draft_ids = d2t + torch.arange(d2t.shape[0])
     m = src.manifest
     drop = ("tensors", "storage", "sha256", "created", "capture_seconds", "batches")
     keep = {k: v for k, v in m.items() if k not in drop}
@@ -413,6 +434,7 @@ def recode(shard_path: Path, out: Path, storage: Storage, target: Path | None, d
         manifest=keep,
         storage=storage,
         lm_head=lm_head,
+        draft_ids=draft_ids,
     ) as w:
         for a, b in tqdm(list(zip(offs, offs[1:], strict=False)), desc="recode", unit="row"):
             w.write(a, src.aux(a, b), src.teacher(a, b)["last"].to(device))
@@ -483,6 +505,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--storage", required=True, help="the output's storage mode as JSON")
     p.add_argument("--target", type=Path, help="target HF dir (its lm_head, for top-k)")
     p.add_argument("--device", default="cpu", help="where top-k logits are computed (cuda)")
+    p.add_argument("--vocab", type=Path, help="vocab.safetensors (top-k over the draft vocabulary)")
     args = ap.parse_args(argv)
     try:
         storage = None
@@ -496,7 +519,8 @@ def main(argv: list[str] | None = None) -> None:
         elif args.cmd == "to-specforge":
             n = to_specforge(args.shard, args.out, args.group_size)
         elif args.cmd == "recode":
-            n = recode(args.shard, args.out, storage, args.target, args.device)["rows"]
+            n = recode(args.shard, args.out, storage, args.target, args.device, args.vocab)
+            n = n["rows"]
         elif args.cmd == "from-speculators":
             m = sp.from_speculators(
                 args.src, args.target, args.out, args.aux_layer_ids, args.dtype, storage

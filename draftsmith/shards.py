@@ -51,6 +51,7 @@ from draftsmith.storage import (
     StorageError,
     StoredStates,
     check_layout,
+    encode_draft_topk,
     encode_fp8,
     encode_topk,
     trained_mask,
@@ -95,6 +96,7 @@ def _layout(
     storage: Storage | None = None,
     trained: int | None = None,
     vocab: int | None = None,
+    draft_vocab: int | None = None,
 ) -> list[tuple]:
     """(name, safetensors dtype, shape, nbytes) in file order, for a storage mode.
 
@@ -103,7 +105,7 @@ def _layout(
     storage = storage or Storage()
     p = n_tokens if trained is None else trained
     try:
-        entries = mode_layout(storage, n_tokens, n_rows, hidden_size, dtype, p, vocab)
+        entries = mode_layout(storage, n_tokens, n_rows, hidden_size, dtype, p, vocab, draft_vocab)
     except StorageError as e:
         raise ShardError(str(e)) from None
     return [(name, tag, shape, tensor_bytes(tag, shape)) for name, tag, shape in entries]
@@ -129,9 +131,12 @@ def estimate_bytes(
     storage: Storage | None = None,
     trained: int | None = None,
     vocab: int | None = None,
+    draft_vocab: int | None = None,
 ) -> int:
-    """Size of a shard file (headers of a few KiB included as a 4 KiB allowance)."""
-    entries = _layout(n_tokens, n_rows, hidden_size, dtype, storage, trained, vocab)
+    """Size of a shard file (headers of a few KiB included as a 4 KiB allowance).
+
+    draft_vocab (top-k over the draft vocabulary) only sets the id width: None = uint16."""
+    entries = _layout(n_tokens, n_rows, hidden_size, dtype, storage, trained, vocab, draft_vocab)
     return 4096 + sum(n + (-n) % 8 for *_, n in entries)
 
 
@@ -153,14 +158,16 @@ class ShardWriter:
     """Streaming writer: header and token tensors first, then hidden states batch by batch.
 
     with ShardWriter(path, input_ids=..., loss_mask=..., row_offsets=..., hidden_size=H,
-                     dtype="bfloat16", manifest={...}, storage=Storage(), lm_head=None) as w:
+                     dtype="bfloat16", manifest={...}, storage=Storage(), lm_head=None,
+                     draft_ids=None) as w:
         w.write(token_start, aux [n, 3H], last [n, H])   # any order, each token exactly once
     w.manifest  # the final manifest, also written to rows_<a>-<b>.json
 
     `storage` picks the mode (draftsmith/storage.py); the batches are the same in every mode and
     the writer encodes them (float8 with scales, trained positions only, or the teacher's top-k,
     which needs the target's `lm_head` weight [V, H]; its device is where the logits are
-    computed). The file is written under a temp name, fsynced and renamed; on error nothing is
+    computed; top-k over the draft vocabulary also needs `draft_ids` [K], the target id of each
+    draft id, `d2t + arange(K)`). The file is written under a temp name, fsynced and renamed; on error nothing is
     left behind.
     """
 
@@ -176,6 +183,7 @@ class ShardWriter:
         manifest: dict,
         storage: Storage | None = None,
         lm_head: torch.Tensor | None = None,
+        draft_ids: torch.Tensor | None = None,
     ):
         if dtype not in STORAGE_DTYPES:
             raise ShardError(
@@ -201,8 +209,20 @@ class ShardWriter:
                 )
             vocab = lm_head.shape[0]
             self._lm_head = lm_head.detach()
+        self._draft_ids = None
+        if storage.draft_topk:
+            if draft_ids is None or draft_ids.dim() != 1 or not draft_ids.numel():
+                raise ShardError(
+                    f"{path}: storage topk_vocab 'draft' needs the draft vocabulary (draft_ids, "
+                    "the target id of each draft id)"
+                )
+            if int(draft_ids.min()) < 0 or int(draft_ids.max()) >= vocab:
+                raise ShardError(f"{path}: draft_ids outside the target vocabulary [0, {vocab})")
+            self._draft_ids = draft_ids.to(torch.int64)
         try:
-            record = storage.record(dtype, self.hidden_size, vocab, int(trained.sum()))
+            record = storage.record(
+                dtype, self.hidden_size, vocab, int(trained.sum()), self._draft_ids
+            )
         except StorageError as e:
             raise ShardError(f"{path}: {e}") from None
         self.manifest = {
@@ -219,7 +239,14 @@ class ShardWriter:
             "draftsmith_version": __version__,
         }
         layout = _layout(
-            self.n_tokens, self.n_rows, self.hidden_size, dtype, storage, int(trained.sum()), vocab
+            self.n_tokens,
+            self.n_rows,
+            self.hidden_size,
+            dtype,
+            storage,
+            int(trained.sum()),
+            vocab,
+            None if self._draft_ids is None else self._draft_ids.numel(),
         )
         self.manifest["tensors"] = {
             name: {"dtype": tag, "shape": shape} for name, tag, shape, _ in layout
@@ -308,7 +335,13 @@ class ShardWriter:
                     head = self._lm_head
                     if head.device != rows.device or head.dtype != torch.float32:
                         self._lm_head = head = head.to(rows.device, torch.float32)
-                    ids, logp = encode_topk(rows, head, self.storage.topk)
+                    if self._draft_ids is None:
+                        ids, logp = encode_topk(rows, head, self.storage.topk)
+                    else:
+                        ids, logp, ok = encode_draft_topk(
+                            rows, head, self._draft_ids, self.storage.topk
+                        )
+                        self._put("teacher_in_vocab", slot, ok.to(torch.uint8))
                     tdt = _ST_TORCH[self._tags["teacher_topk_ids"]]
                     self._put("teacher_topk_ids", slot, ids.to(tdt))
                     self._put("teacher_topk_logprobs", slot, logp.to(torch.float16))
@@ -369,6 +402,7 @@ class Shard(StoredStates):
             raise IndexError(f"{self.path}: row {i} outside [0, {len(self)})")
         a, b = self._offsets[i], self._offsets[i + 1]
         names = {"last": "last_hidden_states", "topk_ids": "teacher_topk_ids"}
+        names["draft_topk_ids"] = "teacher_topk_ids"
         names["topk_logprobs"] = "teacher_topk_logprobs"
         return {
             "input_ids": self.input_ids[a:b],

@@ -57,6 +57,7 @@ from draftsmith.config import aux_layer_ids
 from draftsmith.export import export_draft, target_embedding, verifier_ref
 from draftsmith.model import DraftConfig, Eagle3Draft
 from draftsmith.shards import ShardError, open_shard, verify_cached
+from draftsmith.storage import StorageError, check_draft_vocab
 from draftsmith.ttt import (
     TTTObjective,
     batch_teacher,
@@ -290,6 +291,11 @@ def train(
         expect["target_fingerprint"] = json.loads(meta_file.read_text())["fingerprint"]
     try:
         shards = [open_shard(p, expect=expect) for p in shard_paths]
+        for s in shards:  # a top-k teacher over the draft vocabulary must be over this one
+            try:
+                check_draft_vocab(s.manifest, d2t + torch.arange(d2t.shape[0]))
+            except StorageError as e:
+                raise ShardError(f"{s.path}: {e}") from None
         if rank == 0:
             prove_shards(shards, state_root / "verified")
     except ShardError as e:

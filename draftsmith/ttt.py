@@ -13,10 +13,17 @@ post-norm final states through the target's lm_head rows of the draft vocabulary
 (the full-vocabulary logits exist only chunk by chunk, when the argmax flags are computed).
 A shard in storage mode `topk` holds the target's top-k log-probabilities instead: the entries
 inside the draft vocabulary, renormalized (draftsmith.storage.topk_teacher), and the flag is
-whether the top-1 id is in the draft vocabulary.
+whether the top-1 id is in the draft vocabulary. With `topk_vocab: draft` it holds the
+teacher's own top-k, exact, and the flag itself; the teacher lists k tokens and leaves the rest
+of its mass, r = 1 - sum(p), unassigned.
 
 Loss: sum over steps of 0.8**j * (soft cross-entropy summed over step j's kept predictions /
-their global count). Accuracy: the draft's argmax equals the teacher's, per step.
+their global count). Accuracy: the draft's argmax equals the teacher's, per step. The soft
+cross-entropy of a teacher that leaves mass r > 0 on its unlisted tokens U counts them as one
+outcome: -sum_listed p_i log q_i - r log sum_U q_i (the exact cross-entropy between the teacher
+and the draft both coarsened to "the listed tokens, each alone, and U"). A teacher that lists
+every token, or renormalizes what it lists, has r = 0 (up to rounding: below TAIL_MIN) and the
+term is not computed.
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ from draftsmith.model import Eagle3Draft, TTTCache, block_causal_mask
 from draftsmith.storage import topk_teacher
 
 STEP_DECAY = 0.8
+TAIL_MIN = 1e-5  # unassigned teacher mass below this is rounding, not a tail
 
 
 @torch.no_grad()
@@ -68,6 +76,8 @@ def teacher_ok(shard, lm_head: torch.Tensor, t2d: torch.Tensor) -> torch.Tensor:
     if final == "trained":
         every = torch.ones(s1 - s0, dtype=torch.bool)
         ok[rel] = teacher_argmax_in_vocab(shard.last_hidden_states, lm_head, t2d, every)
+    elif shard.storage.draft_topk:
+        ok[rel] = shard.teacher_in_vocab[s0:s1].bool()
     else:
         ids = shard.teacher_topk_ids.long()
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= t2d.shape[0]):
@@ -112,7 +122,7 @@ class Batch:
 
     aux: torch.Tensor  # [B, L, 3H_t] float32
     last: torch.Tensor | None  # [B, L, H_t] stored dtype (storage final states / trained)
-    topk_ids: torch.Tensor | None  # [B, L, k] target ids, -1 = none (storage final topk)
+    topk_ids: torch.Tensor | None  # [B, L, k] target (or draft) ids, -1 = none (final topk)
     topk_logprobs: torch.Tensor | None  # [B, L, k] float32, -inf = none
     ids: torch.Tensor  # [B, L + S + 2] int64 (0 in padding)
     seg: torch.Tensor  # [B, L + S + 2] row number within the pack, -1 = padding
@@ -120,6 +130,7 @@ class Batch:
     loss_mask: torch.Tensor  # [B, L + S + 2] bool
     ok: torch.Tensor  # [B, L + S + 2] bool (teacher argmax in the draft vocab)
     tokens: int  # real tokens in the batch
+    topk_draft: bool = False  # topk_ids are draft ids, log-probs exact (topk_vocab draft)
 
     @property
     def length(self) -> int:
@@ -136,7 +147,9 @@ def pack_batch(packs: list[list[dict]], steps: int, aux_width: int, hidden: int)
     length = max(1, max(sum(r["input_ids"].numel() for r in p) for p in packs))
     b, tail = len(packs), length + steps + 2
     first = next((r for p in packs for r in p), {"last": torch.zeros(0, hidden)})
-    k = first["topk_ids"].shape[1] if "topk_ids" in first else 0
+    draft_topk = "draft_topk_ids" in first
+    ids_key = "draft_topk_ids" if draft_topk else "topk_ids"
+    k = first[ids_key].shape[1] if ids_key in first else 0
     batch = Batch(
         aux=torch.zeros(b, length, aux_width),
         last=torch.zeros(b, length, hidden, dtype=first["last"].dtype) if not k else None,
@@ -148,6 +161,7 @@ def pack_batch(packs: list[list[dict]], steps: int, aux_width: int, hidden: int)
         loss_mask=torch.zeros(b, tail, dtype=torch.bool),
         ok=torch.zeros(b, tail, dtype=torch.bool),
         tokens=0,
+        topk_draft=draft_topk,
     )
     for i, pack in enumerate(packs):
         at = 0
@@ -156,7 +170,7 @@ def pack_batch(packs: list[list[dict]], steps: int, aux_width: int, hidden: int)
             sl = slice(at, at + n)
             batch.aux[i, sl] = row["aux"].float()
             if k:
-                batch.topk_ids[i, sl] = row["topk_ids"]
+                batch.topk_ids[i, sl] = row[ids_key]
                 batch.topk_logprobs[i, sl] = row["topk_logprobs"]
             else:
                 batch.last[i, sl] = row["last"]
@@ -173,14 +187,15 @@ def pack_batch(packs: list[list[dict]], steps: int, aux_width: int, hidden: int)
 @torch.no_grad()
 def batch_teacher(batch: Batch, draft_rows: torch.Tensor, draft_index: torch.Tensor):
     """[B, L, K] fp32 teacher log-probs over the draft vocabulary, on draft_rows' device, from
-    whichever teacher input the batch holds. draft_index [V]: draft id of each target id or -1."""
+    whichever teacher input the batch holds. draft_index [V]: draft id of each target id or -1.
+    From a draft-vocabulary top-k the rows sum to 1 - r (the mass on unlisted tokens)."""
     device = draft_rows.device
     if batch.last is not None:
         return teacher_logprobs(batch.last.to(device), draft_rows)
     return topk_teacher(
         batch.topk_ids.to(device),
         batch.topk_logprobs.to(device),
-        draft_index.to(device),
+        None if batch.topk_draft else draft_index.to(device),
         draft_rows.shape[0],
     )
 
@@ -212,6 +227,7 @@ class TTTObjective(nn.Module):
         pos = pos.reshape(-1)
         teacher = teacher.reshape(n_batch * length, -1)
         target_p, target_top = teacher.exp(), teacher.argmax(-1)  # once for all steps
+        rest = tail_mass(teacher, target_p)
         ce, correct = [], []
         for j in range(self.steps):
             if j > 0:
@@ -228,10 +244,32 @@ class TTTObjective(nn.Module):
             kept = flat[j][idx]
             logq = F.log_softmax(self.draft.logits(out[0, kept]).float(), dim=-1)
             src = idx[kept] + j + 1  # the teacher at t + j + 1 (same row, so same pack)
-            ce.append(-(target_p[src] * logq).sum())
+            ce.append(soft_cross_entropy(teacher[src], target_p[src], rest[src], logq))
             correct.append((logq.argmax(-1) == target_top[src]).sum().float())
             hidden = out
         return torch.stack(ce), torch.stack(correct)
+
+
+def tail_mass(teacher: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """[N] the teacher mass on its unlisted (-inf) tokens, 0 where it lists every token or
+    what is left is rounding (below TAIL_MIN). teacher [N, K] log-probs, p = teacher.exp()."""
+    rest = (1 - p.sum(-1)).clamp(min=0)
+    listed_all = torch.isfinite(teacher).all(-1)  # an exact teacher: only rounding is left
+    return torch.where((rest > TAIL_MIN) & ~listed_all, rest, torch.zeros_like(rest))
+
+
+def soft_cross_entropy(
+    teacher: torch.Tensor, p: torch.Tensor, rest: torch.Tensor, logq: torch.Tensor
+) -> torch.Tensor:
+    """Summed soft cross-entropy of draft log-probs logq [N, K] against the teacher [N, K]
+    (log-probs, -inf = unlisted; p = its exp, rest = tail_mass): -sum_listed p log q, and where
+    rest > 0 also -rest * log(sum of q over the unlisted tokens), the tail as one outcome."""
+    loss = -(p * logq).sum()
+    tail = (rest > 0).nonzero().flatten()
+    if tail.numel():
+        unlisted = logq[tail].masked_fill(torch.isfinite(teacher[tail]), float("-inf"))
+        loss = loss - (rest[tail] * unlisted.logsumexp(-1)).sum()
+    return loss
 
 
 def step_weights(steps: int) -> torch.Tensor:

@@ -274,6 +274,14 @@ def capture_engine_inputs(wildcards):
     return {}
 
 
+def capture_vocab_input(wildcards):
+    """The draft vocabulary, for a top-k teacher stored over it (capture.storage.topk_vocab)."""
+    mode = config["capture"]["storage"]
+    if mode.get("final") == "topk" and mode.get("topk_vocab") == "draft":
+        return {"vocab": "results/vocab/vocab.safetensors"}
+    return {}
+
+
 def print_shard_estimate():
     """Print the shards' disk estimate at parse time (so `snakemake -n` shows it).
 

@@ -33,6 +33,7 @@ rule capture:
     input:
         configured_range,
         unpack(capture_engine_inputs),
+        unpack(capture_vocab_input),
         tokens="results/tokens/{rows}.safetensors",
         target="results/target",
         stamp=stamp("capture"),
@@ -53,10 +54,13 @@ rule capture:
         patched=lambda w, input: (
             f"--patched {input.patched}" if "patched" in input.keys() else ""
         ),
+        vocab=lambda w, input: (
+            f"--vocab {input.vocab}" if "vocab" in input.keys() else ""
+        ),
     shell:
         "$DRAFTSMITH_PY_CAPTURE -m draftsmith.capture --cfg {params.cfg:q} --tokens {input.tokens} "
         "--target {input.target} --out {output.shard} --threads {threads} {params.patched} "
-        "> {log} 2>&1"
+        "{params.vocab} > {log} 2>&1"
 
 
 rule hidden:

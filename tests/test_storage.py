@@ -15,6 +15,7 @@ from draftsmith.storage import (
     StorageError,
     check_layout,
     decode_fp8,
+    draft_vocab_fingerprint,
     encode_fp8,
     topk_teacher,
 )
@@ -35,7 +36,10 @@ MODES = {
     "trained": Storage(final="trained"),
     "topk": Storage(final="topk", topk=8),
     "fp8-topk": Storage(aux="float8_e4m3", final="topk", topk=8),
+    "draft-topk": Storage(final="topk", topk=8, topk_vocab="draft"),
+    "fp8-draft-topk": Storage(aux="float8_e4m3", final="topk", topk=8, topk_vocab="draft"),
 }
+DRAFT_IDS = torch.arange(0, V, 3)  # the draft vocabulary: every third target id (100 tokens)
 
 
 def data(lengths=(5, 9, 3, 12), seed=0) -> dict:
@@ -64,6 +68,7 @@ def write(path, d: dict, storage: Storage, dtype="bfloat16"):
         manifest={"row_range": [0, 4], "aux_layer_ids": [1, 2, 3], "target_fingerprint": "f"},
         storage=storage,
         lm_head=d["lm_head"] if storage.final == "topk" else None,
+        draft_ids=DRAFT_IDS if storage.draft_topk else None,
     ) as w:
         offs = d["row_offsets"].tolist()
         for r in reversed(range(len(offs) - 1)):  # out of order on purpose
@@ -125,7 +130,15 @@ def test_round_trip_and_reader(tmp_path, mode):
         assert torch.equal(teacher["last"][trained], ref_last[trained])
         assert not teacher["last"][~trained].any()
     else:
-        logp = torch.log_softmax(d["last"] @ d["lm_head"].T, -1)
+        if storage.draft_topk:  # the teacher's own top-k over the draft vocabulary, draft ids
+            logp = torch.log_softmax(d["last"] @ d["lm_head"][DRAFT_IDS].T, -1)
+            teacher = {**teacher, "topk_ids": teacher.pop("draft_topk_ids")}
+            full = (d["last"] @ d["lm_head"].T).argmax(-1)
+            in_vocab = torch.isin(full, DRAFT_IDS)[trained]
+            assert torch.equal(shard.teacher_in_vocab.bool(), in_vocab)
+        else:
+            logp = torch.log_softmax(d["last"] @ d["lm_head"].T, -1)
+            assert "draft_topk_ids" not in teacher
         vals, ids = logp.topk(storage.topk, dim=-1)
         assert torch.equal(teacher["topk_ids"][trained], ids[trained])
         torch.testing.assert_close(
@@ -139,7 +152,7 @@ def test_round_trip_and_reader(tmp_path, mode):
     assert torch.equal(row["input_ids"], d["input_ids"][a:b])
     assert torch.equal(row["aux_hidden_states"].float(), aux[a:b])
     for key, value in shard.teacher(a, b).items():
-        assert torch.equal(value, teacher[key][a:b])
+        assert torch.equal(value, teacher["topk_ids" if key == "draft_topk_ids" else key][a:b])
     # size: what the disk estimate says, within its 4 KiB header allowance
     est = estimate_bytes(t, 4, H, "bfloat16", storage, int(trained.sum()), V)
     assert est - 4096 < path.stat().st_size <= est
@@ -155,6 +168,7 @@ def test_compact_modes_are_smaller(tmp_path):
     assert sizes["fp8-trained"] < sizes["fp8"] < sizes["reference"]
     assert sizes["fp8-topk"] < sizes["fp8"] and sizes["topk"] < sizes["reference"]
     assert sizes["trained"] < sizes["reference"]
+    assert sizes["fp8-topk"] < sizes["fp8-draft-topk"] < sizes["fp8"]  # + one flag byte
 
 
 def test_corrupt_compact_shard_caught_like_reference(tmp_path):
@@ -249,7 +263,11 @@ def test_training_teacher_same_in_every_mode(tmp_path):
     index[hot] = torch.arange(hot.numel())
     rows = d["lm_head"][hot]
     got = {}
-    for mode, storage in {**MODES, "topk-all": Storage(final="topk", topk=V)}.items():
+    extra = {
+        "topk-all": Storage(final="topk", topk=V),
+        "draft-topk-all": Storage(final="topk", topk=hot.numel(), topk_vocab="draft"),
+    }
+    for mode, storage in {**MODES, **extra}.items():
         path = tmp_path / mode / "rows_000000-000004.safetensors"
         write(path, d, storage, dtype="float32")
         shard = open_shard(path)
@@ -266,8 +284,14 @@ def test_training_teacher_same_in_every_mode(tmp_path):
         assert not flags[~trained].any()
         if MODES.get(mode, Storage(final="topk")).final != "topk":
             assert torch.equal(logp[trained], exact[trained]), mode
-        elif mode == "topk-all":  # every entry kept: renormalized top-k = the exact teacher
+        elif mode in ("topk-all", "draft-topk-all"):  # every entry kept: the exact teacher
             torch.testing.assert_close(logp[trained], exact[trained], rtol=0, atol=2e-2)
+        elif "draft" in mode:  # the teacher's 8 largest, exact; the rest of its mass unlisted
+            p = logp[trained].exp()
+            top, at = exact[trained].topk(8, dim=-1)
+            assert torch.equal(logp[trained].topk(8, dim=-1).indices, at)
+            torch.testing.assert_close(logp[trained].gather(-1, at), top, rtol=0, atol=1e-2)
+            assert int((p > 0).sum(-1).max()) == 8 and bool((p.sum(-1) < 1).all())
         else:  # k = 8 of 300: the draft-vocabulary entries among them, renormalized
             p = logp[trained].exp()
             assert torch.allclose(p.sum(-1), torch.ones(int(trained.sum())), atol=1e-5)
@@ -295,6 +319,83 @@ def test_topk_teacher_padding_is_uniform():
     assert out.shape == (1, 2, 4)
     assert out[0, 0, 2] == 0 and torch.isinf(out[0, 0, [0, 1, 3]]).all()
     torch.testing.assert_close(out[0, 1].exp(), torch.full((4,), 0.25))
+
+
+def test_tail_bucket_loss():
+    """A teacher that lists k tokens and leaves mass r: the loss is the cross-entropy of both
+    distributions coarsened to (each listed token, the rest as one outcome), so the draft that
+    minimizes it puts exactly p on each listed token and r on the rest together; an exact teacher
+    (every token listed) or a renormalized top-k gets no tail term."""
+    from draftsmith.ttt import soft_cross_entropy, tail_mass
+
+    g = torch.Generator().manual_seed(0)
+    exact = torch.log_softmax(torch.randn(5, 12, generator=g) * 2, -1)
+    logq = torch.log_softmax(torch.randn(5, 12, generator=g), -1)
+
+    def ce(teacher, lq):
+        p = teacher.exp()
+        return soft_cross_entropy(teacher, p, tail_mass(teacher, p), lq)
+
+    assert tail_mass(exact, exact.exp()).eq(0).all()
+    torch.testing.assert_close(ce(exact, logq), -(exact.exp() * logq).sum())
+    top, at = exact.topk(3, dim=-1)
+    listed = torch.full_like(exact, float("-inf")).scatter(-1, at, top)
+    p = listed.exp()
+    r = 1 - p.sum(-1)
+    assert bool((tail_mass(listed, p) - r).abs().max() < 1e-6) and bool((r > 0.01).all())
+    unlisted = logq.masked_fill(torch.isfinite(listed), float("-inf")).logsumexp(-1)
+    torch.testing.assert_close(ce(listed, logq), -(p * logq).sum() - (r * unlisted).sum())
+    renorm = listed - listed.logsumexp(-1, keepdim=True)  # sums to 1: no tail term
+    assert tail_mass(renorm, renorm.exp()).eq(0).all()
+    torch.testing.assert_close(ce(renorm, logq), -(renorm.exp() * logq).sum())
+    # the minimizer: listed tokens get their p, the unlisted ones r in total
+    z = torch.zeros(5, 12, requires_grad=True)
+    opt = torch.optim.Adam([z], lr=0.1)
+    for _ in range(1500):
+        opt.zero_grad()
+        ce(listed, torch.log_softmax(z, -1)).backward()
+        opt.step()
+    q = torch.softmax(z.detach(), -1)
+    torch.testing.assert_close(q.gather(-1, at), p.gather(-1, at), rtol=0, atol=2e-3)
+    torch.testing.assert_close(q.sum(-1) - q.gather(-1, at).sum(-1), r, rtol=0, atol=2e-3)
+
+
+def test_draft_topk_needs_its_vocabulary(tmp_path):
+    d = data()
+    storage = MODES["fp8-draft-topk"]
+    kwargs = dict(
+        input_ids=d["input_ids"],
+        loss_mask=d["loss_mask"],
+        row_offsets=d["row_offsets"],
+        hidden_size=H,
+        dtype="bfloat16",
+        manifest={},
+        storage=storage,
+        lm_head=d["lm_head"],
+    )
+    with pytest.raises(ShardError, match="draft vocabulary"):
+        ShardWriter(tmp_path / "rows_000000-000004.safetensors", **kwargs)
+    with pytest.raises(ShardError, match="outside the target vocabulary"):
+        ShardWriter(tmp_path / "a.safetensors", draft_ids=torch.tensor([0, V]), **kwargs)
+    with pytest.raises(StorageError, match="exceeds the draft vocabulary"):
+        Storage(final="topk", topk=8, topk_vocab="draft").record(
+            "bfloat16", H, V, 3, torch.arange(4)
+        )
+    with pytest.raises(StorageError, match="topk_vocab"):
+        Storage.from_config({"final": "topk", "topk_vocab": "full"})
+    path = tmp_path / "rows_000000-000004.safetensors"
+    write(path, d, storage)
+    m = json.loads(manifest_path(path).read_text())
+    assert m["storage"]["draft_vocab_size"] == DRAFT_IDS.numel()
+    assert m["storage"]["draft_vocab_fingerprint"] == draft_vocab_fingerprint(DRAFT_IDS)
+    assert draft_vocab_fingerprint(DRAFT_IDS) != draft_vocab_fingerprint(DRAFT_IDS.flip(0))
+    shard = open_shard(path)
+    tensors = {"loss_mask": shard.loss_mask, "row_offsets": shard.row_offsets}
+    for key in ("draft_vocab_size", "draft_vocab_fingerprint"):
+        bad = json.loads(json.dumps(m))
+        bad["storage"].pop(key)
+        with pytest.raises(StorageError, match="draft_vocab"):
+            check_layout(bad, tensors)
 
 
 def test_capture_fp8_topk_matches_model(tiny_target, tmp_path):
@@ -518,3 +619,113 @@ def test_recode_trained_capture_to_fp8_topk(tmp_path, tiny_target):
         from draftsmith.convert import recode
 
         recode(out, tmp_path / "x" / "rows_000000-000003.safetensors", Storage(), None, "cpu")
+
+
+def _vocab_file(path, vocab_size: int, draft: torch.Tensor):
+    from draftsmith.vocab import save_vocab
+
+    t2d = torch.zeros(vocab_size, dtype=torch.bool)
+    t2d[draft] = True
+    d2t = draft - torch.arange(draft.numel())
+    save_vocab(path, {"d2t": d2t, "t2d": t2d}, {})
+    return path
+
+
+def test_capture_cli_and_recode_draft_topk(tiny_target, tmp_path):
+    """capture with `topk_vocab: draft` and --vocab: the teacher's own top-k (the model's
+    logits restricted to the draft vocabulary, log-softmaxed), draft ids, argmax flags; without
+    --vocab refused; `recode --vocab` of a trained shard equals writing the mode directly;
+    from-* refuse the mode (it needs the vocabulary: recode)."""
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    from draftsmith.capture import main
+    from draftsmith.convert import ConvertError, lm_head_weight
+    from draftsmith.convert import main as convert_main
+    from draftsmith.target import write_meta
+
+    target = shutil.copytree(tiny_target, tmp_path / "target")
+    write_meta(target, source="path", origin=str(tiny_target))
+    head = lm_head_weight(target)
+    n_vocab = head.shape[0]
+    draft = torch.arange(1, n_vocab, 2)[:40]
+    vocab = _vocab_file(tmp_path / "vocab.safetensors", n_vocab, draft)
+    d = data(lengths=(6, 9, 5))
+    d["input_ids"] = d["input_ids"] % n_vocab
+    tokens = tmp_path / "rows_000000-000003.safetensors"
+    save_file({k: d[k] for k in ("input_ids", "loss_mask", "row_offsets")}, str(tokens))
+    out = tmp_path / "hidden" / "rows_000000-000003.safetensors"
+    storage = {"aux": "float8_e4m3", "final": "topk", "topk": 6, "topk_vocab": "draft"}
+    cfg = {"capture": {"aux_layer_ids": "auto", "batch_tokens": 64, "storage": storage}}
+    args = ["--cfg", json.dumps(cfg), "--tokens", str(tokens), "--target", str(target)]
+    with pytest.raises(SystemExit, match="--vocab"):
+        main([*args, "--out", str(out)])
+    main([*args, "--out", str(out), "--vocab", str(vocab), "--threads", "1"])
+    shard = open_shard(out, verify_sha=True)
+    assert shard.manifest["storage"]["mode"] == "float8_e4m3+topk6-draft"
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    offs = d["row_offsets"].tolist()
+    for r in range(3):
+        a, b = offs[r], offs[r + 1]
+        with torch.no_grad():
+            logits = model(input_ids=d["input_ids"][a:b][None]).logits[0]
+        trained = shard.trained[a:b]
+        teacher = shard.teacher(a, b)
+        vals, ids = torch.log_softmax(logits[:, draft], -1).topk(6, -1)
+        assert torch.equal(teacher["draft_topk_ids"][trained], ids[trained])
+        torch.testing.assert_close(
+            teacher["topk_logprobs"][trained], vals[trained], atol=2e-3, rtol=0
+        )
+    in_vocab = torch.isin(
+        torch.cat(
+            [
+                model(input_ids=d["input_ids"][a:b][None]).logits[0].argmax(-1)
+                for a, b in zip(offs, offs[1:], strict=False)
+            ]
+        ),
+        draft,
+    )
+    assert torch.equal(shard.teacher_in_vocab.bool(), in_vocab[shard.trained])
+
+    # recode: a trained shard -> this mode, the same bytes as writing it directly
+    g = torch.Generator().manual_seed(2)
+    t = d["input_ids"].numel()
+    aux, last = (
+        torch.randn(t, 3 * head.shape[1], generator=g),
+        torch.randn(t, head.shape[1], generator=g),
+    )
+    kw = {k: d[k] for k in ("input_ids", "loss_mask", "row_offsets")}
+    kw.update(hidden_size=head.shape[1], dtype="bfloat16", manifest={"row_range": [0, 3]})
+    src = tmp_path / "src" / "rows_000000-000003.safetensors"
+    with ShardWriter(src, **kw, storage=Storage(final="trained")) as w:
+        w.write(0, aux, last.bfloat16())
+    direct = tmp_path / "direct" / "rows_000000-000003.safetensors"
+    st = Storage.from_config(storage)
+    with ShardWriter(direct, **kw, storage=st, lm_head=head, draft_ids=draft) as w:
+        w.write(0, aux.bfloat16(), last.bfloat16())
+    rec = tmp_path / "rec" / "rows_000000-000003.safetensors"
+    spec = ["--storage", json.dumps(storage), "--target", str(target)]
+    with pytest.raises(SystemExit, match="--vocab"):
+        convert_main(["recode", "--shard", str(src), "--out", str(rec), *spec])
+    convert_main(["recode", "--shard", str(src), "--out", str(rec), *spec, "--vocab", str(vocab)])
+    x, y = open_shard(rec, verify_sha=True), open_shard(direct)
+    assert x.manifest["storage"] == y.manifest["storage"]
+    for key in ("teacher_topk_ids", "teacher_topk_logprobs", "teacher_in_vocab"):
+        assert torch.equal(getattr(x, key).view(torch.uint8), getattr(y, key).view(torch.uint8))
+    from draftsmith.convert import _write_shard
+
+    with pytest.raises(ConvertError, match="recode"):
+        _write_shard(tmp_path / "z.safetensors", [], None, "bfloat16", {}, st, target)
+
+
+def test_training_refuses_another_draft_vocabulary(tmp_path):
+    from draftsmith.storage import check_draft_vocab
+
+    d = data()
+    path = tmp_path / "rows_000000-000004.safetensors"
+    write(path, d, MODES["draft-topk"])
+    m = open_shard(path).manifest
+    check_draft_vocab(m, DRAFT_IDS)  # the vocabulary it was stored over
+    check_draft_vocab(open_shard(path).manifest | {"storage": {}}, DRAFT_IDS[:5])  # no top-k
+    with pytest.raises(StorageError, match="another draft vocabulary"):
+        check_draft_vocab(m, torch.arange(0, V, 2)[: DRAFT_IDS.numel()])

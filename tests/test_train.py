@@ -10,6 +10,7 @@ and an assistant part.
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -317,3 +318,41 @@ def test_run_key_ignores_manifest_keys_outside_the_shard_bytes(tmp_path):
     assert run_key(cfg, inputs["shards"], inputs["vocab"], inputs["target"]) == key
     mpath.write_text(json.dumps({**manifest, "sha256": "0" * 64}))
     assert run_key(cfg, inputs["shards"], inputs["vocab"], inputs["target"]) != key
+
+
+def test_training_on_draft_topk_shards(tmp_path):
+    """Shards recoded to the teacher's top-k over the draft vocabulary: with k = the whole draft
+    vocabulary training follows the reference's losses (float16 log-probs); with k = 8 the
+    tail-bucket loss trains; a shard stored over another draft vocabulary is refused by name."""
+    from draftsmith.convert import recode
+    from draftsmith.storage import Storage
+
+    inputs = make_inputs(tmp_path / "in")
+
+    def recoded(k: int) -> dict:
+        out = []
+        for p in inputs["shards"]:
+            dst = tmp_path / f"k{k}" / p.name
+            st = Storage(final="topk", topk=k, topk_vocab="draft")
+            recode(p, dst, st, inputs["target"], "cpu", inputs["vocab"])
+            out.append(dst)
+        return {**inputs, "shards": out}
+
+    cfg = cfg_json(max_steps=5)
+    ref = run_train(inputs, tmp_path / "ref", cfg)
+    full = run_train(recoded(K), tmp_path / "full", cfg)
+    assert len(full) == len(ref) == 5
+    for a, b in zip(ref, full, strict=True):
+        assert abs(a["loss"] - b["loss"]) < 1e-3 * a["loss"], (a["loss"], b["loss"])
+        assert a["acc_per_pos"] == b["acc_per_pos"]
+    few_inputs = recoded(8)
+    few = run_train(few_inputs, tmp_path / "few", cfg)
+    assert all(math.isfinite(r["loss"]) for r in few) and few[-1]["loss"] < few[0]["loss"]
+    # the coarsened cross-entropy is at most the full one (merging outcomes cannot raise it)
+    assert few[0]["loss"] <= ref[0]["loss"] + 1e-4
+    other = tmp_path / "other_vocab.safetensors"
+    t2d = torch.zeros(V, dtype=torch.bool)
+    t2d[1 : K + 1] = True
+    save_file({"d2t": torch.ones(K, dtype=torch.long), "t2d": t2d}, str(other))
+    with pytest.raises(SystemExit, match=r"rows_000000-000012.*another draft vocabulary"):
+        run_train({**few_inputs, "vocab": other}, tmp_path / "other", cfg)

@@ -267,11 +267,13 @@ def capture_shard(
     manifest: dict,
     progress: bool = True,
     storage: Storage | None = None,
+    draft_ids: torch.Tensor | None = None,
 ) -> dict:
     """Run the prefill over every row of `tokens` and write the shard at `out`; return the manifest.
 
     `storage` (default: the reference layout) is the shard's storage mode; a top-k mode takes
-    the teacher's top-k from the float32 final state and the model's own lm_head.
+    the teacher's top-k from the float32 final state and the model's own lm_head (over the
+    draft vocabulary `draft_ids`, the target id of each draft id, for `topk_vocab: draft`).
     """
     hidden = int(model.config.get_text_config().hidden_size)
     storage = storage or Storage()
@@ -290,6 +292,7 @@ def capture_shard(
         manifest={**manifest, "aux_layer_ids": list(ids), "backend": "hf"},
         storage=storage,
         lm_head=lm_head,
+        draft_ids=draft_ids,
     ) as writer:
         for rows in tqdm(batches, desc=Path(out).stem, unit="batch", disable=not progress):
             aux, last = forward_states(model, pad_rows(tokens["input_ids"], offsets, rows), ids)
@@ -301,8 +304,11 @@ def capture_shard(
     return writer.manifest
 
 
-def capture_range(tokens, cfg: dict, *, target, out, ids, manifest: dict, threads: int) -> dict:
-    """The capture stage: load the target and write the shard of one row range."""
+def capture_range(
+    tokens, cfg: dict, *, target, out, ids, manifest: dict, threads: int, draft_ids=None
+) -> dict:
+    """The capture stage: load the target and write the shard of one row range (draft_ids: the
+    draft vocabulary, for a top-k teacher stored over it)."""
     from draftsmith.common import set_threads
     from draftsmith.target import load_target
 
@@ -319,6 +325,7 @@ def capture_range(tokens, cfg: dict, *, target, out, ids, manifest: dict, thread
         int(cap.get("batch_tokens", 8192)),
         manifest={**manifest, "forward_dtype": str(dtype).removeprefix("torch.")},
         storage=Storage.from_config(cap.get("storage")),
+        draft_ids=draft_ids,
     )
 
 
