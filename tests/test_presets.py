@@ -118,3 +118,33 @@ def test_preset_dry_run_prints_disk_estimate(tmp_path, preset, make, bytes_per_t
     line = next(ln for ln in out.splitlines() if "hidden-state shards (upper bound" in ln)
     assert f"x {bytes_per_token} B/token" in line or f"x {bytes_per_token + 1} B/token" in line
     assert "rule patch_sglang" in out and "rule capture" in out
+
+
+def _leaves(d: dict, prefix: str = "") -> set[str]:
+    out: set[str] = set()
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        out |= _leaves(v, key + ".") if isinstance(v, dict) else {key}
+    return out
+
+
+def test_embedded_sglang_changes_only_the_engines():
+    """config/embedded-sglang.yaml is the embedded default with SGLang engines: no data, draft,
+    training or benchmark-size key may differ, or its figures stop comparing with the hf run's
+    prompt for prompt (a full copy of the default once drifted to another data split)."""
+    cfg = yaml.safe_load((ROOT / "config" / "embedded-sglang.yaml").read_text())
+    engine_keys = {
+        "envs.sglang-cpu.python",
+        "envs.sglang-cpu.gpus",
+        "regenerate.backend",
+        "regenerate.role",
+        "capture.backend",
+        "capture.role",
+        "bench.backend",
+        "bench.role",
+        "bench.topk",
+    }
+    leaves = _leaves(cfg)
+    extra = {k for k in leaves - engine_keys if not k.startswith("sglang.")}
+    assert not extra, f"config/embedded-sglang.yaml sets non-engine keys: {sorted(extra)}"
+    assert {"regenerate.backend", "capture.backend", "bench.backend"} <= leaves
