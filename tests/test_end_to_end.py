@@ -1,7 +1,14 @@
-"""The embedded default, end to end, exactly as the README runs it.
+"""The embedded default, end to end, exactly as the README runs it; then the same `results/draft`
+benchmarked through vLLM and through SGLang, the directory docs/interop.md tells both to serve.
 
-Marked `e2e`: about 20-40 minutes on 2 cores, run by hand (`pytest -m e2e`), not in .ci/run,
-whose 90-minute budget it would share with the rest.
+Marked `e2e` (and `slow`): .ci/run runs it after the engine venvs are built. The engine tests
+need the vllm-cpu and sglang-cpu role interpreters (DRAFTSMITH_PYTHON_VLLM_CPU,
+DRAFTSMITH_PYTHON_SGLANG_CPU): they skip without them, or fail under
+DRAFTSMITH_REQUIRE_ENGINES=1. Each reruns only the bench rule of the finished run, with
+`bench.backend` set to the engine (an overlay config file), on the default's held-out prompts
+and settings (16 prompts, 4 draft tokens as a chain, greedy, 64 new tokens, float32, one request
+at a time; HumanEval is left out to keep CI short), and its acceptance must equal the hf
+engine's from the default run (trained.assert_same_acceptance: equal up to a float32 near-tie).
 """
 
 from __future__ import annotations
@@ -13,33 +20,93 @@ import sys
 from pathlib import Path
 
 import pytest
-from wf import ROOT
+import yaml
+from roles import role_python
+from trained import assert_same_acceptance
+from wf import ROOT, planned_jobs
 
 pytestmark = [pytest.mark.slow, pytest.mark.workflow, pytest.mark.e2e]
 
+ROLES = {"vllm": "vllm-cpu", "sglang": "sglang-cpu"}
+# the server settings of config/embedded-sglang.yaml: a small KV pool on CPU (docs/sglang.md)
+SGLANG = {"extra_args": ["--max-total-tokens", "8192", "--mem-fraction-static", "0.1"]}
 
-def test_embedded_default_builds_a_draft_that_speculates(tmp_path: Path):
-    work = tmp_path / "run"
+
+def snakemake(work: Path, *args: str, timeout: int) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "snakemake", "-s", str(ROOT / "Snakefile"), "--directory"]
+    return subprocess.run([*cmd, str(work), *args], capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def default_run(tmp_path_factory):
+    """`snakemake --cores all` in a fresh directory with the repository's config.yaml; the hf
+    bench report it wrote (read now: the engine tests rerun the bench into the same place)."""
+    work = tmp_path_factory.mktemp("e2e") / "run"
     work.mkdir()
     shutil.copy(ROOT / "config.yaml", work / "config.yaml")
-    base = [
-        sys.executable,
-        "-m",
-        "snakemake",
-        "-s",
-        str(ROOT / "Snakefile"),
-        "--directory",
-        str(work),
-    ]
-    run = subprocess.run([*base, "--cores", "all"], capture_output=True, text=True, timeout=3600)
+    run = snakemake(work, "--cores", "all", timeout=3600)
     assert run.returncode == 0, run.stderr[-6000:]
-    report = json.loads((work / "results/bench/report.json").read_text())
+    return work, json.loads((work / "results/bench/report.json").read_text())
+
+
+def test_embedded_default_builds_a_draft_that_speculates(default_run):
+    work, report = default_run
+    assert report["backend"] == "hf"
     sets = report["sets"]
     assert set(sets) >= {"heldout", "humaneval"}
     for name, s in sets.items():
         assert s["tau"] > 1.05, (name, s["tau"])
-    html = subprocess.run(
-        [*base, "--report", str(work / "report.html")], capture_output=True, text=True, timeout=600
-    )
+    html = snakemake(work, "--report", str(work / "report.html"), timeout=600)
     assert html.returncode == 0, html.stderr[-4000:]
     assert (work / "report.html").stat().st_size > 10_000
+
+
+@pytest.mark.parametrize(
+    "engine",
+    [
+        pytest.param("vllm", marks=pytest.mark.vllm),
+        pytest.param("sglang", marks=pytest.mark.sglang),
+    ],
+)
+def test_engine_serving_results_draft_accepts_as_ours(default_run, engine):
+    """The bench rule rerun with bench.backend = `engine` on the same draft: only the bench
+    (and the engine role's environment check) runs, on the same prompts, and the engine's own
+    counters give our engine's acceptance, with outputs equal to plain greedy."""
+    role = ROLES[engine]
+    python = role_python(role)
+    work, hf_report = default_run
+    overlay = {
+        "envs": {"cpu": {"python": ""}, role: {"python": python}},
+        "bench": {"backend": engine, "role": role, "humaneval_size": 0},
+        **({"sglang": SGLANG} if engine == "sglang" else {}),
+    }
+    (work / f"bench-{engine}.yaml").write_text(yaml.safe_dump(overlay))
+    args = ("--configfile", f"bench-{engine}.yaml")
+    assert planned_jobs(work, args=args) == {"validate_env": 1, "bench": 1, "all": 1}
+    draft = work / "results/draft/model.safetensors"
+    before = draft.stat().st_mtime_ns
+    run = snakemake(work, "--cores", "all", *args, timeout=2400)
+    log_file = work / "logs/bench/bench.log"
+    log = log_file.read_text() if log_file.is_file() else ""
+    assert run.returncode == 0, run.stderr[-6000:] + log[-6000:]
+    assert draft.stat().st_mtime_ns == before  # the very draft the hf bench measured
+
+    report = json.loads((work / "results/bench/report.json").read_text())
+    assert report["backend"] == engine and set(report["sets"]) == {"heldout"}
+    assert report["set_ids"]["heldout"] == hf_report["set_ids"]["heldout"]
+    for key in ("num_steps", "max_new_tokens", "heldout_size"):
+        assert report["config"]["bench"][key] == hf_report["config"]["bench"][key], key
+    theirs, ours = report["sets"]["heldout"], hf_report["sets"]["heldout"]
+    assert_same_acceptance(theirs, ours, engine)
+    assert theirs["identical_outputs"] == ours["prompts"] == len(report["set_ids"]["heldout"])
+    ids = json.loads((work / "results/draft/config.json").read_text())
+    sglang_ids = ids["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
+    if engine == "vllm":  # vLLM's numbering, read from the top-level key
+        vllm_ids = tuple(i + 1 for i in sglang_ids)
+        assert report["vllm_aux_layer_ids"] == list(vllm_ids)
+        assert f"Using auxiliary layers from speculative config: {vllm_ids}" in log
+    print(
+        f"{engine}: tau {theirs['tau']:.4f} vs hf {ours['tau']:.4f}, passes "
+        f"{theirs['verify_passes']} vs {ours['verify_passes']}, hist {theirs['accept_len_hist']}"
+        f" vs {ours['accept_len_hist']}"
+    )
