@@ -1,5 +1,4 @@
-"""vLLM and SGLang against our own engine on the same draft and prompts (bench.backend vllm,
-sglang vs hf).
+"""vLLM and SGLang against our own engine, same draft and prompts (backend vllm, sglang vs hf).
 
     python benchmarks/bench_vllm.py --project DIR [--prompts N] [--num-steps K] [--max-new-tokens M]
 
@@ -8,15 +7,17 @@ DIR is a finished run (`snakemake --cores all`, the embedded default for instanc
 and target sections the bench rule ran with) gives the held-out prompts and, unless overridden,
 the settings: the workflow's own held-out set, `bench.num_steps` draft tokens (chain, top-k 1),
 greedy, `bench.max_new_tokens`. Every engine runs as its own process started from DIR: hf in
-this interpreter, vllm in the vllm-cpu role's ($DRAFTSMITH_PYTHON_VLLM_CPU) from `results/draft`
-and from `results/draft/speculators`, sglang (the real server, one request at a time) in the
-sglang-cpu role's ($DRAFTSMITH_PYTHON_SGLANG_CPU, skipped when unset) from `results/draft`.
+this interpreter (see --rerun-hf), vllm in the vllm-cpu role's ($DRAFTSMITH_PYTHON_VLLM_CPU)
+from `results/draft` and from `results/draft/speculators`, sglang (the real server, one request
+at a time) in the sglang-cpu role's ($DRAFTSMITH_PYTHON_SGLANG_CPU, skipped when unset) from
+`results/draft`.
 
 Writes benchmarks/results/vllm.json and vllm.md: tau, verification passes, accepted-length
 histogram, outputs equal to plain greedy, whether each equals our engine's figures, and
 tokens/s with and without speculation (each engine against its own baseline, measured in its
-own run: the machine is shared, so only ratios within one run mean anything). When the settings
-are the report's, the workflow's own hf figures (results/bench/report.json) are listed too.
+own run: the machine is shared, so only ratios within one run mean anything). "Ours" is the
+workflow's own hf figures (results/bench/report.json) when the settings are the report's, else
+(or with --rerun-hf) the hf engine run here.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ SGLANG = {
     "request_timeout": 1800,
     "retries": 2,
 }
+WORKFLOW = "hf, the workflow's own results/bench/report.json"
 ROLES = {"hf": "cpu", "vllm": "vllm-cpu", "sglang": "sglang-cpu"}
 
 
@@ -101,6 +103,12 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=0, help="held-out prompts (0: the report's)")
     ap.add_argument("--num-steps", type=int, default=0, help="draft tokens (0: the report's)")
     ap.add_argument("--max-new-tokens", type=int, default=0, help="(0: the report's)")
+    ap.add_argument(
+        "--rerun-hf",
+        action="store_true",
+        help="run the hf engine here too (otherwise the report's own hf figures, if the settings "
+        "are the report's)",
+    )
     ap.add_argument("--one", help=argparse.SUPPRESS)
     ap.add_argument("--draft", default="results/draft", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -116,14 +124,31 @@ def main() -> None:
         raise SystemExit(f"{report_file} is missing: run `snakemake --cores all` there first")
     report = json.loads(report_file.read_text())
     hf_cfg = job_cfg(report, "hf", args)
-    runs = {"hf results/draft": spawn(sys.executable, args.project, hf_cfg, "results/draft")}
+    b = hf_cfg["bench"]
+    wf = report["sets"].get("heldout")
+    same = wf is not None and report["config"]["bench"]["backend"] == "hf"
+    same = same and all(
+        report["config"]["bench"][k] == b[k]
+        for k in ("heldout_size", "num_steps", "max_new_tokens")
+    )
+    runs = {}
+    if same:  # the workflow's own hf figures, on exactly these prompts and settings
+        runs[WORKFLOW] = {
+            "res": wf,
+            "ids": report["set_ids"]["heldout"],
+            "info": {k: report[k] for k in ("backend", "method")},
+            "wall_s": None,
+        }
+    if args.rerun_hf or not same:
+        runs["hf results/draft"] = spawn(sys.executable, args.project, hf_cfg, "results/draft")
+    ref_name = "hf results/draft" if "hf results/draft" in runs else WORKFLOW
+    ref = runs[ref_name]
     for draft in ("results/draft", "results/draft/speculators"):
         cfg = job_cfg(report, "vllm", args)
         runs[f"vllm {draft}"] = spawn(vllm_py, args.project, cfg, draft)
     if sglang_py:
         cfg = job_cfg(report, "sglang", args)
         runs["sglang results/draft"] = spawn(sglang_py, args.project, cfg, "results/draft")
-    ours = runs["hf results/draft"]["res"]
     summary = {
         name: {
             **{k: r["res"][k] for k in KEYS},
@@ -131,29 +156,14 @@ def main() -> None:
             "speedup": r["res"]["speedup"],
             "spec_tokens_per_s": r["res"]["spec_tokens_per_s"],
             "baseline_tokens_per_s": r["res"]["baseline_tokens_per_s"],
-            "equal_to_ours": all(r["res"][k] == ours[k] for k in KEYS),
-            "same_prompts": r["ids"] == runs["hf results/draft"]["ids"],
+            "equal_to_ours": all(r["res"][k] == ref["res"][k] for k in KEYS),
+            "same_prompts": r["ids"] == ref["ids"],
             "wall_s": r["wall_s"],
         }
         for name, r in runs.items()
     }
-    b = hf_cfg["bench"]
-    wf = report["sets"].get("heldout")
-    same_settings = report["config"]["bench"]["backend"] == "hf" and all(
-        report["config"]["bench"][k] == b[k]
-        for k in ("heldout_size", "num_steps", "max_new_tokens")
-    )
-    if wf and same_settings:
-        summary["hf, the workflow's results/bench/report.json"] = {
-            **{k: wf[k] for k in KEYS},
-            "tau_sglang": wf["tau_sglang"],
-            "speedup": wf["speedup"],
-            "equal_to_ours": all(wf[k] == ours[k] for k in KEYS),
-            "same_prompts": report["set_ids"]["heldout"] == runs["hf results/draft"]["ids"],
-        }
     draft_cfg = json.loads((args.project / "results/draft/config.json").read_text())
     result = {
-        "project": str(args.project),
         "prompts": b["heldout_size"],
         "num_steps": b["num_steps"],
         "max_new_tokens": b["max_new_tokens"],
@@ -161,6 +171,7 @@ def main() -> None:
         "load_average_at_end": os.getloadavg(),
         "aux_layer_ids_sglang": draft_cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"],
         "aux_layer_ids_vllm": draft_cfg.get("eagle_aux_hidden_state_layer_ids"),
+        "ours": ref_name,
         "runs": summary,
         "info": {name: r["info"] for name, r in runs.items()},
     }
@@ -173,7 +184,8 @@ def main() -> None:
         f"{n} held-out prompts of the workflow's own held-out set, {b['num_steps']} draft tokens "
         f"(chain, top-k 1), greedy, at most {b['max_new_tokens']} new tokens, "
         f"{hf_cfg['target']['dtype']}, one request at a time, 2 shared CPU cores (load average "
-        f"at the end {os.getloadavg()[0]:.1f}).",
+        f"at the end {os.getloadavg()[0]:.1f}). Ours: {ref_name}. Equal to ours: tau, passes, "
+        "generated tokens, histogram and identical outputs all exactly equal.",
         "",
         "| engine, draft dir | tau | tau (SGLang count) | passes | accepted-length histogram "
         "| outputs = plain greedy | speedup vs own baseline | equal to ours |",

@@ -9,11 +9,15 @@ DRAFTSMITH_REQUIRE_ENGINES=1. Each reruns only the bench rule of the finished ru
 and settings (16 prompts, 4 draft tokens as a chain, greedy, 64 new tokens, float32, one request
 at a time; HumanEval is left out to keep CI short), and its acceptance must equal the hf
 engine's from the default run (trained.assert_same_acceptance: equal up to a float32 near-tie).
+
+DRAFTSMITH_E2E_RUN=DIR reuses a finished default run (a copy of DIR is benched, DIR is left
+alone) instead of building one: for working on the engine cases; CI never sets it.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -42,8 +46,12 @@ def default_run(tmp_path_factory):
     """`snakemake --cores all` in a fresh directory with the repository's config.yaml; the hf
     bench report it wrote (read now: the engine tests rerun the bench into the same place)."""
     work = tmp_path_factory.mktemp("e2e") / "run"
-    work.mkdir()
-    shutil.copy(ROOT / "config.yaml", work / "config.yaml")
+    reuse = os.environ.get("DRAFTSMITH_E2E_RUN")
+    if reuse:
+        shutil.copytree(reuse, work, symlinks=True, ignore=shutil.ignore_patterns(".git"))
+    else:
+        work.mkdir()
+        shutil.copy(ROOT / "config.yaml", work / "config.yaml")
     run = snakemake(work, "--cores", "all", timeout=3600)
     assert run.returncode == 0, run.stderr[-6000:]
     return work, json.loads((work / "results/bench/report.json").read_text())
