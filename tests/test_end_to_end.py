@@ -89,7 +89,7 @@ def test_engine_serving_results_draft_accepts_as_ours(default_run, engine):
         **({"sglang": SGLANG} if engine == "sglang" else {}),
     }
     (work / f"bench-{engine}.yaml").write_text(yaml.safe_dump(overlay))
-    args = ("--configfile", f"bench-{engine}.yaml")
+    args = ("--configfile", str(work / f"bench-{engine}.yaml"))
     assert planned_jobs(work, args=args) == {"validate_env": 1, "bench": 1, "all": 1}
     draft = work / "results/draft/model.safetensors"
     before = draft.stat().st_mtime_ns
