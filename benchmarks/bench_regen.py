@@ -1,19 +1,26 @@
 """Regeneration throughput of the hf backend: batched, left-padded generation vs one row at a time.
 
-Runs HFGenerator on the first N bundled training prompts at several batch sizes, on the same
-prompts in the same process, and reports generated tokens/s and the speedup over batch size 1
-(the baseline). Also reports how many replies are identical to the unbatched greedy replies
-(left padding must not change greedy output beyond float rounding).
+Runs HFGenerator on the first N bundled training prompts at several batch sizes (and weight
+dtypes: `--variants 32:float32,32:bfloat16`, regenerate.dtype), on the same prompts in the same
+process, and reports generated tokens/s and the speedup over the first variant (the baseline).
+Also reports how many replies are identical to the baseline's (left padding must not change
+greedy output beyond float rounding) and, per variant, the fraction of reply tokens that are
+the float32 target's own greedy choice after the same prefix (one float32 prefill per reply:
+how far a bf16 copy's text is from the target's greedy path).
 
     python benchmarks/bench_regen.py --target results/target --prompts 32 --max-new-tokens 64 \
         --batch-sizes 1,8,16,32 --threads 2
+    nice -n 10 python benchmarks/bench_regen.py --variants 8:float32,32:float32,64:float32,\
+        32:bfloat16,64:bfloat16 --threads 1 --clock cpu --out benchmarks/results/regen_cpu
 
-Writes benchmarks/results/regen.json and regen.md.
+`--clock cpu` times with this process's CPU seconds: with one thread, a cost that other users'
+load on a shared machine hardly changes. Writes benchmarks/results/regen.json and regen.md.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import os
 import platform
 import sys
@@ -24,12 +31,38 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
+def greedy_fraction(model, gen, prompts) -> float:
+    """Fraction of the reply tokens `gen` generates for `prompts` (again, as ids) that are the
+    float32 `model`'s argmax after the same prefix (one prefill per reply)."""
+    import torch
+
+    agree = total = 0
+    encoded = [gen._encode(p) for p in prompts]
+    with torch.inference_mode():
+        for start in range(0, len(encoded), gen.batch_size):
+            batch = encoded[start : start + gen.batch_size]
+            for p, reply in zip(batch, gen.generate_ids(batch), strict=True):
+                if not reply:
+                    continue
+                logits = model(input_ids=torch.tensor([p + reply])).logits[0]
+                pred = logits[len(p) - 1 : len(p) + len(reply) - 1].argmax(-1)
+                agree += int((pred == torch.tensor(reply)).sum())
+                total += len(reply)
+    return agree / total if total else float("nan")
+
+
+def fraction(value) -> str:
+    return "-" if value is None else f"{value:.2%}"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--target", default=str(ROOT / "results" / "target"))
     ap.add_argument("--prompts", type=int, default=32)
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--batch-sizes", default="1,8,16,32")
+    ap.add_argument("--variants", help="batch:dtype,... (overrides --batch-sizes, float32)")
+    ap.add_argument("--clock", choices=["wall", "cpu"], default="wall")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "regen"))
     args = ap.parse_args()
@@ -50,23 +83,41 @@ def main() -> None:
     model, tokenizer = load_target(args.target)
     load_s = time.perf_counter() - t0
 
+    clock = time.process_time if args.clock == "cpu" else time.perf_counter
+    variants = [(int(b), "float32") for b in args.batch_sizes.split(",")]
+    if args.variants:
+        variants = [(int(v.split(":")[0]), v.split(":")[1]) for v in args.variants.split(",")]
+    copies = {"float32": model}
     results, baseline_replies = [], None
-    for bs in [int(b) for b in args.batch_sizes.split(",")]:
+    for bs, dtype in variants:
+        if dtype not in copies:
+            copies[dtype] = copy.deepcopy(model).to(getattr(torch, dtype))
         gen = HFGenerator(
-            model, tokenizer, max_new_tokens=args.max_new_tokens, batch_size=bs, progress=False
+            copies[dtype],
+            tokenizer,
+            max_new_tokens=args.max_new_tokens,
+            batch_size=bs,
+            progress=False,
         )
+        t0 = clock()
         replies = gen(prompts)
+        seconds = clock() - t0
         if baseline_replies is None:
             baseline_replies = replies
         same = sum(a == b for a, b in zip(replies, baseline_replies, strict=True))
         results.append(
             {
                 "batch_size": bs,
+                "dtype": dtype,
                 "new_tokens": gen.stats["new_tokens"],
-                "seconds": round(gen.stats["seconds"], 2),
-                "tokens_per_second": round(gen.tokens_per_second(), 1),
+                "seconds": round(seconds, 2),
+                "tokens_per_second": round(gen.stats["new_tokens"] / seconds, 1),
                 "hit_limit": gen.stats["hit_limit"],
                 "same_as_baseline": same,
+                # once per dtype (it generates the replies again, as ids)
+                "target_greedy_fraction": None
+                if any(r["dtype"] == dtype for r in results)
+                else round(greedy_fraction(model, gen, prompts), 4),
             }
         )
         print(results[-1], flush=True)
@@ -80,8 +131,9 @@ def main() -> None:
         "prompts": len(prompts),
         "max_new_tokens": args.max_new_tokens,
         "threads": args.threads,
+        "clock": args.clock,
         "load_seconds": round(load_s, 1),
-        "baseline": f"batch_size {results[0]['batch_size']} (unbatched)",
+        "baseline": f"batch_size {results[0]['batch_size']} {results[0]['dtype']}",
         "results": results,
         "machine": {
             "cpu_count": os.cpu_count(),
@@ -95,17 +147,19 @@ def main() -> None:
         "# Regeneration throughput (hf backend)",
         "",
         f"{len(prompts)} bundled prompts, max_new_tokens {args.max_new_tokens}, "
-        f"{args.threads} threads; baseline {report['baseline']}; 1-min load average "
+        f"{args.threads} threads, {args.clock} clock; baseline {report['baseline']}; "
+        "1-min load average "
         f"{report['machine']['loadavg_1min_before_after']} on {os.cpu_count()} CPUs.",
         "",
-        "| batch | new tokens | seconds | tokens/s | speedup | hit limit | same as baseline |",
-        "|---:|---:|---:|---:|---:|---:|---:|",
+        "| batch | dtype | new tokens | seconds | tokens/s | speedup | hit limit "
+        "| same as baseline | target's greedy token |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in results:
         lines.append(
-            f"| {r['batch_size']} | {r['new_tokens']} | {r['seconds']} | "
+            f"| {r['batch_size']} | {r['dtype']} | {r['new_tokens']} | {r['seconds']} | "
             f"{r['tokens_per_second']} | {r['speedup_vs_baseline']}x | {r['hit_limit']} | "
-            f"{r['same_as_baseline']}/{len(prompts)} |"
+            f"{r['same_as_baseline']}/{len(prompts)} | {fraction(r['target_greedy_fraction'])} |"
         )
     atomic_write_text(f"{args.out}.md", "\n".join(lines) + "\n")
 

@@ -175,3 +175,16 @@ def check_config(config: dict) -> None:
             f"data.heldout_rows = {data['heldout_rows']}: the benchmark can only use rows held "
             f"out of training; raise data.heldout_rows or lower bench.heldout_size"
         )
+    regen = config["regenerate"]
+    if regen["backend"] != "hf" and regen["dtype"] != "float32":
+        raise ConfigError(
+            f"config: regenerate.dtype = {regen['dtype']} is the hf engine's; the "
+            f"{regen['backend']} engine serves target.dtype: leave regenerate.dtype float32"
+        )
+    capture = config["capture"]["storage"]
+    if config["train"]["loss_positions"] == "all" and capture["final"] != "states":
+        raise ConfigError(
+            "config: train.loss_positions = all trains every position toward the target's "
+            f"distribution there, but capture.storage.final = {capture['final']} keeps no "
+            "teacher at untrained positions: use capture.storage.final states"
+        )

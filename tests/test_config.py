@@ -141,6 +141,20 @@ def test_heldout_size_over_heldout_rows_fails_at_parse_time(tmp_path: Path, tiny
     check_config(with_defaults(tiny_config(tiny_target, bench={"heldout_size": 8})))
 
 
+def test_engine_specific_keys_fail_at_parse_time_elsewhere(tiny_target: Path):
+    """regenerate.dtype bfloat16 is the hf engine's; loss_positions all needs the final states."""
+    sgl = {"backend": "sglang", "role": "sglang-cpu", "dtype": "bfloat16"}
+    with pytest.raises(ConfigError, match=r"regenerate.dtype = bfloat16 .* sglang engine"):
+        check_config(with_defaults(tiny_config(tiny_target, regenerate=sgl)))
+    check_config(with_defaults(tiny_config(tiny_target, regenerate={"dtype": "bfloat16"})))
+    topk = {"storage": {"final": "topk"}}
+    with pytest.raises(ConfigError, match=r"loss_positions = all .*storage.final = topk"):
+        check_config(
+            with_defaults(tiny_config(tiny_target, train={"loss_positions": "all"}, capture=topk))
+        )
+    check_config(with_defaults(tiny_config(tiny_target, train={"loss_positions": "all"})))
+
+
 @pytest.mark.workflow
 def test_parse_time_errors_name_the_key(tmp_path: Path, tiny_target: Path):
     write_config(tmp_path, tiny_config(tiny_target, bench={"heldout_size": 9}))

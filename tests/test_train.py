@@ -281,6 +281,24 @@ def test_reference_curve(baseline):
         assert a == pytest.approx(b, abs=1e-6)
 
 
+def test_loss_positions_all_trains_the_prompt_too(inputs, baseline, tmp_path):
+    """train.loss_positions all: the teacher flags cover prompt positions as well, the curve
+    differs from the assistant-only default's from step 1, and it still learns."""
+    from draftsmith.shards import open_shard
+    from draftsmith.train import target_tensors
+    from draftsmith.ttt import teacher_ok
+    from draftsmith.vocab import load_vocab
+
+    shard = open_shard(inputs["shards"][0])
+    lm_head, t2d = target_tensors(inputs["target"])["lm_head"], load_vocab(inputs["vocab"])[1]
+    some, every = teacher_ok(shard, lm_head, t2d), teacher_ok(shard, lm_head, t2d, every=True)
+    assert every[some].all() and every.sum() > 1.3 * some.sum()
+    curve = run_train(inputs, tmp_path / "all", cfg_json(loss_positions="all"))
+    assert len(curve) == len(baseline)
+    assert curve[0]["loss"] != pytest.approx(baseline[0]["loss"], rel=1e-3)
+    assert curve[-1]["loss"] < 0.8 * curve[0]["loss"]
+
+
 def test_each_shard_is_proven_once_and_a_corrupt_one_is_refused(tmp_path, monkeypatch):
     """sha256 is checked before the first use, cached by file state, and a flipped byte stops."""
     import draftsmith.shards as shards

@@ -184,7 +184,8 @@ def regenerate_rows(conversations, cfg: dict, *, target, threads: int, seed: int
 
     regen = cfg["regenerate"]
     set_threads(threads)
-    model, tokenizer = load_target(target)
+    dtype = regen.get("dtype", "float32")
+    model, tokenizer = load_target(target, dtype=getattr(torch, dtype))
     gen = HFGenerator(
         model,
         tokenizer,
@@ -204,6 +205,7 @@ def regenerate_rows(conversations, cfg: dict, *, target, threads: int, seed: int
         "max_total_tokens": gen.max_total,
         "temperature": gen.temperature,
         "batch_size": gen.batch_size,
+        "dtype": dtype,
         **gen.stats,
         "wall_seconds": time.perf_counter() - t0,
         "tokens_per_second": gen.tokens_per_second(),
