@@ -26,6 +26,7 @@ Writes benchmarks/results/roofline.json and roofline.md.
 from __future__ import annotations
 
 import argparse
+import os
 import platform
 import sys
 import time
@@ -61,41 +62,44 @@ STAGES = [("capture", 512, TARGET), ("train", 1024, DRAFT)] + [
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
-def timed(fn, min_time: float) -> float:
-    """Median seconds per call over repeats filling ~min_time (after one warm-up call)."""
+def timed(fn, min_time: float, clock=time.perf_counter) -> float:
+    """Median seconds per call over repeats filling ~min_time (after one warm-up call).
+
+    clock: time.perf_counter (elapsed) or time.process_time (this process's CPU seconds: with
+    one thread, a figure that other users' load on a shared machine hardly changes)."""
     fn()
-    t0 = time.perf_counter()
+    t0 = clock()
     fn()
-    once = max(time.perf_counter() - t0, 1e-6)
+    once = max(clock() - t0, 1e-6)
     reps = max(3, min(200, int(min_time / once)))
     times = []
     for _ in range(reps):
-        t0 = time.perf_counter()
+        t0 = clock()
         fn()
-        times.append(time.perf_counter() - t0)
+        times.append(clock() - t0)
     return sorted(times)[len(times) // 2]
 
 
-def linear_time(m: int, k: int, n: int, dtype, min_time: float) -> float:
+def linear_time(m: int, k: int, n: int, dtype, min_time: float, clock=time.perf_counter) -> float:
     x = torch.randn(m, k).to(dtype)
     w = torch.randn(n, k).to(dtype)
     with torch.inference_mode():
-        return timed(lambda: F.linear(x, w), min_time)
+        return timed(lambda: F.linear(x, w), min_time, clock)
 
 
-def peak_gflops(dtype, min_time: float) -> float:
+def peak_gflops(dtype, min_time: float, clock=time.perf_counter) -> float:
     best = 0.0
     for size in (1024, 2048):
-        t = linear_time(size, size, size, dtype, min_time)
+        t = linear_time(size, size, size, dtype, min_time, clock)
         best = max(best, 2 * size**3 / t / 1e9)
     return best
 
 
-def copy_bandwidth(min_time: float) -> float:
+def copy_bandwidth(min_time: float, clock=time.perf_counter) -> float:
     """GB/s of a 256 MiB tensor copy (read + write), a stand-in for memory bandwidth."""
     src = torch.empty(64 * 2**20, dtype=torch.float32).fill_(1.0)
     dst = torch.empty_like(src)
-    t = timed(lambda: dst.copy_(src), min_time)
+    t = timed(lambda: dst.copy_(src), min_time, clock)
     return 2 * src.numel() * 4 / t / 1e9
 
 
@@ -117,7 +121,7 @@ def random_target():
     return LlamaForCausalLM(cfg).eval()
 
 
-def pass_costs(model, context: int, max_k: int, min_time: float) -> dict:
+def pass_costs(model, context: int, max_k: int, min_time: float, clock=time.perf_counter) -> dict:
     """Seconds of one forward of n tokens on a `context`-token cache, n = 1..max_k + 1."""
     from transformers import DynamicCache
 
@@ -133,14 +137,16 @@ def pass_costs(model, context: int, max_k: int, min_time: float) -> dict:
             model(input_ids=ids[:, context : context + n], past_key_values=cache, use_cache=True)
             cache.crop(-n)  # drop the n tokens just added
 
-        return {n: timed(lambda n=n: step(n), min_time) for n in range(1, max_k + 2)}
+        return {n: timed(lambda n=n: step(n), min_time, clock) for n in range(1, max_k + 2)}
 
 
 def render_md(r: dict) -> str:
     lines = [
         "# Roofline: matmul ceiling at the embedded default's shapes",
         "",
-        f"CPU: {r['cpu']}; {r['threads']} thread(s); torch {r['torch']}. Everything below was "
+        f"CPU: {r['cpu']}; {r['threads']} thread(s); torch {r['torch']}; "
+        f"{r.get('clock', 'wall')} clock (cpu: this process's CPU seconds), load average "
+        f"{r.get('load_average', float('nan')):.1f} (1 min, after the matmuls). Everything below was "
         "measured in one run (`python benchmarks/bench_roofline.py`); the machine may have been "
         "shared, so compare the ratios, which come from the same run, rather than absolute "
         "figures across runs.",
@@ -208,15 +214,22 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--target", type=Path, help="an HF model dir (default: random weights)")
     ap.add_argument("--no-pass-cost", action="store_true")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    ap.add_argument(
+        "--clock",
+        choices=["wall", "cpu"],
+        default="wall",
+        help="cpu: this process's CPU seconds (use with --threads 1 on a shared machine)",
+    )
     args = ap.parse_args(argv)
     set_threads(args.threads)
-    peak = {d: peak_gflops(t, args.min_time) for d, t in DTYPES.items()}
+    clock = time.process_time if args.clock == "cpu" else time.perf_counter
+    peak = {d: peak_gflops(t, args.min_time, clock) for d, t in DTYPES.items()}
     shapes, stages = [], {}
     for stage, m, layers in STAGES:
         tot = {"fp32": 0.0, "bf16": 0.0}
         flops = 0
         for layer, (k, n) in layers.items():
-            t = {d: linear_time(m, k, n, dt, args.min_time) for d, dt in DTYPES.items()}
+            t = {d: linear_time(m, k, n, dt, args.min_time, clock) for d, dt in DTYPES.items()}
             f = 2 * m * k * n
             flops += f
             for d in tot:
@@ -248,7 +261,9 @@ def main(argv: list[str] | None = None) -> None:
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
         "peak_gflops": peak,
-        "copy_gb_s": copy_bandwidth(args.min_time),
+        "clock": args.clock,
+        "load_average": os.getloadavg()[0],
+        "copy_gb_s": copy_bandwidth(args.min_time, clock),
         "shapes": shapes,
         "stages": stages,
     }
@@ -268,7 +283,7 @@ def main(argv: list[str] | None = None) -> None:
             name = str(args.target)
         else:
             model, name = random_target(), "random weights, SmolLM2-135M shapes"
-        sec = pass_costs(model, args.context, args.max_k, args.min_time)
+        sec = pass_costs(model, args.context, args.max_k, args.min_time, clock)
         report["pass_cost"] = {
             "model": name,
             "context": args.context,

@@ -240,17 +240,17 @@ def all_sum(x: torch.Tensor, world: int) -> torch.Tensor:
 
 
 def teacher_flags(
-    shards, names, heads, t2d, run_dir, rank: int, world: int, device, every: bool = False
+    shards, names, heads, t2d, run_dir, rank: int, world: int, device, all_positions=False
 ) -> dict:
     """Per shard [T] bool: target argmax in the draft vocab (trained positions only, or every
-    position when `every`), cached."""
+    position with `all_positions`), cached."""
     path = run_dir / "teacher_ok.safetensors"
     if rank == 0 and not path.exists():
         flags, lm_head = {}, heads["lm_head"].to(device)
         for name, s in tqdm(
             list(zip(names, shards, strict=True)), desc="teacher argmax", disable=None
         ):
-            flags[name] = teacher_ok(s, lm_head, t2d, every)
+            flags[name] = teacher_ok(s, lm_head, t2d, all_positions)
         with atomic_path(path) as tmp:
             save_file(flags, str(tmp))
     if world > 1:
@@ -314,14 +314,14 @@ def train(
     run_dir.mkdir(parents=True, exist_ok=True)
     if rank == 0:
         remove_stale_temps(run_dir, ".tmp-step-")  # staging dirs of a killed run
-    every = tcfg.get("loss_positions", "assistant") == "all"
+    all_positions = tcfg.get("loss_positions", "assistant") == "all"
     finals = {s.storage.final for s in shards}
-    if every and finals != {"states"}:
+    if all_positions and finals != {"states"}:
         raise SystemExit(
             f"train.loss_positions all needs capture.storage.final states (the teacher at "
             f"every position); the shards hold {sorted(finals)}"
         )
-    ok = teacher_flags(shards, names, heads, t2d, run_dir, rank, world, device, every)
+    ok = teacher_flags(shards, names, heads, t2d, run_dir, rank, world, device, all_positions)
     rows = [
         (s, a, b)
         for s, sh in enumerate(shards)
@@ -401,7 +401,7 @@ def train(
         for g in opt.param_groups:
             g["lr"] = lr
         packs = [
-            [_row(shards, names, ok, rows[r], every) for r in pack]
+            [_row(shards, names, ok, rows[r], all_positions) for r in pack]
             for pack in plans[epoch][batch_idx][rank::world]
         ]
         b = pack_batch(packs, steps, 3 * dcfg.target_hidden_size, dcfg.target_hidden_size)
@@ -515,14 +515,14 @@ def rss_now_mb() -> dict:
     }
 
 
-def _row(shards, names, ok, row, every: bool = False) -> dict:
-    """One row's tensors; `every` (train.loss_positions all) trains every position."""
+def _row(shards, names, ok, row, all_positions: bool = False) -> dict:
+    """One row's tensors; `all_positions` (train.loss_positions all) trains every position."""
     s, a, b = row
     sh = shards[s]
     mask = sh.loss_mask[a:b]
     return {
         "input_ids": sh.input_ids[a:b],
-        "loss_mask": torch.ones_like(mask) if every else mask,
+        "loss_mask": torch.ones_like(mask) if all_positions else mask,
         "ok": ok[names[s]][a:b],
         "aux": sh.aux(a, b),
         **sh.teacher(a, b),  # the same interface in every storage mode

@@ -66,18 +66,18 @@ def teacher_argmax_in_vocab(
 
 @torch.no_grad()
 def teacher_ok(
-    shard, lm_head: torch.Tensor, t2d: torch.Tensor, every: bool = False
+    shard, lm_head: torch.Tensor, t2d: torch.Tensor, all_positions: bool = False
 ) -> torch.Tensor:
     """[T] bool for a shard in any storage mode: at each trained position, the target's
     full-vocabulary argmax is in the draft vocabulary (False at untrained positions).
 
-    every: at every position (train.loss_positions all; storage mode states only, the only one
-    that keeps the final state of untrained positions)."""
+    all_positions: at every position (train.loss_positions all; storage mode states only, the
+    only one that keeps the final state of untrained positions)."""
     final = shard.storage.final
     if final == "states":
-        need = torch.ones(shard.n_tokens, dtype=torch.bool) if every else shard.trained
+        need = torch.ones(shard.n_tokens, dtype=torch.bool) if all_positions else shard.trained
         return teacher_argmax_in_vocab(shard.last_hidden_states, lm_head, t2d, need)
-    if every:
+    if all_positions:
         raise ValueError(
             f"{getattr(shard, 'path', 'shard')}: storage final {final!r} keeps no teacher at "
             "untrained positions; train.loss_positions all needs capture.storage.final states"

@@ -291,7 +291,10 @@ def test_loss_positions_all_trains_the_prompt_too(inputs, baseline, tmp_path):
 
     shard = open_shard(inputs["shards"][0])
     lm_head, t2d = target_tensors(inputs["target"])["lm_head"], load_vocab(inputs["vocab"])[1]
-    some, every = teacher_ok(shard, lm_head, t2d), teacher_ok(shard, lm_head, t2d, every=True)
+    some, every = (
+        teacher_ok(shard, lm_head, t2d),
+        teacher_ok(shard, lm_head, t2d, all_positions=True),
+    )
     assert every[some].all() and every.sum() > 1.3 * some.sum()
     curve = run_train(inputs, tmp_path / "all", cfg_json(loss_positions="all"))
     assert len(curve) == len(baseline)
