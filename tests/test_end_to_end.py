@@ -76,13 +76,13 @@ def test_embedded_default_builds_a_draft_that_speculates(default_run):
         pytest.param("sglang", marks=pytest.mark.sglang),
     ],
 )
-def test_engine_serving_results_draft_accepts_as_ours(default_run, engine):
+def test_engine_serving_results_draft_accepts_as_ours(request, engine):
     """The bench rule rerun with bench.backend = `engine` on the same draft: only the bench
     (and the engine role's environment check) runs, on the same prompts, and the engine's own
     counters give our engine's acceptance, with outputs equal to plain greedy."""
     role = ROLES[engine]
-    python = role_python(role)
-    work, hf_report = default_run
+    python = role_python(role)  # before the default run: a missing role skips/fails at once
+    work, hf_report = request.getfixturevalue("default_run")
     overlay = {
         "envs": {"cpu": {"python": ""}, role: {"python": python}},
         "bench": {"backend": engine, "role": role, "humaneval_size": 0},
