@@ -7,6 +7,7 @@ as strings), then `check_config(config)` for the rules that span sections.
 
 from __future__ import annotations
 
+import json
 import math
 import re
 
@@ -188,3 +189,28 @@ def check_config(config: dict) -> None:
             f"distribution there, but capture.storage.final = {capture['final']} keeps no "
             "teacher at untrained positions: use capture.storage.final states"
         )
+
+
+def storage_keys(storage: dict) -> dict:
+    """capture.storage without the keys its mode does not use, so that a new or changed top-k
+    or scale setting leaves the shards of another mode fresh (draftsmith.storage fills missing
+    keys with the same defaults)."""
+    keep = {"aux": storage.get("aux", "dtype"), "final": storage.get("final", "states")}
+    if keep["aux"] == "float8_e4m3":
+        keep["scale_block"] = storage.get("scale_block", 0)
+    if keep["final"] == "topk":
+        keep["topk"] = storage.get("topk", 32)
+        keep["topk_vocab"] = storage.get("topk_vocab", "target")
+    return keep
+
+
+def sections_json(config: dict, sections, extra: dict | None = None) -> str:
+    """The config sections a job reads, as the JSON of its `params` (what makes it stale), plus
+    `extra` sections not already named; capture.storage reduced to the keys its mode uses."""
+    cfg = {s: config[s] for s in sections}
+    if "capture" in cfg:
+        storage = storage_keys(cfg["capture"].get("storage", {}))
+        cfg["capture"] = {**cfg["capture"], "storage": storage}
+    for key, value in (extra or {}).items():
+        cfg.setdefault(key, value)
+    return json.dumps(cfg, sort_keys=True)

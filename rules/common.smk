@@ -17,6 +17,7 @@ from draftsmith.config import (
     check_range,
     coerce,
     row_ranges,
+    sections_json,
 )  # noqa: E402
 from draftsmith.prompts import BUNDLED_PATH, load_sources, source_files  # noqa: E402
 from draftsmith.target import TargetError, source_signature  # noqa: E402
@@ -200,10 +201,7 @@ def server_cfg(stage):
 def cfg_json(*sections, server_of=None):
     """Exactly the config sections a job reads, as JSON (params: precise staleness), plus the
     server settings of the engine of stage `server_of`."""
-    cfg = {s: config[s] for s in sections}
-    for key, value in (server_cfg(server_of) if server_of else {}).items():
-        cfg.setdefault(key, value)
-    return json.dumps(cfg, sort_keys=True)
+    return sections_json(config, sections, server_cfg(server_of) if server_of else None)
 
 
 def pins_text(wildcards):

@@ -233,6 +233,7 @@ def test_cli_end_to_end(tiny_target, tmp_path):
 
 SNAKEFILE = """
 import json, sys
+sys.path.insert(0, "{root}")
 wildcard_constraints:
     rows=r"rows_\\d{{6}}-\\d{{6}}",
 RANGES = {ranges!r}
@@ -249,8 +250,11 @@ def gpu_resources(stage):
 shell.prefix(f"set -euo pipefail; export PYTHONPATH={root} DRAFTSMITH_PY_CAPTURE={{sys.executable}}; ")
 def role_env(stage):
     return "../envs/cpu.yaml"
+def capture_vocab_input(wildcards):
+    return {{}}
 def cfg_json(*sections, server_of=None):
-    return json.dumps({{s: config[s] for s in sections}}, sort_keys=True)
+    from draftsmith.config import sections_json
+    return sections_json(config, sections)
 include: "{root}/rules/hidden.smk"
 """
 
@@ -320,6 +324,8 @@ def test_rules_targeted_rebuild_and_staleness(tiny_target, tmp_path):
     assert pending({**config, "capture": {**config["capture"], "dtype": "float16"}}) == ranges
     ids = {**config, "capture": {**config["capture"], "aux_layer_ids": [0, 1, 2]}}
     assert pending(ids) == ranges
+    unused = {"topk": 64, "topk_vocab": "draft", "scale_block": 64}  # keys of other modes
+    assert pending({**config, "capture": {**config["capture"], "storage": unused}}) == []
     compact = {"aux": "float8_e4m3", "final": "topk"}  # a new storage mode: every shard stale
     assert pending({**config, "capture": {**config["capture"], "storage": compact}}) == ranges
     # a corrupt shard is found by verify, deleted, and rebuilt alone
