@@ -204,10 +204,35 @@ def storage_keys(storage: dict) -> dict:
     return keep
 
 
-def sections_json(config: dict, sections, extra: dict | None = None) -> str:
+def neutral_defaults(schema: dict) -> dict[str, dict]:
+    """{section: {key: default}} of the keys the schema marks `x-omit-default: true`: options
+    added after outputs existed, whose default reproduces what was built before them."""
+    out: dict[str, dict] = {}
+    for section, spec in schema.get("properties", {}).items():
+        for key, prop in spec.get("properties", {}).items():
+            if prop.get("x-omit-default"):
+                out.setdefault(section, {})[key] = prop["default"]
+    return out
+
+
+def sections_json(
+    config: dict,
+    sections,
+    extra: dict | None = None,
+    neutral: dict | None = None,
+    only: dict | None = None,
+) -> str:
     """The config sections a job reads, as the JSON of its `params` (what makes it stale), plus
-    `extra` sections not already named; capture.storage reduced to the keys its mode uses."""
-    cfg = {s: config[s] for s in sections}
+    `extra` sections not already named; `only` {section: keys} takes just those keys of a
+    section (added to `sections`). Left out, so that they stale nothing: the keys of `neutral`
+    (neutral_defaults) while at their default, and the capture.storage keys its mode does not
+    use."""
+    neutral, only = neutral or {}, only or {}
+    cfg = {}
+    for s in [*sections, *(o for o in only if o not in sections)]:
+        skip = neutral.get(s, {})
+        keys = only.get(s, config[s].keys())
+        cfg[s] = {k: config[s][k] for k in keys if k not in skip or skip[k] != config[s][k]}
     if "capture" in cfg:
         storage = storage_keys(cfg["capture"].get("storage", {}))
         cfg["capture"] = {**cfg["capture"], "storage": storage}

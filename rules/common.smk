@@ -16,6 +16,7 @@ from draftsmith.config import (
     check_config,
     check_range,
     coerce,
+    neutral_defaults,
     row_ranges,
     sections_json,
 )  # noqa: E402
@@ -198,10 +199,12 @@ def server_cfg(stage):
     return {backend: keep, "target": target}
 
 
-def cfg_json(*sections, server_of=None):
+def cfg_json(*sections, server_of=None, **only):
     """Exactly the config sections a job reads, as JSON (params: precise staleness), plus the
-    server settings of the engine of stage `server_of`."""
-    return sections_json(config, sections, server_cfg(server_of) if server_of else None)
+    server settings of the engine of stage `server_of`; `section=(keys...)` takes only those
+    keys of a section (draftsmith.config.sections_json)."""
+    extra = server_cfg(server_of) if server_of else None
+    return sections_json(config, sections, extra, neutral_defaults(_SCHEMA), only)
 
 
 def pins_text(wildcards):

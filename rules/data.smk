@@ -55,16 +55,10 @@ rule regenerate:
         mem_mb=6000,
         runtime=60,
     params:
-        cfg=json.dumps(
-            {
-                "data": {
-                    k: config["data"][k]
-                    for k in ("sources", "heldout_rows", "max_rows", "max_length")
-                },
-                "regenerate": config["regenerate"],
-                **server_cfg("regenerate"),
-            },
-            sort_keys=True,
+        cfg=cfg_json(
+            "regenerate",
+            server_of="regenerate",
+            data=("sources", "heldout_rows", "max_rows", "max_length"),
         ),
         bundled=bundled_digest(),
     shell:

@@ -207,3 +207,37 @@ def test_aux_ids_small_targets_and_explicit_ids():
     with pytest.raises(ValueError, match="distinct"):
         aux_layer_ids([1, 1, 2], 6)
     assert aux_layer_ids([3, 0, 1], 6) == [3, 0, 1]
+
+
+def test_params_leave_out_neutral_defaults_and_other_modes_storage_keys():
+    """A key added with a default that builds what was built before (x-omit-default) and the
+    storage keys of another mode stay out of a job's params: adding them stales nothing,
+    while a non-default value or a key the mode uses does."""
+    from draftsmith.config import neutral_defaults, sections_json
+
+    schema = yaml.safe_load((ROOT / "schemas" / "config.schema.yaml").read_text())
+    neutral = neutral_defaults(schema)
+    assert neutral["regenerate"] == {"dtype": "float32"}
+    assert neutral["train"] == {"loss_positions": "assistant"}
+    storage = {"aux": "dtype", "final": "states", "scale_block": 0, "topk": 32}
+    cfg = {
+        "regenerate": {"backend": "hf", "dtype": "float32", "seed": 0},
+        "capture": {"dtype": "bfloat16", "storage": {**storage, "topk_vocab": "target"}},
+        "data": {"max_length": 512, "overlong": "truncate"},
+    }
+    out = json.loads(sections_json(cfg, ["regenerate", "capture"], neutral=neutral))
+    assert out["regenerate"] == {"backend": "hf", "seed": 0}
+    assert out["capture"]["storage"] == {"aux": "dtype", "final": "states"}
+    cfg["regenerate"]["dtype"] = "bfloat16"
+    cfg["capture"]["storage"] = {**storage, "aux": "float8_e4m3", "final": "topk"}
+    out = json.loads(sections_json(cfg, ["regenerate", "capture"], neutral=neutral))
+    assert out["regenerate"]["dtype"] == "bfloat16"
+    assert out["capture"]["storage"] == {
+        "aux": "float8_e4m3",
+        "final": "topk",
+        "scale_block": 0,
+        "topk": 32,
+        "topk_vocab": "target",
+    }
+    only = json.loads(sections_json(cfg, [], only={"data": ("max_length",)}))
+    assert only == {"data": {"max_length": 512}}
