@@ -33,6 +33,8 @@ config.clear()
 config.update(_coerced)
 validate(config, "../schemas/config.schema.yaml")
 check_config(config)
+# options whose default builds what was built before them: left out of params at that default
+NEUTRAL_DEFAULTS = neutral_defaults(_SCHEMA)
 
 STAGES = ("regenerate", "capture", "train", "bench")
 ROLES = sorted({"cpu", *(config[s]["role"] for s in STAGES)})
@@ -204,7 +206,7 @@ def cfg_json(*sections, server_of=None, **only):
     server settings of the engine of stage `server_of`; `section=(keys...)` takes only those
     keys of a section (draftsmith.config.sections_json)."""
     extra = server_cfg(server_of) if server_of else None
-    return sections_json(config, sections, extra, neutral_defaults(_SCHEMA), only)
+    return sections_json(config, sections, extra, NEUTRAL_DEFAULTS, only)
 
 
 def pins_text(wildcards):

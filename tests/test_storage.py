@@ -57,18 +57,32 @@ def data(lengths=(5, 9, 3, 12), seed=0) -> dict:
     }
 
 
-def write(path, d: dict, storage: Storage, dtype="bfloat16"):
-    with ShardWriter(
-        path,
+def writer_args(d: dict, storage: Storage, dtype="bfloat16", manifest=None, **extra) -> dict:
+    """ShardWriter's keyword arguments for the rows of `d` in `storage`."""
+    return dict(
         input_ids=d["input_ids"],
         loss_mask=d["loss_mask"],
         row_offsets=d["row_offsets"],
         hidden_size=H,
         dtype=dtype,
-        manifest={"row_range": [0, 4], "aux_layer_ids": [1, 2, 3], "target_fingerprint": "f"},
+        manifest={} if manifest is None else manifest,
         storage=storage,
-        lm_head=d["lm_head"] if storage.final == "topk" else None,
-        draft_ids=DRAFT_IDS if storage.draft_topk else None,
+        **extra,
+    )
+
+
+def write(path, d: dict, storage: Storage, dtype="bfloat16"):
+    manifest = {"row_range": [0, 4], "aux_layer_ids": [1, 2, 3], "target_fingerprint": "f"}
+    with ShardWriter(
+        path,
+        **writer_args(
+            d,
+            storage,
+            dtype,
+            manifest,
+            lm_head=d["lm_head"] if storage.final == "topk" else None,
+            draft_ids=DRAFT_IDS if storage.draft_topk else None,
+        ),
     ) as w:
         offs = d["row_offsets"].tolist()
         for r in reversed(range(len(offs) - 1)):  # out of order on purpose
@@ -226,14 +240,7 @@ def test_writer_refusals(tmp_path):
     d = data()
     with pytest.raises(ShardError, match="lm_head"):
         ShardWriter(
-            tmp_path / "rows_000000-000004.safetensors",
-            input_ids=d["input_ids"],
-            loss_mask=d["loss_mask"],
-            row_offsets=d["row_offsets"],
-            hidden_size=H,
-            dtype="bfloat16",
-            manifest={},
-            storage=Storage(final="topk"),
+            tmp_path / "rows_000000-000004.safetensors", **writer_args(d, Storage(final="topk"))
         )
     with pytest.raises(ShardError, match="does not divide"):
         write(
@@ -363,16 +370,7 @@ def test_tail_bucket_loss():
 def test_draft_topk_needs_its_vocabulary(tmp_path):
     d = data()
     storage = MODES["fp8-draft-topk"]
-    kwargs = dict(
-        input_ids=d["input_ids"],
-        loss_mask=d["loss_mask"],
-        row_offsets=d["row_offsets"],
-        hidden_size=H,
-        dtype="bfloat16",
-        manifest={},
-        storage=storage,
-        lm_head=d["lm_head"],
-    )
+    kwargs = writer_args(d, storage, lm_head=d["lm_head"])
     with pytest.raises(ShardError, match="draft vocabulary"):
         ShardWriter(tmp_path / "rows_000000-000004.safetensors", **kwargs)
     with pytest.raises(ShardError, match="outside the target vocabulary"):
