@@ -1,6 +1,8 @@
 # draftsmith: EAGLE-3 draft models for a target served by SGLang, as a make-style build.
 # This file is the table of contents; every stage lives in rules/<stage>.smk and every
 # command is one call into the draftsmith package. See README.md and docs/.
+# Every rule that does work times itself into benchmarks/jobs/<rule>/<wildcards>.tsv
+# (benchmark:), which benchmarks/bench_default.py sums into the run's stage split.
 
 from snakemake.utils import min_version
 

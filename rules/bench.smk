@@ -52,6 +52,8 @@ rule bench:
         captions=directory("results/bench/captions"),
     log:
         "logs/bench/bench.log",
+    benchmark:
+        "benchmarks/jobs/bench/bench.tsv"
     conda:
         role_env("bench")
     threads: 2

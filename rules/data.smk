@@ -15,6 +15,8 @@ rule data_report:
         "results/data/sources.json",
     log:
         "logs/data/data_report.log",
+    benchmark:
+        "benchmarks/jobs/data_report/sources.tsv"
     localrule: True
     conda:
         role_env("data")
@@ -47,6 +49,8 @@ rule regenerate:
         report="results/data/{rows}.report.json",
     log:
         "logs/regenerate/{rows}.log",
+    benchmark:
+        "benchmarks/jobs/regenerate/{rows}.tsv"
     conda:
         role_env("regenerate")
     threads: 2
@@ -77,6 +81,8 @@ rule tokenize:
         "results/tokens/{rows}.safetensors",
     log:
         "logs/tokenize/{rows}.log",
+    benchmark:
+        "benchmarks/jobs/tokenize/{rows}.tsv"
     conda:
         role_env("data")
     resources:
@@ -107,6 +113,8 @@ rule vocab:
         "results/vocab/vocab.safetensors",
     log:
         "logs/vocab.log",
+    benchmark:
+        "benchmarks/jobs/vocab/vocab.tsv"
     conda:
         role_env("data")
     resources:

@@ -14,6 +14,8 @@ rule validate_env:
         "results/env/{role}.json",
     log:
         "logs/validate_env/{role}.log",
+    benchmark:
+        "benchmarks/jobs/validate_env/{role}.tsv"
     wildcard_constraints:
         role=roles_regex([r for r in ROLES if role_gpus(r) == 0]),
     localrule: True
@@ -34,6 +36,8 @@ rule validate_env:
 
 
 use rule validate_env as validate_env_gpu with:
+    benchmark:
+        "benchmarks/jobs/validate_env_gpu/{role}.tsv"
     wildcard_constraints:
         role=roles_regex(gpu_roles()),
     localrule: False
@@ -48,6 +52,8 @@ rule build_venv:
         "results/venv/{role}/pyvenv.cfg",
     log:
         "logs/build_venv/{role}.log",
+    benchmark:
+        "benchmarks/jobs/build_venv/{role}.tsv"
     localrule: True  # pip needs the network; compute nodes often have none
     conda:
         "../envs/{role}.yaml"

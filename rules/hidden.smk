@@ -16,6 +16,8 @@ rule hidden_plan:
         "results/hidden/plan.json",
     log:
         "logs/hidden_plan.log",
+    benchmark:
+        "benchmarks/jobs/hidden_plan/plan.tsv"
     localrule: True
     conda:
         role_env("capture")
@@ -42,6 +44,8 @@ rule capture:
         manifest="results/hidden/{rows}.json",
     log:
         "logs/capture/{rows}.log",
+    benchmark:
+        "benchmarks/jobs/capture/{rows}.tsv"
     conda:
         role_env("capture")
     threads: 2

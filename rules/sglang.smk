@@ -13,6 +13,8 @@ rule patch_sglang:
         overlay=directory("results/sglang/overlay"),
     log:
         "logs/patch_sglang.log",
+    benchmark:
+        "benchmarks/jobs/patch_sglang/patched.tsv"
     localrule: True
     conda:
         role_env("capture")

