@@ -59,7 +59,7 @@ def copy_tracked(repo: Path, workdir: Path) -> int:
     out = subprocess.run(
         ["git", "-C", str(repo), "ls-files", "-z"], capture_output=True, check=True
     ).stdout
-    files = [f for f in out.decode().split("\0") if f]
+    files = [f for f in out.decode().split("\0") if f and os.path.lexists(repo / f)]
     for rel in files:
         dest = workdir / rel
         dest.parent.mkdir(parents=True, exist_ok=True)
@@ -123,7 +123,8 @@ def stage_split(run: Path, total_s: float | None) -> dict:
     stages = dict(sorted(stages.items(), key=lambda kv: (rank.get(kv[0], len(ORDER)), kv[0])))
     jobs_s = sum(s["wall_s"] for s in stages.values())
     total = jobs_s if total_s is None else total_s
-    return {"total_s": total, "jobs_s": jobs_s, "overhead_s": total - jobs_s, "stages": stages}
+    split = {"total_s": total, "jobs_s": jobs_s, "overhead_s": total - jobs_s, "stages": stages}
+    return {**split, "total_measured": total_s is not None}
 
 
 def tensor_shapes(files: list[Path]) -> dict[str, tuple[str, list[int]]]:
@@ -179,7 +180,8 @@ def regenerate_work(res: Path, tp: dict) -> dict | None:
     if steps:  # every forward pass of a batch reads all the weights once
         w["bytes"] = tp["read"] * ITEMSIZE[dtype] * steps
         w["formula"].append(
-            f"bytes = {tp['read']:,} params x {ITEMSIZE[dtype]} B x {steps:,} batched forward passes"
+            f"bytes = {tp['read']:,} params x {ITEMSIZE[dtype]} B x {steps:,} batched forward "
+            "passes"
         )
     return w
 
@@ -199,10 +201,8 @@ def capture_work(manifests: list[dict], tp: dict) -> dict | None:
 
 
 def train_work(res: Path, manifests: list[dict], tp: dict) -> dict | None:
-    meta, metrics = (
-        load_json(res / "draft" / "draftsmith_draft.json"),
-        res / "train" / "metrics.jsonl",
-    )
+    meta = load_json(res / "draft" / "draftsmith_draft.json")
+    metrics = res / "train" / "metrics.jsonl"
     if not meta or not metrics.is_file():
         return None
     lines = metrics.read_text().splitlines()
@@ -328,10 +328,11 @@ def pct(x: float, whole: float) -> str:
 def render_md(r: dict) -> str:
     sp, m, pk, hl = r["split"], r["machine"], r["peaks"], r["headline"]
     total = sp["total_s"]
+    measured = "" if sp["total_measured"] else "; not measured: the jobs' sum"
     lines = [
         "# The default run: wall time, stage split, stages against this CPU's limits",
         "",
-        f"Run: `{r['run_dir']}`; total wall {total:.0f} s ({total / 60:.1f} min; goal "
+        f"Run: `{r['run_dir']}`; total wall {total:.0f} s ({total / 60:.1f} min{measured}; goal "
         f"{GOAL_S / 60:.0f} min). CPU {m['cpu']}, {m['cores']} cores; torch {m['torch']}; commit "
         f"{m['git_commit'][:12]}{' (dirty)' if m['git_dirty'] else ''}; load average (1 min) "
         f"before {r['load_before']:.2f}, after {r['load_after']:.2f}.",
@@ -375,7 +376,8 @@ def render_md(r: dict) -> str:
             f"{k} | {s['prompts']} | {fmt(s['tau'])} | {fmt(s['tau_sglang'])} | "
             + ", ".join(fmt(a) for a in s["accept_rate_by_pos"] or [])
             + f" | {fmt(s['spec_tokens_per_s'], '.2f')} | {fmt(s['baseline_tokens_per_s'], '.2f')} "
-            f"| {fmt(s['speedup'])}x | {fmt(s['pass_cost'])} | {s['identical_outputs']}/{s['prompts']}"
+            f"| {fmt(s['speedup'])}x | {fmt(s['pass_cost'])} "
+            f"| {s['identical_outputs']}/{s['prompts']}"
             for k, s in hl["sets"].items()
         ]
         head = "set | prompts | tau | tau (SGLang count) | accept by position | tok/s spec"
@@ -409,6 +411,23 @@ def plot(r: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def fresh_run(args, record: Path) -> None:
+    """Copy the tracked files into the empty workdir, run snakemake there, record wall time."""
+    rec = {"load_before": os.getloadavg()[0], **git_info(args.repo)}
+    n = copy_tracked(args.repo, args.workdir)
+    print(f"copied {n} tracked files of {args.repo} to {args.workdir}", flush=True)
+    cmd = [sys.executable, "-m", "snakemake", "--cores", "all"]
+    cmd += ["--configfile", str(args.configfile.resolve())] if args.configfile else []
+    cmd += ["--config", *args.config] if args.config else []
+    rec["wall_s"] = run_logged(cmd, args.workdir, args.workdir / "snakemake.log")
+    rec.update(command=cmd, load_after=os.getloadavg()[0])
+    atomic_write_json(record, rec)
+    if args.report:
+        run_logged(
+            [*cmd[:3], "--report", "report.html"], args.workdir, args.workdir / "snakemake.log"
+        )
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -424,36 +443,25 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     ap.add_argument("--name", default="default_run")
     args = ap.parse_args(argv)
-    load_before = os.getloadavg()[0]
     run = args.from_run or args.workdir
     record = run / "bench_default_run.json"
     if args.from_run is None:
-        n = copy_tracked(args.repo, run)
-        print(f"copied {n} tracked files of {args.repo} to {run}", flush=True)
-        cmd = [sys.executable, "-m", "snakemake", "--cores", "all"]
-        cmd += [*(["--configfile", str(args.configfile.resolve())] if args.configfile else [])]
-        cmd += ["--config", *args.config] if args.config else []
-        wall = run_logged(cmd, run, run / "snakemake.log")
-        git = git_info(args.repo)
-        atomic_write_json(
-            record, {"command": cmd, "wall_s": wall, "load_before": load_before, **git}
-        )
-        if args.report:
-            run_logged([*cmd[:3], "--report", "report.html"], run, run / "snakemake.log")
-    rec = load_json(record) or {}
-    split = stage_split(run, rec.get("wall_s"))
-    if not rec:
+        fresh_run(args, record)
+    rec = load_json(record)
+    split = stage_split(run, rec and rec.get("wall_s"))
+    if rec is None:
         print(f"{record}: missing; total wall time = the jobs' sum", file=sys.stderr)
-    git_repo = run if (run / ".git").exists() else args.repo
+    now, git = os.getloadavg()[0], git_info(run if (run / ".git").exists() else args.repo)
+    rec = {"load_before": now, "load_after": now, **git, **(rec or {})}
     bench = load_json(run / "results" / "bench" / "report.json") or {}
     threads = args.threads or bench.get("threads") or len(os.sched_getaffinity(0))
     peaks = measure_peaks(threads, args.min_time)
     result = {
         "run_dir": str(run.resolve()),
         "command": rec.get("command"),
-        "load_before": rec.get("load_before", load_before),
-        "load_after": os.getloadavg()[0],
-        "machine": machine(rec if "git_commit" in rec else git_info(git_repo)),
+        "load_before": rec["load_before"],
+        "load_after": rec["load_after"],
+        "machine": machine(rec),
         "split": split,
         "peaks": peaks,
         "rates": stage_rates(split, stage_work(run), peaks),
