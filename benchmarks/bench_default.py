@@ -229,8 +229,10 @@ def bench_work(res: Path, tp: dict) -> dict | None:
         return None
     dtype, k = bench["config"]["target"]["dtype"], bench["config"]["bench"]["num_steps"]
     sets = bench["sets"].values()
-    passes = sum(s["verify_passes"] + s["baseline_tokens"] for s in sets)
-    proposals = sum(k * s["verify_passes"] for s in sets)
+    passes = sum(s.get("verify_passes", 0) + s.get("baseline_tokens", 0) for s in sets)
+    proposals = sum(k * s.get("verify_passes", 0) for s in sets)
+    if not passes:  # an engine that does not count its forward passes
+        return None
     draft_b = (res / "draft" / "model.safetensors").stat().st_size
     return {
         "dtype": dtype,
