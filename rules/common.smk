@@ -158,13 +158,14 @@ def job_environment():
     envcheck (DRAFTSMITH_DRIVER) and each stage's role interpreter (DRAFTSMITH_PY_<STAGE>):
     none of them changes a result (the role interpreters are covered by their env stamps), and
     as params their absolute paths would make a moved or copied project rerun everything.
-    PASSIVE: idle OpenMP threads sleep instead of spinning, which costs 3x on shared cores
-    (benchmarks/results/train.md).
+    OMP_WAIT_POLICY is not set here: the jobs inherit the caller's. Snakemake never gives jobs
+    more threads than cores, and on free cores libgomp's default (spinning) decodes 1.7x faster
+    than PASSIVE; on a machine shared with other work export OMP_WAIT_POLICY=PASSIVE before
+    snakemake (spinning threads that lose their core cost up to 3x there; docs/tuning.md).
     """
     env = {
         "DRAFTSMITH_WORKFLOW": workflow.basedir,
         "DRAFTSMITH_DRIVER": sys.executable,
-        "OMP_WAIT_POLICY": "PASSIVE",
         "DRAFTSMITH_RUN": json.dumps(
             {s: {k: config[s][k] for k in keys} for s, keys in RUN_KEYS.items()},
             sort_keys=True,
