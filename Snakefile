@@ -25,6 +25,12 @@ include: "rules/train.smk"
 include: "rules/bench.smk"
 
 
+# Ctrl-C or SIGTERM of snakemake stops the running jobs within seconds (draftsmith.stopping):
+# Snakemake's own SIGTERM handling would wait for them to finish.
+onstart:
+    forward_stop_signals()
+
+
 # Everything that must exist, so that deleting any intermediate (a range's rows, tokens or shard,
 # the vocabulary, the draft) rebuilds it and what depends on it: Snakemake rebuilds a missing file
 # only when some target asks for it (docs/output.md).

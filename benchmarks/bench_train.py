@@ -106,6 +106,7 @@ def run(inputs: dict, root: Path, name: str, steps: int, ttt: int, precision: st
             "max_steps": steps,
             "seed": 0,
             "checkpoint_every": 0,
+            "checkpoint_seconds": 0,
             "noise_std": 0.0,
             "nproc": 1,
             "precision": precision,

@@ -154,12 +154,49 @@ def table_rows(report: dict) -> list[list[str]]:
             _fmt_list(r["accept_rate_by_pos"]),
             f"{r['spec_tokens_per_s']:.1f}",
             f"{r['baseline_tokens_per_s']:.1f}",
-            f"{r['speedup']:.2f}x",
+            speedup_cell(r),
             f"{r['pass_cost']:.2f}",
             f"{r['identical_outputs']}/{r['prompts']}",
         ]
         for name, r in report["sets"].items()
     ]
+
+
+def speedup_cell(r: dict) -> str:
+    """The speedup as the table shows it: not called one when the load changed while timing."""
+    v = r.get("speedup_verdict", {})
+    if v.get("comparable") is False:
+        return f"n/a (load changed; {r['speedup']:.2f}x)"
+    return f"{r['speedup']:.2f}x" + (" (busy cores)" if v.get("loaded") else "")
+
+
+def judge_speedups(results: dict, meter_summary: dict, threads: int) -> None:
+    """Attach to every set the load its timings saw and whether its speedup is one
+    (draftsmith.load.verdict): per side where the engine timed the sides under a LoadMeter,
+    else the whole engine run's load, which cannot tell a change between the sides."""
+    from draftsmith.load import verdict
+
+    for r in results.values():
+        if "load" in r:
+            r["speedup_verdict"] = verdict(r["load"], "spec", "base", threads)
+        else:
+            r["load"] = meter_summary
+            cores = meter_summary.get("other_work_cores", {}).get("run")
+            why = "the engine times both sides itself; other work over the whole run: " + (
+                "not measured" if cores is None else f"{cores:.2f} cores"
+            )
+            r["speedup_verdict"] = {"comparable": None, "why": why}
+
+
+def load_text(report: dict) -> str:
+    return (
+        "Load while timing: "
+        + "; ".join(
+            f"{n}: {r.get('speedup_verdict', {}).get('why', 'not measured')}"
+            for n, r in report["sets"].items()
+        )
+        + "."
+    )
 
 
 def text_blocks(report: dict) -> dict[str, str]:
@@ -168,8 +205,10 @@ def text_blocks(report: dict) -> dict[str, str]:
     return {
         "method": report["method"],
         "hist": "; ".join(f"{n}: {r['accept_len_hist']}" for n, r in report["sets"].items()),
+        "load": load_text(report),
         "training": (
-            f"Training: {tr['steps']} steps, final loss {tr['final_loss']:.3f}, per-position "
+            f"Training: {tr['steps']} steps{precision_text(tr.get('precision'))}, final loss "
+            f"{tr['final_loss']:.3f}, per-position "
             f"accuracy {_fmt_list(tr['final_acc_per_pos'])} (mean of the last 10% of steps)."
         ),
         "provenance": (
@@ -194,6 +233,8 @@ def render_md(report: dict, *plots: Path) -> str:
     lines += [
         "",
         f"Accepted-length histogram (passes accepting 0, 1, ... proposals): {text['hist']}.",
+        "",
+        text["load"],
         "",
         text["training"],
         "",
@@ -232,7 +273,7 @@ def render_html(report: dict, *plots: Path) -> str:
         + (f"<p><strong>{html.escape(gate_line(report))}</strong></p>" if gate_line(report) else "")
         + f"<p>{text['method']}</p><table><tr>{head}</tr>{body}</table>"
         f"<p>Accepted-length histogram (passes accepting 0, 1, ... proposals): {text['hist']}.</p>"
-        f"<p>{text['training']}</p>{images}<p><small>{text['provenance']}</small></p>"
+        f"<p>{text['load']}</p><p>{text['training']}</p>{images}<p><small>{text['provenance']}</small></p>"
         "</body></html>\n"
     )
 
@@ -342,7 +383,8 @@ def main(argv: list[str] | None = None) -> None:
 
     import matplotlib
 
-    from draftsmith.engines import EngineError, engine
+    from draftsmith.engines import EngineError, engine, stop_guard
+    from draftsmith.load import LoadMeter
     from draftsmith.target import fingerprint
 
     matplotlib.use("Agg")
@@ -356,9 +398,12 @@ def main(argv: list[str] | None = None) -> None:
     log.info(
         "sets: %s; backend %s", {n: len(r) for n, r in sets.items()}, bench.get("backend", "hf")
     )
-    results, info = bench_sets(
-        sets, cfg, target=args.target, draft=args.draft, threads=args.threads
-    )
+    meter = LoadMeter()
+    with stop_guard("bench", bench.get("backend", "hf")), meter.phase("run"):
+        results, info = bench_sets(
+            sets, cfg, target=args.target, draft=args.draft, threads=args.threads
+        )
+    judge_speedups(results, meter.summary(), int(info.get("threads") or args.threads or 1))
     for name, r in results.items():
         log.info(
             "%s: tau %.3f (SGLang count %.3f), accept by pos %s, %.1f tok/s vs %.1f greedy, "
@@ -385,7 +430,7 @@ def main(argv: list[str] | None = None) -> None:
         "draft_fingerprint": draft_fingerprint(args.draft),
         "env_stamp": json.loads(args.env_stamp.read_text()),
         "versions": versions(),
-        "training": training_summary(records),
+        "training": {**training_summary(records), "precision": draft_precision(args.draft)},
         "set_ids": {name: [r["id"] for r in rows] for name, rows in sets.items()},
     }
     plot_acceptance(results, args.acceptance)
@@ -409,6 +454,23 @@ def training_config(draft_dir: Path) -> dict:
     path = Path(draft_dir) / PROVENANCE
     cfg = json.loads(path.read_text()).get("config", {}) if path.is_file() else {}
     return {k: cfg[k] for k in ("train", "draft", "capture") if k in cfg}
+
+
+def draft_precision(draft_dir: Path) -> dict | None:
+    """The precision the draft was trained in, as its provenance records it (resolved from
+    train.precision auto on the training machine), or None for an older draft."""
+    from draftsmith.export import PROVENANCE
+
+    path = Path(draft_dir) / PROVENANCE
+    return json.loads(path.read_text()).get("precision") if path.is_file() else None
+
+
+def precision_text(p: dict | None) -> str:
+    if not p:
+        return ""
+    cpu = p.get("cpu") or {}
+    where = f" on CPU {cpu['kind']}" if cpu.get("kind") else ""
+    return f" in {p['resolved']} ({p['configured']}{where})"
 
 
 if __name__ == "__main__":

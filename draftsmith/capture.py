@@ -136,6 +136,14 @@ def main(argv: list[str] | None = None) -> None:
     cfg = merge_run(parse_cfg(args.cfg), args.run)
     if "capture" not in cfg:
         raise SystemExit("--cfg has no `capture` section")
+    from draftsmith.engines import stop_guard
+
+    with stop_guard("capture", cfg["capture"].get("backend", "hf")):
+        run(args, cfg, log)
+
+
+def run(args, cfg: dict, log) -> None:
+    """The capture job after its arguments: storage checks, the engine's shard, the log."""
     cap = cfg["capture"]
     dtype = cap.get("dtype", "bfloat16")
     if dtype not in STORAGE_DTYPES:

@@ -150,19 +150,20 @@ def main(argv: list[str] | None = None) -> None:
             "%s: regeneration off, %d rows copied with their source answers", args.range, len(out)
         )
     else:
-        from draftsmith.engines import EngineError, engine
+        from draftsmith.engines import EngineError, engine, stop_guard
 
         try:
             regenerate_rows = engine("regenerate", regen.get("backend", "hf"))
         except EngineError as e:
             raise SystemExit(str(e)) from None
-        out, figures = regenerate_rows(
-            rows,
-            cfg,
-            target=args.target,
-            threads=args.threads,
-            seed=int(regen.get("seed", 0)) + a,
-        )
+        with stop_guard("regenerate", regen.get("backend", "hf")):
+            out, figures = regenerate_rows(
+                rows,
+                cfg,
+                target=args.target,
+                threads=args.threads,
+                seed=int(regen.get("seed", 0)) + a,
+            )
         dropped = dropped_ids(rows, out)
         report.update(figures, dropped_rows=len(dropped), dropped_ids=dropped[:20])
         log.info(

@@ -21,6 +21,7 @@ from draftsmith.config import (
     sections_json,
 )  # noqa: E402
 from draftsmith.prompts import BUNDLED_PATH, load_sources, source_files  # noqa: E402
+from draftsmith.stopping import forward_stop_signals  # noqa: E402
 from draftsmith.target import TargetError, source_signature  # noqa: E402
 
 # --config passes nested values as strings: coerce them by the schema's types, then validate

@@ -78,6 +78,7 @@ def workflow_config(py: str) -> dict:
             "lr": 0.001,
             "precision": "bf16",
             "checkpoint_every": 0,
+            "checkpoint_seconds": 0,
         },
         "bench": {
             "backend": "sglang",

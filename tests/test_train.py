@@ -38,6 +38,7 @@ TRAIN = {
     "max_steps": 0,
     "seed": 0,
     "checkpoint_every": 4,
+    "checkpoint_seconds": 0,
     "noise_std": 0.0,
     "nproc": 1,
     "precision": "fp32",
@@ -332,13 +333,13 @@ def test_run_key_ignores_manifest_keys_outside_the_shard_bytes(tmp_path):
 
     inputs = make_inputs(tmp_path / "in", rows=4)
     cfg = json.loads(cfg_json())
-    key = run_key(cfg, inputs["shards"], inputs["vocab"], inputs["target"])
+    key = run_key(cfg, inputs["shards"], inputs["vocab"], inputs["target"], "fp32")
     mpath = inputs["shards"][0].with_suffix(".json")
     manifest = json.loads(mpath.read_text())
     mpath.write_text(json.dumps({**manifest, "created": "later", "capture_seconds": 9.9}))
-    assert run_key(cfg, inputs["shards"], inputs["vocab"], inputs["target"]) == key
+    assert run_key(cfg, inputs["shards"], inputs["vocab"], inputs["target"], "fp32") == key
     mpath.write_text(json.dumps({**manifest, "sha256": "0" * 64}))
-    assert run_key(cfg, inputs["shards"], inputs["vocab"], inputs["target"]) != key
+    assert run_key(cfg, inputs["shards"], inputs["vocab"], inputs["target"], "fp32") != key
 
 
 def test_training_on_draft_topk_shards(tmp_path):

@@ -102,6 +102,7 @@ def train_tiny_project(root: Path) -> Path:
             "max_steps": 0,
             "seed": 0,
             "checkpoint_every": 0,
+            "checkpoint_seconds": 0,
             "noise_std": 0.0,
             "nproc": 1,
             "precision": "fp32",

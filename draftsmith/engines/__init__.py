@@ -24,10 +24,16 @@ An engine is one module here that defines the functions of the stages it impleme
 engine touches its module and one line of `ENGINES` (plus the backend enums in the schema).
 The registry imports an engine's module only when a stage asks for it (the Snakefile, which
 imports the package at DAG-build time, never does).
+
+An engine that computes in the job's own process says so (`IN_PROCESS = True`): its stages then
+run under `draftsmith.stopping.stop_promptly`, so SIGINT/SIGTERM end the job within a second even
+inside a long torch op. A server engine keeps Python's KeyboardInterrupt, whose cleanup stops
+the server it started (draftsmith.server).
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 from collections.abc import Callable
 
@@ -72,3 +78,14 @@ def implements(backend: str) -> list[str]:
     """The stages an engine implements (imports its module)."""
     mod = importlib.import_module(ENGINES[backend])
     return [stage for stage, name in ENTRY_POINTS.items() if hasattr(mod, name)]
+
+
+def stop_guard(stage: str, backend: str):
+    """The context a stage's engine work runs in (see the module doc); enter it before torch
+    starts threads. A backend that is not an engine gets no guard (engine() names the error)."""
+    module = ENGINES.get(backend)
+    if module is not None and getattr(importlib.import_module(module), "IN_PROCESS", False):
+        from draftsmith.stopping import stop_promptly
+
+        return stop_promptly(f"draftsmith.{stage}")
+    return contextlib.nullcontext()

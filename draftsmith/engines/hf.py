@@ -24,11 +24,15 @@ import torch
 from tqdm import tqdm
 
 from draftsmith.capture import CaptureError, plan_batches
+from draftsmith.hardware import announce
+from draftsmith.load import LoadMeter
 from draftsmith.regenerate import new_stats
 from draftsmith.shards import ShardWriter
 from draftsmith.storage import Storage
 
 log = logging.getLogger("draftsmith.engines.hf")
+# the work runs in the job's process: SIGINT/SIGTERM may end it at once (engines.stop_guard)
+IN_PROCESS = True
 
 
 # ---------------------------------------------------------------- regenerate
@@ -190,6 +194,7 @@ def regenerate_rows(conversations, cfg: dict, *, target, threads: int, seed: int
     set_threads(threads)
     dtype = regen.get("dtype", "float32")
     model, tokenizer = load_target(target, dtype=getattr(torch, dtype))
+    cpu = announce(log, "regenerate", dtype, "regenerate.dtype", model.device.type)
     gen = HFGenerator(
         model,
         tokenizer,
@@ -210,6 +215,7 @@ def regenerate_rows(conversations, cfg: dict, *, target, threads: int, seed: int
         "temperature": gen.temperature,
         "batch_size": gen.batch_size,
         "dtype": dtype,
+        "cpu": cpu,
         **gen.stats,
         "wall_seconds": time.perf_counter() - t0,
         "tokens_per_second": gen.tokens_per_second(),
@@ -321,6 +327,9 @@ def capture_range(
     set_threads(threads)
     dtype = getattr(torch, cfg.get("target", {}).get("dtype", "float32"))
     model, _ = load_target(target, dtype=dtype)
+    announce(
+        log, "capture forward", str(dtype).removeprefix("torch."), "target.dtype", model.device.type
+    )
     cap = cfg["capture"]
     return capture_shard(
         model,
@@ -357,6 +366,7 @@ def run_set(model, tokenizer, draft, rows, bench: dict, aux_ids: list[int]) -> d
     stops = stop_ids(model, tokenizer)
     k, max_new = bench["num_steps"], bench["max_new_tokens"]
     traces, seconds, base_tokens, identical, first_diff = [], {"spec": 0.0, "base": 0.0}, 0, 0, []
+    meter = LoadMeter()  # other processes' CPU use while each side was timed
     for i, row in enumerate(tqdm(rows, desc="prompts", unit="prompt")):
         ids = prompt_ids(tokenizer, prompt_turns(row))
         runs = {
@@ -370,8 +380,9 @@ def run_set(model, tokenizer, draft, rows, bench: dict, aux_ids: list[int]) -> d
         for name in ("spec", "base") if i % 2 == 0 else ("base", "spec"):
             _sync(model.device)
             t0 = time.perf_counter()
-            results[name] = runs[name]()
-            _sync(model.device)
+            with meter.phase(name):
+                results[name] = runs[name]()
+                _sync(model.device)
             seconds[name] += time.perf_counter() - t0
         trace, base = results["spec"], results["base"]
         traces.append(trace)
@@ -408,6 +419,7 @@ def run_set(model, tokenizer, draft, rows, bench: dict, aux_ids: list[int]) -> d
         identical_outputs=identical,
         differing_outputs=first_diff,
         mean_prompt_tokens=sum(t.prompt_len for t in traces) / len(traces),
+        load=meter.summary(),
     )
     if first_diff:
         log.warning(
@@ -489,6 +501,9 @@ def bench_sets(sets: dict, cfg: dict, *, target, draft, threads: int):
     model, tokenizer, drafter = load_models(Path(target), Path(draft), cfg, device)
     aux_ids = list(drafter.config.aux_layer_ids)
     log.info("aux ids %s; device %s", aux_ids, device)
+    cpu = announce(
+        log, "bench timing", str(model.dtype).removeprefix("torch."), "target.dtype", device
+    )
     warm_up(model, tokenizer, drafter, next(iter(sets.values()))[0], bench, aux_ids)
     results = {
         name: run_set(model, tokenizer, drafter, rows, bench, aux_ids)
@@ -502,5 +517,6 @@ def bench_sets(sets: dict, cfg: dict, *, target, draft, threads: int):
         "aux_layer_ids": aux_ids,
         "draft_vocab_size": drafter.config.draft_vocab_size,
         "method": method_text(bench, device, n_threads),
+        "cpu": cpu,
     }
     return results, info

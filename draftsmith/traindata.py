@@ -1,0 +1,236 @@
+"""What a training run reads, checked, and the order it reads it in.
+
+`check_inputs` reads the target's frozen pieces (embedding, lm_head, final norm), the draft
+vocabulary and the shards, checks the shards' layer ids and target against the config and
+proves each shard's sha256 against its manifest (cached per file). `prepare_run` computes the
+teacher flags once per run directory and the data plan: every row of every shard, shuffled per
+epoch with a seeded generator, packed first-fit into `batch_tokens // longest_row` packs of
+`longest_row` tokens; one batch is one optimizer step. `run_key` names the run directory from
+everything that changes the result. `row_tensors` is what the step reads of one row.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+from tqdm import tqdm
+
+from draftsmith.common import atomic_path, remove_stale_temps, sha256_file
+from draftsmith.config import aux_layer_ids
+from draftsmith.shards import ShardError, open_shard, verify_cached
+from draftsmith.storage import StorageError, check_draft_vocab
+from draftsmith.ttt import teacher_ok
+from draftsmith.vocab import load_vocab
+
+# train keys that do not change the result (and so do not change the run key)
+NON_SEMANTIC = ("role", "checkpoint_every", "checkpoint_seconds")
+log = logging.getLogger("draftsmith.train")
+
+
+def target_tensors(target_dir: Path) -> dict[str, torch.Tensor]:
+    """The frozen target pieces training needs, read by name: embed, lm_head (tied ok), norm."""
+    want = {"embed": "embed_tokens.weight", "lm_head": "lm_head.weight", "norm": "norm.weight"}
+    found: dict[str, torch.Tensor] = {}
+    files = sorted(target_dir.glob("*.safetensors"))
+    if not files:
+        raise SystemExit(f"{target_dir}: no *.safetensors weights")
+    for path in files:
+        with safe_open(str(path), framework="pt") as f:
+            for key in f.keys():
+                for role, suffix in want.items():
+                    top = key.count(".") <= 2 and "layers." not in key
+                    if key.endswith(suffix) and top and role not in found:
+                        found[role] = f.get_tensor(key).float()
+    if "embed" not in found or "norm" not in found:
+        raise SystemExit(f"{target_dir}: no embed_tokens.weight / final norm.weight in the weights")
+    found.setdefault("lm_head", found["embed"])  # tied embeddings (SmolLM2)
+    return found
+
+
+def run_key(
+    cfg: dict, shard_paths: list[Path], vocab: Path, target_dir: Path, precision: str
+) -> str:
+    train = {k: v for k, v in cfg["train"].items() if k not in NON_SEMANTIC}
+    h = hashlib.sha256()
+    h.update(json.dumps([train, cfg["draft"], cfg["capture"]], sort_keys=True).encode())
+    h.update(precision.encode())  # resolved: a run never resumes in another precision
+    for p in shard_paths:  # the sha256 covers the tensors and the manifest copy in the header
+        h.update(
+            p.name.encode() + json.loads(p.with_suffix(".json").read_text())["sha256"].encode()
+        )
+    h.update(sha256_file(vocab).encode())
+    meta = target_dir / "draftsmith_target.json"
+    h.update(meta.read_bytes() if meta.exists() else (target_dir / "config.json").read_bytes())
+    return h.hexdigest()[:16]
+
+
+def prove_shards(shards, stamp_dir: Path) -> None:
+    """Check each shard's sha256 against its manifest, skipping files proven before unchanged."""
+    hashed = 0
+    for s in tqdm(shards, desc="verify shards", unit="shard", disable=None):
+        hashed += verify_cached(s.path, s.manifest, stamp_dir)
+    log.info(
+        "sha256 of %d shard(s) proven: %d hashed now, %d unchanged since proven",
+        len(shards),
+        hashed,
+        len(shards) - hashed,
+    )
+
+
+def plan_epochs(lengths: list[int], cfg: dict) -> tuple[list[list[list[list[int]]]], int]:
+    """Per epoch: batches -> packs -> row indices (seeded, independent of the process count)."""
+    pack_len = max(lengths)
+    packs_per_batch = cfg["batch_tokens"] // pack_len
+    if packs_per_batch < 1:
+        raise SystemExit(
+            f"train.batch_tokens {cfg['batch_tokens']} is smaller than the longest "
+            f"row ({pack_len} tokens); raise it"
+        )
+    plans = []
+    for epoch in range(cfg["epochs"]):
+        gen = torch.Generator().manual_seed(cfg["seed"] * 1_000_003 + epoch)
+        order = torch.randperm(len(lengths), generator=gen).tolist()
+        batches, packs, fill = [], [[] for _ in range(packs_per_batch)], [0] * packs_per_batch
+        for r in order:
+            i = next((i for i, f in enumerate(fill) if f + lengths[r] <= pack_len), None)
+            if i is None:
+                batches.append([p for p in packs if p])
+                packs, fill, i = [[] for _ in range(packs_per_batch)], [0] * packs_per_batch, 0
+            packs[i].append(r)
+            fill[i] += lengths[r]
+        if any(fill):
+            batches.append([p for p in packs if p])
+        plans.append(batches)
+    return plans, pack_len
+
+
+def teacher_flags(
+    shards, names, heads, t2d, run_dir, rank: int, world: int, device, all_positions=False
+) -> dict:
+    """Per shard [T] bool: target argmax in the draft vocab (trained positions only, or every
+    position with `all_positions`), cached."""
+    path = run_dir / "teacher_ok.safetensors"
+    if rank == 0 and not path.exists():
+        flags, lm_head = {}, heads["lm_head"].to(device)
+        for name, s in tqdm(
+            list(zip(names, shards, strict=True)), desc="teacher argmax", disable=None
+        ):
+            flags[name] = teacher_ok(s, lm_head, t2d, all_positions)
+        with atomic_path(path) as tmp:
+            save_file(flags, str(tmp))
+    if world > 1:
+        torch.distributed.barrier()
+    return load_file(str(path))
+
+
+@dataclass
+class Inputs:
+    """What training reads, checked: target config and pieces, vocabulary, open shards."""
+
+    target_cfg: dict
+    aux_ids: list[int]
+    d2t: torch.Tensor
+    t2d: torch.Tensor
+    heads: dict[str, torch.Tensor]
+    fingerprint: str | None
+    shards: list
+
+
+@dataclass
+class Data:
+    """The run's data plan: rows (shard, start, end), per-epoch batches, teacher flags."""
+
+    names: list[str]
+    ok: dict
+    rows: list[tuple[int, int, int]]
+    plans: list
+    pack_len: int
+    total: int
+    all_positions: bool
+
+
+def check_inputs(
+    cfg: dict, shard_paths: list[Path], vocab_path: Path, target_dir: Path, state_root: Path, rank
+) -> Inputs:
+    """Target pieces, vocabulary and shards, with layer ids and target checked against the
+    manifests and each shard's sha256 proven (rank 0)."""
+    target_cfg = json.loads((target_dir / "config.json").read_text())
+    target_cfg = target_cfg.get("text_config", target_cfg)
+    ids = aux_layer_ids(cfg["capture"]["aux_layer_ids"], int(target_cfg["num_hidden_layers"]))
+    d2t, t2d = load_vocab(vocab_path)
+    if d2t.shape[0] != cfg["draft"]["vocab_size"]:
+        raise SystemExit(
+            f"{vocab_path}: {d2t.shape[0]} draft tokens, draft.vocab_size is "
+            f"{cfg['draft']['vocab_size']}"
+        )
+    heads = target_tensors(target_dir)
+    expect = {"aux_layer_ids": ids, "hidden_size": int(target_cfg["hidden_size"])}
+    meta_file = target_dir / "draftsmith_target.json"
+    if meta_file.exists():
+        expect["target_fingerprint"] = json.loads(meta_file.read_text())["fingerprint"]
+    try:
+        shards = [open_shard(p, expect=expect) for p in shard_paths]
+        for s in shards:  # a top-k teacher over the draft vocabulary must be over this one
+            try:
+                check_draft_vocab(s.manifest, d2t + torch.arange(d2t.shape[0]))
+            except StorageError as e:
+                raise ShardError(f"{s.path}: {e}") from None
+        if rank == 0:
+            prove_shards(shards, state_root / "verified")
+    except ShardError as e:
+        raise SystemExit(
+            f"error: {e}\n(`python -m draftsmith.shards verify results/hidden --delete`, then "
+            "rerun snakemake to rebuild the bad shards)"
+        ) from None
+    return Inputs(target_cfg, ids, d2t, t2d, heads, expect.get("target_fingerprint"), shards)
+
+
+def prepare_run(
+    cfg: dict, inputs: Inputs, shard_paths: list[Path], run_dir: Path, rank, world, device
+) -> Data:
+    """Teacher flags (cached in the run dir) and the data plan of every epoch."""
+    tcfg = cfg["train"]
+    names = [p.stem for p in shard_paths]
+    if rank == 0:
+        remove_stale_temps(run_dir, ".tmp-step-")  # staging dirs of a killed run
+    # x-omit-default: absent from the job's config at its default (config.neutral_defaults)
+    all_positions = tcfg.get("loss_positions", "assistant") == "all"
+    finals = {s.storage.final for s in inputs.shards}
+    if all_positions and finals != {"states"}:
+        raise SystemExit(
+            f"train.loss_positions all needs capture.storage.final states (the teacher at "
+            f"every position); the shards hold {sorted(finals)}"
+        )
+    ok = teacher_flags(
+        inputs.shards, names, inputs.heads, inputs.t2d, run_dir, rank, world, device, all_positions
+    )
+    rows = [
+        (s, a, b)
+        for s, sh in enumerate(inputs.shards)
+        for a, b in zip(sh.row_offsets[:-1].tolist(), sh.row_offsets[1:].tolist(), strict=True)
+    ]
+    plans, pack_len = plan_epochs([b - a for _, a, b in rows], tcfg)
+    total = sum(len(p) for p in plans)
+    total = min(total, tcfg["max_steps"]) if tcfg["max_steps"] else total
+    return Data(names, ok, rows, plans, pack_len, total, all_positions)
+
+
+def row_tensors(shards, names, ok, row, all_positions: bool = False) -> dict:
+    """One row's tensors; `all_positions` (train.loss_positions all) trains every position."""
+    s, a, b = row
+    sh = shards[s]
+    mask = sh.loss_mask[a:b]
+    return {
+        "input_ids": sh.input_ids[a:b],
+        "loss_mask": torch.ones_like(mask) if all_positions else mask,
+        "ok": ok[names[s]][a:b],
+        "aux": sh.aux(a, b),
+        **sh.teacher(a, b),  # the same interface in every storage mode
+    }
