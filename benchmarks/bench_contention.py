@@ -82,10 +82,18 @@ def heldout_file(run: Path, out: Path) -> Path:
     """The held-out prompts of the run's config (what the benchmark stage decodes)."""
     from draftsmith.prompts import load_sources
 
-    cfg = json.loads((run / "results" / "bench" / "report.json").read_text())["config"]
-    rows = load_sources({"data": cfg["data"]}).heldout
+    rows = load_sources(run_config(run)).heldout
     out.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return out
+
+
+def run_config(run: Path) -> dict:
+    import yaml
+    from snakemake.utils import validate
+
+    cfg = yaml.safe_load((run / "config.yaml").read_text()) or {}
+    validate(cfg, str(ROOT / "schemas" / "config.schema.yaml"), set_default=True)
+    return cfg
 
 
 def run_decode(run: Path, env: dict, threads: int, prompts: Path, n: int) -> float:
@@ -99,7 +107,7 @@ def run_decode(run: Path, env: dict, threads: int, prompts: Path, n: int) -> flo
 
 
 def run_train(run: Path, env: dict, threads: int, steps: int, work: Path) -> float:
-    cfg = json.loads((run / "results" / "bench" / "report.json").read_text())["config"]
+    cfg = run_config(run)
     tcfg = {**cfg["train"], "max_steps": steps, "checkpoint_every": 0, "checkpoint_seconds": 0}
     sections = {"train": tcfg, "draft": cfg["draft"], "capture": cfg["capture"]}
     state = work / f"state-{time.monotonic_ns()}"

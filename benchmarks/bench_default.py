@@ -200,6 +200,12 @@ def capture_work(manifests: list[dict], tp: dict) -> dict | None:
     }
 
 
+def trained_precision(meta: dict) -> str:
+    """bf16 or fp32: the draft's provenance (resolved), else its configured precision."""
+    resolved = (meta.get("precision") or {}).get("resolved")
+    return resolved or meta["config"]["train"].get("precision", "fp32")
+
+
 def train_work(res: Path, manifests: list[dict], tp: dict) -> dict | None:
     meta = load_json(res / "draft" / "draftsmith_draft.json")
     metrics = res / "train" / "metrics.jsonl"
@@ -213,7 +219,8 @@ def train_work(res: Path, manifests: list[dict], tp: dict) -> dict | None:
     steps, h, kd = tcfg["ttt_steps"], dcfg["hidden_size"], dcfg["draft_vocab_size"]
     shard_tokens = sum(m["tokens"] for m in manifests)
     return {
-        "dtype": "bfloat16" if tcfg.get("precision") == "bf16" else "float32",
+        # the precision training resolved (train.precision auto), as the draft records it
+        "dtype": "bfloat16" if trained_precision(meta) == "bf16" else "float32",
         "flops": 6 * draft * trained * steps + 2 * h * kd * trained + 2 * tp["head"] * shard_tokens,
         "formula": [
             f"FLOPs = 6 x {draft:,} draft params x {trained:,} trained tokens x {steps} TTT steps "
@@ -312,7 +319,16 @@ def machine(git: dict) -> dict:
     info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
     names = [ln.split(":", 1)[1].strip() for ln in info.splitlines() if ln.startswith("model name")]
     cpu = names[0] if names else platform.processor() or platform.machine()
-    return {"cpu": cpu, "cores": len(os.sched_getaffinity(0)), "torch": torch.__version__, **git}
+    from draftsmith.hardware import cpu_facts
+
+    facts = cpu_facts().as_dict()
+    return {
+        "cpu": cpu,
+        "cpu_facts": facts,
+        "cores": len(os.sched_getaffinity(0)),
+        "torch": torch.__version__,
+        **git,
+    }
 
 
 def fmt(v, spec: str = ".3f") -> str:
@@ -327,6 +343,15 @@ def pct(x: float, whole: float) -> str:
     return f"{100 * x / whole:.1f}%"
 
 
+def kind_text(m: dict) -> str:
+    f = m.get("cpu_facts")
+    if not f:
+        return "kind not recorded"
+    return f"kind {f['kind']}: torch capability {f['capability']}, " + (
+        "native bf16" if f["native_bf16"] else "no native bf16"
+    )
+
+
 def render_md(r: dict) -> str:
     sp, m, pk, hl = r["split"], r["machine"], r["peaks"], r["headline"]
     total = sp["total_s"]
@@ -335,7 +360,8 @@ def render_md(r: dict) -> str:
         "# The default run: wall time, stage split, stages against this CPU's limits",
         "",
         f"Run: `{r['run_dir']}`; total wall {total:.0f} s ({total / 60:.1f} min{measured}; goal "
-        f"{GOAL_S / 60:.0f} min). CPU {m['cpu']}, {m['cores']} cores; torch {m['torch']}; commit "
+        f"{GOAL_S / 60:.0f} min). CPU {m['cpu']} ({kind_text(m)}), {m['cores']} cores; torch "
+        f"{m['torch']}; commit "
         f"{m['git_commit'][:12]}{' (dirty)' if m['git_dirty'] else ''}; load average (1 min) "
         f"before {r['load_before']:.2f}, after {r['load_after']:.2f}.",
         "",
@@ -443,7 +469,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--threads", type=int, help="threads for the peaks (default: the run's)")
     ap.add_argument("--min-time", type=float, default=0.2, help="seconds of repeats per peak")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
-    ap.add_argument("--name", default="default_run")
+    ap.add_argument(
+        "--name", help="results file stem (default: default_run_<CPU kind>, e.g. default_run_AVX2)"
+    )
     args = ap.parse_args(argv)
     run = args.from_run or args.workdir
     record = run / "bench_default_run.json"
@@ -470,6 +498,8 @@ def main(argv: list[str] | None = None) -> None:
         "headline": headline(run),
     }
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.name is None:
+        args.name = f"default_run_{result['machine']['cpu_facts']['kind']}"
     atomic_write_json(args.out / f"{args.name}.json", result)
     atomic_write_text(args.out / f"{args.name}.md", render_md(result))
     plot(result, args.out / f"{args.name}.png")

@@ -2,16 +2,17 @@
 
 Two halves:
 
-- **In a job** (`stop_promptly`, called first thing by the in-process stages: training and the
-  hf engine's regeneration, capture and benchmark). Python runs its signal handlers only between
-  bytecodes, so a KeyboardInterrupt waits for the torch op in flight, and a bf16 matmul on a CPU
-  without native bf16 can take tens of seconds. Here SIGINT and SIGTERM are blocked in the main
-  thread (and so in every thread it starts later: torch's OpenMP pool, tqdm's monitor) and a
-  watcher thread waits for them (`sigtimedwait`); torch ops release the GIL, so the watcher runs
-  at once, logs what it stopped, runs the stage's callbacks (nothing slow) and ends the process
-  with `os._exit(128 + signal)`. That is safe because every output is written to a temporary
-  path and renamed into place (docs/output.md): a process that ends mid-write leaves only a
-  temporary that the next run removes, never a half-written shard, checkpoint or draft.
+- **In a job** (`stop_promptly`, entered by the in-process stages: training and the hf
+  engine's regeneration, capture and benchmark). Python runs its signal handlers only between
+  bytecodes of the main thread, so a KeyboardInterrupt waits for the torch op in flight, and a
+  bf16 matmul on a CPU without native bf16 can take tens of seconds. Here the C-level handler
+  (whichever thread the kernel picks, torch's OpenMP workers included) writes the signal's
+  number to a wakeup pipe (`signal.set_wakeup_fd`), and a watcher thread blocked on that pipe
+  wakes at once (torch ops release the GIL), logs what it stopped, runs the stage's callback
+  (nothing slow) and ends the process with `os._exit(128 + signal)`. That is safe because every
+  output is written to a temporary path and renamed into place (docs/output.md): a process that
+  ends mid-write leaves only a temporary that the next run removes, never a half-written shard,
+  checkpoint or draft.
 - **In the snakemake process** (`forward_stop_signals`, the Snakefile's `onstart`). Snakemake's
   own SIGTERM handler is "graceful": it starts nothing new but waits for the running jobs, which
   can be hours of training. The handler installed here first sends SIGTERM to every process
@@ -40,27 +41,39 @@ def stop_promptly(name: str, on_stop: Callable[[str], None] | None = None) -> It
     """Inside the block, SIGINT/SIGTERM end this process within a second (module doc).
 
     `on_stop(signal_name)` runs in the watcher before the exit (say where a rerun resumes).
-    Enter it before torch starts any thread. On leaving, the watcher stops and the signal mask
-    is restored (a test may call a stage's main in its own process).
+    Call it from the main thread. On leaving, the handlers and the wakeup fd are restored and
+    the watcher stops (a test may call a stage's main in its own process).
     """
     log = logging.getLogger(name)
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
-    done = threading.Event()
+    read_fd, write_fd = os.pipe()
+    os.set_blocking(write_fd, False)
+    previous = {sig: signal.signal(sig, _note) for sig in STOP_SIGNALS}
+    previous_fd = signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
 
     def watch() -> None:
-        while not done.is_set():
-            info = signal.sigtimedwait(STOP_SIGNALS, 0.25)
-            if info is not None:
-                stop_now(log, name, info.si_signo, on_stop)
+        while True:
+            data = os.read(read_fd, 1)
+            if not data or data[0] == 0:  # closed, or the sentinel: the block has ended
+                return
+            if data[0] in STOP_SIGNALS:
+                stop_now(log, name, data[0], on_stop)
 
     watcher = threading.Thread(target=watch, name="stop-watcher", daemon=True)
     watcher.start()
     try:
         yield
     finally:
-        done.set()
+        signal.set_wakeup_fd(previous_fd)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        os.write(write_fd, b"\0")
         watcher.join()
-        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+        os.close(read_fd)
+        os.close(write_fd)
+
+
+def _note(signo, frame) -> None:
+    """The Python-level handler: nothing (the watcher acts on the wakeup fd's byte)."""
 
 
 def stop_now(log, name: str, signo: int, on_stop) -> None:

@@ -1,0 +1,129 @@
+"""Ctrl-C and SIGTERM of a running `snakemake --cores 2`: every job ends within STOP_BOUND
+seconds, nothing half-written is kept, and the next plain run resumes training from its last
+checkpoint and ends with exactly the curve of an uninterrupted run (tiny target, fp32)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from wf import ROOT, SNAKEMAKE, snakemake, tiny_config, write_config
+
+pytestmark = [pytest.mark.slow, pytest.mark.workflow]
+
+STOP_BOUND = 10.0  # seconds from the signal to the last process of the run gone (issue 24)
+TRAINED = ("results/draft", "results/train/metrics.jsonl")
+# long enough to be stopped mid-run; checkpoints by time, not by step count
+TRAIN = {"epochs": 20, "checkpoint_every": 0, "checkpoint_seconds": 1, "precision": "fp32"}
+
+
+def start(workdir: Path) -> subprocess.Popen:
+    """snakemake in a process group of its own, as a terminal's foreground job would be."""
+    cmd = [*SNAKEMAKE, "-s", str(ROOT / "Snakefile"), "--directory", str(workdir)]
+    cmd += ["--configfile", str(workdir / "config.yaml"), "--cores", "2", *TRAINED]
+    return subprocess.Popen(
+        cmd,
+        cwd=workdir,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+
+
+def group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def wait_for_checkpoint(workdir: Path, proc: subprocess.Popen, timeout: float = 300) -> Path:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = sorted((workdir / "state" / "train").glob("*/step-*/meta.json"))
+        if found:
+            return found[-1].parent
+        if proc.poll() is not None:
+            pytest.fail(f"snakemake ended before a checkpoint:\n{proc.stdout.read()[-3000:]}")
+        time.sleep(0.05)
+    pytest.fail("no training checkpoint within the timeout")
+
+
+def stop(proc: subprocess.Popen, send) -> float:
+    """Send the signal, return seconds until snakemake and every process of its group are
+    gone (the jobs are in snakemake's group: Snakemake starts them without a new session)."""
+    t0 = time.monotonic()
+    send()
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        pytest.fail("snakemake still running 60 s after the signal")
+    while group_alive(proc.pid) and time.monotonic() - t0 < 60:
+        time.sleep(0.05)
+    return time.monotonic() - t0
+
+
+def metrics(path: Path) -> list[tuple]:
+    rows = [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()]
+    return [(r["step"], r["loss"], r["acc_per_pos"]) for r in rows]
+
+
+@pytest.fixture()
+def captured(tmp_path: Path, tiny_target: Path) -> Path:
+    """A tiny project with everything up to the shards built."""
+    work = tmp_path / "run"
+    write_config(work, tiny_config(tiny_target, train=TRAIN))
+    snakemake(work, "--cores", "2", "results/vocab/vocab.safetensors", "--", "hidden")
+    return work
+
+
+def test_ctrl_c_stops_within_the_bound_and_resumes_exactly(captured: Path, tmp_path: Path):
+    reference = tmp_path / "reference"
+    shutil.copytree(captured, reference, symlinks=True)
+    proc = start(captured)
+    ckpt = wait_for_checkpoint(captured, proc)
+    elapsed = stop(proc, lambda: os.killpg(proc.pid, signal.SIGINT))  # what Ctrl-C sends
+    out = proc.stdout.read()
+    assert elapsed <= STOP_BOUND, f"stopped after {elapsed:.1f} s\n{out[-3000:]}"
+    assert proc.returncode != 0
+    assert not (captured / "results" / "draft").exists(), "a stopped run left a draft"
+    log = (captured / "logs" / "train.log").read_text()
+    assert "stopping at once (SIGINT)" in log and "a rerun resumes from checkpoint" in log, log
+    saved = int(ckpt.name.removeprefix("step-"))
+
+    snakemake(captured, "--cores", "2", *TRAINED)  # the next plain run
+    log = (captured / "logs" / "train.log").read_text()
+    resumed = [ln for ln in log.splitlines() if "resuming" in ln]
+    assert resumed and int(resumed[0].split(" at step ")[1].split()[0]) >= saved, log[-2000:]
+
+    snakemake(reference, "--cores", "2", *TRAINED)  # the same project, never stopped
+    got = metrics(captured / "results" / "train" / "metrics.jsonl")
+    want = metrics(reference / "results" / "train" / "metrics.jsonl")
+    assert got == want
+    a = (captured / "results" / "draft" / "model.safetensors").read_bytes()
+    assert a == (reference / "results" / "draft" / "model.safetensors").read_bytes()
+
+
+def test_sigterm_to_snakemake_alone_stops_its_jobs(captured: Path):
+    """Snakemake's own SIGTERM handling waits for running jobs; the workflow's handler
+    (draftsmith.stopping.forward_stop_signals) ends them first."""
+    proc = start(captured)
+    wait_for_checkpoint(captured, proc)
+    elapsed = stop(proc, lambda: proc.send_signal(signal.SIGTERM))
+    out = proc.stdout.read()
+    assert elapsed <= STOP_BOUND, f"stopped after {elapsed:.1f} s\n{out[-3000:]}"
+    assert "sent SIGTERM to" in out, out[-3000:]
+    assert "stopping at once (SIGTERM)" in (captured / "logs" / "train.log").read_text()
+    assert not (captured / "results" / "draft").exists()
+    # no stale lock, nothing half-written taken: the next plain run finishes
+    snakemake(captured, "--cores", "2", *TRAINED)
+    assert (captured / "results" / "draft" / "model.safetensors").is_file()
