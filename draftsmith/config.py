@@ -164,11 +164,26 @@ def coerce(value, schema: dict, where: str = "config"):
     return value
 
 
+def check_finite(config: dict) -> None:
+    """Refuse NaN and infinite numbers anywhere in the config (YAML's `.inf`, `.nan`): JSON-schema
+    bounds let them through (`.inf` > 0, and every comparison with NaN is false). The Snakefile
+    calls it before schema validation, so the message names the key whatever its bounds."""
+    from draftsmith.finite import nonfinite_keys
+
+    bad = nonfinite_keys(config)
+    if bad:
+        raise ConfigError(
+            f"config validation failed: {'; '.join(bad)}: not a finite number (YAML's .inf and "
+            ".nan are not accepted anywhere)"
+        )
+
+
 def check_config(config: dict) -> None:
     """Rules that span keys, checked at parse time after schema validation (defaults filled).
 
     (target.path is checked by `draftsmith.target.source_signature`, also at parse time.)
     """
+    check_finite(config)
     data, bench = config["data"], config["bench"]
     if bench["heldout_size"] > data["heldout_rows"]:
         raise ConfigError(

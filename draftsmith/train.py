@@ -55,6 +55,7 @@ from draftsmith.common import (
 )
 from draftsmith.config import aux_layer_ids
 from draftsmith.export import export_draft, target_embedding, verifier_ref
+from draftsmith.finite import check_step
 from draftsmith.model import DraftConfig, Eagle3Draft
 from draftsmith.shards import ShardError, open_shard, verify_cached
 from draftsmith.storage import StorageError, check_draft_vocab
@@ -426,6 +427,7 @@ def train(
         opt.zero_grad(set_to_none=True)
         loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(draft.parameters(), CLIP)
+        check_step(step + 1, loss, grad_norm, run_dir)  # before the update: checkpoints stay good
         opt.step()
         ce_all = all_sum(ce.detach().float(), world)
         correct_all = all_sum(correct.detach().float(), world)

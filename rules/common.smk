@@ -14,6 +14,7 @@ import yaml  # noqa: E402
 from draftsmith.common import sha256_file  # noqa: E402
 from draftsmith.config import (
     check_config,
+    check_finite,
     check_range,
     coerce,
     neutral_defaults,
@@ -31,6 +32,7 @@ _SCHEMA = yaml.safe_load(
 _coerced = coerce(dict(config), _SCHEMA)
 config.clear()
 config.update(_coerced)
+check_finite(config)
 validate(config, "../schemas/config.schema.yaml")
 check_config(config)
 # options whose default builds what was built before them: left out of params at that default
