@@ -230,23 +230,36 @@ def neutral_defaults(schema: dict) -> dict[str, dict]:
     return out
 
 
+def execution_keys(schema: dict) -> dict[str, tuple[str, ...]]:
+    """{section: keys} the schema marks `x-execution: true`: how a job runs, never what it
+    builds (retries, requests in flight, checkpoint cadence, a server's port and timeouts).
+    They are never in params; jobs get them as DRAFTSMITH_RUN (draftsmith.common.merge_run)."""
+    out: dict[str, tuple[str, ...]] = {}
+    for section, spec in schema.get("properties", {}).items():
+        keys = tuple(k for k, p in spec.get("properties", {}).items() if p.get("x-execution"))
+        if keys:
+            out[section] = keys
+    return out
+
+
 def sections_json(
     config: dict,
     sections,
     extra: dict | None = None,
     neutral: dict | None = None,
     only: dict | None = None,
+    execution: dict | None = None,
 ) -> str:
     """The config sections a job reads, as the JSON of its `params` (what makes it stale), plus
     `extra` sections not already named; `only` {section: keys} takes just those keys of a
     section (added to `sections`). Left out, so that they stale nothing: the keys of `neutral`
     (neutral_defaults) while at their default, and the capture.storage keys its mode does not
-    use."""
-    neutral, only = neutral or {}, only or {}
+    use, and always the `execution` keys {section: keys} (execution_keys)."""
+    neutral, only, execution = neutral or {}, only or {}, execution or {}
     cfg = {}
     for s in [*sections, *(o for o in only if o not in sections)]:
-        skip = neutral.get(s, {})
-        keys = only.get(s, config[s].keys())
+        skip, run = neutral.get(s, {}), execution.get(s, ())
+        keys = [k for k in only.get(s, config[s].keys()) if k not in run]
         cfg[s] = {k: config[s][k] for k in keys if k not in skip or skip[k] != config[s][k]}
     if "capture" in cfg:
         storage = storage_keys(cfg["capture"].get("storage", {}))

@@ -47,6 +47,7 @@ from draftsmith.common import (
     atomic_write_text,
     fsync_dir,
     init_logging,
+    merge_run,
     parse_cfg,
     remove_stale_temps,
     set_threads,
@@ -550,7 +551,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda when available")
     args = ap.parse_args(argv)
     init_logging("draftsmith.train")
-    cfg = parse_cfg(args.cfg)
+    cfg = merge_run(parse_cfg(args.cfg), sections=("train",))  # train.checkpoint_every
     for section in ("train", "draft", "capture"):
         if section not in cfg:
             raise SystemExit(f"--cfg has no {section!r} section")

@@ -17,6 +17,7 @@ from draftsmith.config import (
     check_finite,
     check_range,
     coerce,
+    execution_keys,
     neutral_defaults,
     row_ranges,
     sections_json,
@@ -146,11 +147,12 @@ def stamp(stage):
     return f"results/env/{role_of(stage)}.json"
 
 
-# Server settings that change no result (port, timeouts, retries) stay out of params, so that
-# changing one reruns nothing: jobs get them as DRAFTSMITH_RUN (JSON, exported by
-# job_environment, read by draftsmith.common.merge_run). Every other key of a server engine's
-# section is part of the params of the stages that use the engine (server_cfg).
-RUN_KEYS = {"sglang": ("port", "startup_timeout", "request_timeout", "retries")}
+# Settings that change no result (the schema's x-execution keys: retries, requests in flight,
+# checkpoint cadence, a server's port and timeouts) stay out of params, so that changing one
+# reruns nothing: jobs get them as DRAFTSMITH_RUN (JSON, exported by job_environment, read by
+# draftsmith.common.merge_run). Every other key of a server engine's section is part of the
+# params of the stages that use the engine (server_cfg).
+RUN_KEYS = execution_keys(_SCHEMA)
 
 
 def job_environment():
@@ -209,7 +211,7 @@ def cfg_json(*sections, server_of=None, **only):
     server settings of the engine of stage `server_of`; `section=(keys...)` takes only those
     keys of a section (draftsmith.config.sections_json)."""
     extra = server_cfg(server_of) if server_of else None
-    return sections_json(config, sections, extra, NEUTRAL_DEFAULTS, only)
+    return sections_json(config, sections, extra, NEUTRAL_DEFAULTS, only, RUN_KEYS)
 
 
 def pins_text(wildcards):

@@ -1,0 +1,58 @@
+"""Issue 25 in the real Snakefile: settings that change no result stale nothing, a fixed config
+typo in an environment reruns nothing downstream, a shard refused by training is rebuilt by the
+next plain run. Planning only (`snakemake -n` on placeholders marked up to date, as in
+tests/test_workflow_staleness.py), plus the real jobs that matter (validate_env).
+"""
+
+from __future__ import annotations
+
+import yaml
+import pytest
+from test_workflow_staleness import (  # noqa: F401 (fixtures)
+    R0,
+    built,
+    project,
+    run_in,
+    set_config,
+    stale,
+)
+from wf import ROOT, tiny_config
+
+from draftsmith.config import execution_keys
+
+pytestmark = pytest.mark.workflow
+
+SCHEMA = yaml.safe_load((ROOT / "schemas" / "config.schema.yaml").read_text())
+# a value other than the default for every execution-only key
+CHANGED = {
+    ("capture", "concurrency"): 7,
+    ("capture", "retries"): 5,
+    ("train", "checkpoint_every"): 3,
+    ("sglang", "port"): 31234,
+    ("sglang", "startup_timeout"): 60,
+    ("sglang", "request_timeout"): 60,
+    ("sglang", "retries"): 0,
+}
+
+
+def test_the_schema_marks_the_execution_only_keys():
+    marked = {(s, k) for s, keys in execution_keys(SCHEMA).items() for k in keys}
+    assert marked == set(CHANGED)
+
+
+@pytest.mark.parametrize("section, key", sorted(CHANGED), ids=lambda x: str(x))
+def test_changing_an_execution_only_key_plans_no_job(project, tiny_target, section, key):
+    """capture.retries/concurrency (read by the sglang backend only), train.checkpoint_every and
+    the server's run settings: how a job runs, not what it builds."""
+    assert stale(project) == {}
+    cfg = tiny_config(tiny_target)
+    cfg[section] = {**cfg.get(section, {}), key: CHANGED[section, key]}
+    set_config(project, cfg)
+    assert stale(project) == {}
+
+
+def test_capture_batch_tokens_still_reruns_the_capture(project, tiny_target):
+    """It changes the stored bits (padding changes the batched GEMM shapes; measured in the
+    schema's description), so it stays a param of the shards."""
+    set_config(project, tiny_config(tiny_target, capture={"batch_tokens": 64}))
+    assert stale(project) == {"capture": 2, "hidden_plan": 1, "train": 1, "bench": 1}
