@@ -58,6 +58,7 @@ from draftsmith.config import aux_layer_ids
 from draftsmith.export import export_draft, target_embedding, verifier_ref
 from draftsmith.finite import check_step
 from draftsmith.model import DraftConfig, Eagle3Draft
+from draftsmith.repair import discard_refused_shards, keep_last_good
 from draftsmith.shards import ShardError, open_shard, verify_cached
 from draftsmith.storage import StorageError, check_draft_vocab
 from draftsmith.ttt import (
@@ -304,10 +305,7 @@ def train(
         if rank == 0:
             prove_shards(shards, state_root / "verified")
     except ShardError as e:
-        raise SystemExit(
-            f"error: {e}\n(`python -m draftsmith.shards verify results/hidden --delete`, then "
-            "rerun snakemake to rebuild the bad shards)"
-        ) from None
+        raise discard_refused_shards(e, shard_paths) from None  # the next run rebuilds them
     if world > 1:
         torch.distributed.barrier()
     names = [p.stem for p in shard_paths]
@@ -478,6 +476,7 @@ def train(
             verifier=verifier_ref(target_dir),
             num_tokens=steps,
         )
+        keep_last_good(out_dir)  # <out>.last-good/: outlives a failed rebuild
         with atomic_path(metrics_path) as tmp:
             shutil.copyfile(metrics_tmp, tmp)
         log.info("wrote %s and %s", out_dir, metrics_path)

@@ -6,21 +6,32 @@ tests/test_workflow_staleness.py), plus the real jobs that matter (validate_env)
 
 from __future__ import annotations
 
-import yaml
+import shutil
+from pathlib import Path
+
 import pytest
-from test_workflow_staleness import (  # noqa: F401 (fixtures)
-    R0,
-    built,
-    project,
-    run_in,
-    set_config,
-    stale,
-)
+import yaml
+from test_workflow_staleness import copy_workflow, fake_build, set_config, stale
 from wf import ROOT, tiny_config
 
 from draftsmith.config import execution_keys
 
 pytestmark = pytest.mark.workflow
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory, tiny_target: Path) -> Path:
+    """A workflow copy on the tiny config whose whole DAG is up to date (placeholders)."""
+    repo = copy_workflow(tmp_path_factory.mktemp("built") / "draftsmith")
+    set_config(repo, tiny_config(tiny_target))
+    fake_build(repo)
+    return repo
+
+
+@pytest.fixture
+def project(built: Path, tmp_path: Path) -> Path:
+    return shutil.copytree(built, tmp_path / "draftsmith", symlinks=True)
+
 
 SCHEMA = yaml.safe_load((ROOT / "schemas" / "config.schema.yaml").read_text())
 # a value other than the default for every execution-only key
