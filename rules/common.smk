@@ -77,6 +77,7 @@ else:
 wildcard_constraints:
     rows=r"rows_\d{6}-\d{6}",
     role="|".join(ROLES),
+    envkey=r"[0-9a-f]{12}",
 
 
 def uses_conda():
@@ -140,6 +141,31 @@ def gpu_resources(stage):
 
 def role_of(stage):
     return "cpu" if stage in ("env", "target", "data") else config[stage]["role"]
+
+
+def env_key(role):
+    """Digest of what a role's check depends on: pin text, interpreter, GPUs (rules/env.smk)."""
+    from draftsmith.envcheck import stamp_key
+
+    pins = Path(workflow.basedir, "envs", f"{role}.txt").read_text()
+    return stamp_key(pins, role_python(role), role_gpus(role))
+
+
+def keyed_stamp(wildcards):
+    """validate_env's output for the role's current pins, interpreter and GPUs."""
+    return f"results/env/{wildcards.role}/{env_key(wildcards.role)}.json"
+
+
+def current_env_key(wildcards):
+    """Input function of validate_env: only the current key is a target (a stamp under another
+    key would describe another interpreter or pin set)."""
+    want = env_key(wildcards.role)
+    if wildcards.envkey != want:
+        raise ValueError(
+            f"results/env/{wildcards.role}/{wildcards.envkey}.json: not the current check of "
+            f"role {wildcards.role} (its key is {want}); ask for results/env/{wildcards.role}.json"
+        )
+    return []
 
 
 def stamp(stage):

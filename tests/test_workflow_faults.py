@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from test_workflow_staleness import copy_workflow, fake_build, set_config, stale
+from test_workflow_staleness import copy_workflow, fake_build, run_in, set_config, stale
 from wf import ROOT, tiny_config
 
 from draftsmith.config import execution_keys
@@ -67,3 +67,29 @@ def test_capture_batch_tokens_still_reruns_the_capture(project, tiny_target):
     schema's description), so it stays a param of the shards."""
     set_config(project, tiny_config(tiny_target, capture={"batch_tokens": 64}))
     assert stale(project) == {"capture": 2, "hidden_plan": 1, "train": 1, "bench": 1}
+
+
+def test_a_fixed_interpreter_typo_reruns_nothing(project, tiny_target, tmp_path):
+    """envs.cpu.python pointing at a broken interpreter fails validate_env, as it should; once
+    the config is put back, the published stamp is untouched and no job is planned (main
+    deleted results/env/cpu.json and reran all 17 jobs)."""
+    stamp = project / "results" / "env" / "cpu.json"
+    before = (stamp.read_bytes(), stamp.stat().st_mtime_ns)
+    broken = tmp_path / "python3"
+    broken.write_text("#!/bin/sh\necho 'no torch here' >&2\nexit 1\n")
+    broken.chmod(0o755)
+    set_config(project, tiny_config(tiny_target, envs={"cpu": {"python": str(broken)}}))
+    proc = run_in(project, "--cores", "1", check=False)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "Error in rule validate_env" in out, out[-3000:]
+    assert "Finished jobid" not in out  # nothing ran after it
+    set_config(project, tiny_config(tiny_target))
+    assert (stamp.read_bytes(), stamp.stat().st_mtime_ns) == before
+    assert stale(project) == {}
+
+
+def test_an_edited_pin_file_still_rechecks_and_reruns_the_role(project):
+    pins = project / "envs" / "cpu.txt"
+    pins.write_text(pins.read_text() + "\n# a comment\n")
+    jobs = stale(project)
+    assert jobs["validate_env"] == 1 and jobs["env_stamp"] == 1 and jobs["train"] == 1, jobs
