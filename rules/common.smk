@@ -209,7 +209,11 @@ def job_environment():
     return f"export {exports}; export {path}; ".replace("{", "{{").replace("}", "}}")
 
 
-shell.prefix(f"set -euo pipefail; {job_environment()}")
+# DRAFTSMITH_JOB_PARENT: the Snakemake process running the job's shell; the job's Python
+# processes end when it does, even after a kill -9 of snakemake (draftsmith/lifeline.py).
+shell.prefix(
+    f"set -euo pipefail; export DRAFTSMITH_JOB_PARENT=$PPID; {job_environment()}"
+)
 
 
 def configured_range(wildcards):
