@@ -14,11 +14,16 @@ PACKAGE = ROOT / "draftsmith"
 # have a main() that passes the test below.
 LIBRARY = {
     "__init__",
+    "benchinput",
     "common",
     "config",
     "convert_speculators",
+    "finite",
     "gate",
+    "lifeline",
     "model",
+    "ports",
+    "repair",
     "server",
     "specdec",
     "storage",
