@@ -1,3 +1,9 @@
 """draftsmith: a make-style build system for EAGLE-3 draft models."""
 
 __version__ = "0.1.0"
+
+# A job's processes end with the Snakemake process that runs the job (draftsmith/lifeline.py);
+# outside a job (no DRAFTSMITH_JOB_PARENT) this does nothing.
+from draftsmith.lifeline import follow_from_environment as _follow  # noqa: E402
+
+_follow()

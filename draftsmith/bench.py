@@ -48,8 +48,9 @@ log = logging.getLogger("draftsmith.bench")
 # ---------------------------------------------------------------- benchmark sets
 
 
-def load_sets(cfg: dict) -> dict[str, list[dict]]:
-    """name -> conversations (each {"id", "source", "conversations"}), in report order."""
+def load_sets(cfg: dict, skipped: dict | None = None) -> dict[str, list[dict]]:
+    """name -> conversations (each {"id", "source", "conversations"}), in report order;
+    `skipped`, when given, gets each file set's bad-row counts (draftsmith.benchinput)."""
     from draftsmith.prompts import SourceError, load_humaneval, load_sources, read_source
 
     bench = cfg["bench"]
@@ -79,6 +80,8 @@ def load_sets(cfg: dict) -> dict[str, list[dict]]:
             if not rows:
                 raise SystemExit(f"bench.files: {spec['path']} has no valid rows ({report})")
             sets[name] = rows
+            if skipped is not None:
+                skipped[name] = report
     except SourceError as e:
         raise SystemExit(str(e)) from None
     if not sets:
@@ -222,6 +225,8 @@ def text_blocks(report: dict) -> dict[str, str]:
 
 
 def render_md(report: dict, *plots: Path) -> str:
+    from draftsmith.benchinput import input_line
+
     text = text_blocks(report)
     lines = ["# draftsmith benchmark", ""]
     if gate_line(report):
@@ -232,6 +237,7 @@ def render_md(report: dict, *plots: Path) -> str:
     lines += ["| " + " | ".join(row) + " |" for row in table_rows(report)]
     lines += [
         "",
+        *([input_line(report["input"]), ""] if "input" in report else []),
         f"Accepted-length histogram (passes accepting 0, 1, ... proposals): {text['hist']}.",
         "",
         text["load"],
@@ -383,13 +389,16 @@ def main(argv: list[str] | None = None) -> None:
 
     import matplotlib
 
+    from draftsmith.benchinput import screen_sets
     from draftsmith.engines import EngineError, engine, stop_guard
     from draftsmith.load import LoadMeter
     from draftsmith.target import fingerprint
 
     matplotlib.use("Agg")
     bench = cfg["bench"]
-    sets = load_sets(cfg)
+    skipped: dict[str, dict] = {}
+    sets = load_sets(cfg, skipped)
+    sets, screened = screen_sets(sets, skipped, args.target, int(bench["max_new_tokens"]))
     records = read_metrics(args.metrics)
     try:
         bench_sets = engine("bench", bench.get("backend", "hf"))
@@ -432,6 +441,7 @@ def main(argv: list[str] | None = None) -> None:
         "versions": versions(),
         "training": {**training_summary(records), "precision": draft_precision(args.draft)},
         "set_ids": {name: [r["id"] for r in rows] for name, rows in sets.items()},
+        "input": screened,
     }
     plot_acceptance(results, args.acceptance)
     plot_hist(results, args.hist)

@@ -111,18 +111,21 @@ def parse_cfg(text: str) -> dict:
 RUN_ENV = "DRAFTSMITH_RUN"
 
 
-def merge_run(cfg: dict, text: str | None = None) -> dict:
+def merge_run(cfg: dict, text: str | None = None, sections=None) -> dict:
     """Merge the run settings into the config sections of `--cfg`.
 
     Run settings never change a result (a server's port, timeouts and retries), so rules keep
     them out of `params` (changing one makes no output stale): jobs get them as the JSON of the
     environment variable DRAFTSMITH_RUN (rules/common.smk sets it), or of `--run` by hand.
+    `sections` limits the merge to those sections (default: all).
     """
     text = text or os.environ.get(RUN_ENV, "")
     if not text:
         return cfg
     run = parse_cfg(text)
     for section, values in run.items():
+        if sections is not None and section not in sections:
+            continue
         if not isinstance(values, dict):
             raise SystemExit(f"--run: section {section!r} must be an object")
         cfg[section] = {**cfg.get(section, {}), **values}

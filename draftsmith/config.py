@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from pathlib import Path
 
 RANGE_RE = re.compile(r"^rows_(\d{6})-(\d{6})$")
 
@@ -164,11 +165,26 @@ def coerce(value, schema: dict, where: str = "config"):
     return value
 
 
+def check_finite(config: dict) -> None:
+    """Refuse NaN and infinite numbers anywhere in the config (YAML's `.inf`, `.nan`): JSON-schema
+    bounds let them through (`.inf` > 0, and every comparison with NaN is false). The Snakefile
+    calls it before schema validation, so the message names the key whatever its bounds."""
+    from draftsmith.finite import nonfinite_keys
+
+    bad = nonfinite_keys(config)
+    if bad:
+        raise ConfigError(
+            f"config validation failed: {'; '.join(bad)}: not a finite number (YAML's .inf and "
+            ".nan are not accepted anywhere)"
+        )
+
+
 def check_config(config: dict) -> None:
     """Rules that span keys, checked at parse time after schema validation (defaults filled).
 
     (target.path is checked by `draftsmith.target.source_signature`, also at parse time.)
     """
+    check_finite(config)
     data, bench = config["data"], config["bench"]
     if bench["heldout_size"] > data["heldout_rows"]:
         raise ConfigError(
@@ -215,23 +231,49 @@ def neutral_defaults(schema: dict) -> dict[str, dict]:
     return out
 
 
+def execution_keys(schema: dict) -> dict[str, tuple[str, ...]]:
+    """{section: keys} the schema marks `x-execution: true`: how a job runs, never what it
+    builds (retries, requests in flight, checkpoint cadence, a server's port and timeouts).
+    They are never in params; jobs get them as DRAFTSMITH_RUN (draftsmith.common.merge_run)."""
+    out: dict[str, tuple[str, ...]] = {}
+    for section, spec in schema.get("properties", {}).items():
+        keys = tuple(k for k, p in spec.get("properties", {}).items() if p.get("x-execution"))
+        if keys:
+            out[section] = keys
+    return out
+
+
+def execution_defaults(section: str, schema: dict | None = None) -> dict:
+    """The schema's defaults of a section's `x-execution` keys: what a job uses for the ones
+    its DRAFTSMITH_RUN does not carry (a hand-run stage CLI). The schema file is read from the
+    workflow beside the package when not given."""
+    if schema is None:
+        import yaml
+
+        path = Path(__file__).resolve().parents[1] / "schemas" / "config.schema.yaml"
+        schema = yaml.safe_load(path.read_text())
+    props = schema["properties"][section]["properties"]
+    return {k: props[k]["default"] for k in execution_keys(schema).get(section, ())}
+
+
 def sections_json(
     config: dict,
     sections,
     extra: dict | None = None,
     neutral: dict | None = None,
     only: dict | None = None,
+    execution: dict | None = None,
 ) -> str:
     """The config sections a job reads, as the JSON of its `params` (what makes it stale), plus
     `extra` sections not already named; `only` {section: keys} takes just those keys of a
     section (added to `sections`). Left out, so that they stale nothing: the keys of `neutral`
     (neutral_defaults) while at their default, and the capture.storage keys its mode does not
-    use."""
-    neutral, only = neutral or {}, only or {}
+    use, and always the `execution` keys {section: keys} (execution_keys)."""
+    neutral, only, execution = neutral or {}, only or {}, execution or {}
     cfg = {}
     for s in [*sections, *(o for o in only if o not in sections)]:
-        skip = neutral.get(s, {})
-        keys = only.get(s, config[s].keys())
+        skip, run = neutral.get(s, {}), execution.get(s, ())
+        keys = [k for k in only.get(s, config[s].keys()) if k not in run]
         cfg[s] = {k: config[s][k] for k in keys if k not in skip or skip[k] != config[s][k]}
     if "capture" in cfg:
         storage = storage_keys(cfg["capture"].get("storage", {}))

@@ -19,6 +19,7 @@ Pin files may carry directive lines, `# draftsmith: <word>` (a comment to pip):
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import re
 import shutil
@@ -27,7 +28,7 @@ import sys
 import venv
 from pathlib import Path
 
-from draftsmith.common import atomic_write_json
+from draftsmith.common import atomic_write_bytes, atomic_write_json
 
 DIRECTIVE_RE = re.compile(r"^#\s*draftsmith:\s*(\S+)\s*$")
 DIRECTIVES = ("no-deps", "sglang-cpu")
@@ -229,6 +230,17 @@ def build_venv(pins_file: Path, out: Path) -> None:
                 f.write_bytes(data.replace(str(tmp).encode(), str(out).encode()))
 
 
+def stamp_key(pins_text: str, python: str, gpus: int) -> str:
+    """What a role's check depends on (pin file text, interpreter, GPUs), as 12 hex digits.
+
+    validate_env writes `results/env/<role>/<key>.json`; rule env_stamp copies it to
+    `results/env/<role>.json`, the input of every job of the role. A failed check (a wrong
+    interpreter) fails under another key, so the published stamp is never deleted by it, and
+    putting the config back plans nothing at all (docs/environments.md)."""
+    text = json.dumps([pins_text, python, int(gpus)])
+    return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(
         prog="python -m draftsmith.envcheck",
@@ -246,7 +258,13 @@ def main(argv: list[str] | None = None) -> None:
     v = sub.add_parser("venv", help="build a venv with exactly the pinned packages")
     v.add_argument("--pins", type=Path, required=True, help="envs/<role>.txt")
     v.add_argument("--out", type=Path, required=True, help="the venv directory to create")
+    pub = sub.add_parser("publish", help="copy a keyed stamp to results/env/<role>.json")
+    pub.add_argument("src", type=Path)
+    pub.add_argument("dest", type=Path)
     args = p.parse_args(argv)
+    if args.cmd == "publish":
+        atomic_write_bytes(args.dest, args.src.read_bytes())
+        return
     if args.cmd == "venv":
         build_venv(args.pins, args.out.resolve())
         return

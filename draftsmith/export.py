@@ -36,6 +36,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from draftsmith.common import atomic_write_json, fsync_dir
+from draftsmith.finite import metrics_problem, nonfinite_tensors
 from draftsmith.model import DraftConfig, Eagle3Draft
 
 ARCH = "LlamaForCausalLMEagle3"
@@ -264,8 +265,10 @@ def check_tensors(c: dict, tensors: dict[str, tuple[tuple, str]]) -> list[str]:
     return problems
 
 
-def check_export(out_dir: str | os.PathLike) -> None:
-    """Raise ExportError listing every way `out_dir` breaks SGLang's EAGLE-3 contract."""
+def check_export(out_dir: str | os.PathLike, metrics: str | os.PathLike | None = None) -> None:
+    """Raise ExportError listing every way `out_dir` breaks SGLang's EAGLE-3 contract, or holds
+    NaN or infinite weights, or (with `metrics`, when that file exists) comes from a training run
+    whose metrics end non-finite."""
     out = Path(out_dir)
     cfg_path, w_path = out / "config.json", out / WEIGHTS
     for p in (cfg_path, w_path):
@@ -288,6 +291,12 @@ def check_export(out_dir: str | os.PathLike) -> None:
                     problems.append("t2d is not true exactly at d2t[i] + i")
     if not problems and (out / "speculators").exists():
         problems = speculators_problems(out / "speculators", c)
+    if not problems:
+        for w in (w_path, out / "speculators" / WEIGHTS):
+            problems += [f"{w}: {b}" for b in (nonfinite_tensors(w) if w.is_file() else [])]
+    if not problems and metrics is not None and Path(metrics).is_file():
+        problem = metrics_problem(metrics)
+        problems += [problem] if problem else []
     if problems:
         raise ExportError(f"{out}: not a valid SGLang EAGLE-3 draft:\n  " + "\n  ".join(problems))
 
@@ -469,9 +478,17 @@ def main(argv: list[str] | None = None) -> None:
     sub = ap.add_subparsers(dest="cmd", required=True)
     chk = sub.add_parser("check", help="contract-check an exported draft directory")
     chk.add_argument("draft_dir")
+    chk.add_argument(
+        "--metrics",
+        help="training metrics whose last record must be finite (default: "
+        "<draft_dir>/../train/metrics.jsonl, the workflow's layout, when it exists)",
+    )
     args = ap.parse_args(argv)
+    if args.metrics and not Path(args.metrics).is_file():
+        raise SystemExit(f"--metrics {args.metrics}: no such file")
+    metrics = args.metrics or Path(args.draft_dir).resolve().parent / "train" / "metrics.jsonl"
     try:
-        check_export(args.draft_dir)
+        check_export(args.draft_dir, metrics)
     except ExportError as e:
         raise SystemExit(str(e)) from None
     print(f"{args.draft_dir}: OK (SGLang {ARCH} contract)")

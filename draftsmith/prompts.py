@@ -215,10 +215,13 @@ def read_source(spec: dict) -> tuple[list[dict], dict]:
             shown,
             ", ..." if len(bad) > BAD_ROWS_LISTED else "",
         )
+    if n_lines == 0:
+        log.warning("%s: %s is empty (no non-blank line): it adds no rows", name, path)
     report = {
         "name": name,
         "format": fmt,
         "path": str(path),
+        "empty": n_lines == 0,
         "rows_read": n_lines,
         "valid": len(rows),
         "skipped": len(bad),

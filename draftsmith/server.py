@@ -9,7 +9,10 @@
   (PR_SET_PDEATHSIG), and the guard then terminates the whole group, so not even a killed job
   leaves a server or one of its worker processes behind;
 - health: `/health` polled until it answers 200, within `startup_timeout` seconds; if the
-  process exits first, the error says so at once, with its exit code and the tail of its log;
+  process exits first, the error says so at once, with its exit code and the tail of its log.
+  Only our own server counts: a fixed port that another process holds is refused before the
+  launch (naming the port and that process), and a 200 is accepted only when the process
+  listening on the port is in the group this launch started (`draftsmith.ports`);
 - log: every line the server prints goes to the job's stderr (the rule's log) with a prefix,
   and the last lines are kept for error messages;
 - shutdown: on leaving the `with` block (normally, on an error, or on SIGTERM/SIGHUP/SIGINT,
@@ -43,6 +46,9 @@ import uuid
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
+from pathlib import Path
+
+from draftsmith.ports import PortTaken, check_free, holder, in_group, listeners, listening
 
 log = logging.getLogger("draftsmith.server")
 
@@ -165,6 +171,11 @@ class Server:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self) -> None:
+        if self.spec.port:  # a fixed port: refuse one that another process holds
+            try:
+                check_free(self.spec.port)
+            except PortTaken as e:
+                raise ServerError(f"{self.spec.name}: {e}") from None
         self.port = self.spec.port or free_port()
         argv = self.spec.command(self.port)
         env = {**os.environ, **self.spec.env, MARKER: self.tag}
@@ -218,7 +229,7 @@ class Server:
                 raise self.died("exited during start-up")
             try:
                 with urllib.request.urlopen(self.url + self.spec.health_path, timeout=5) as r:
-                    if r.status == 200:
+                    if r.status == 200 and self.answered_by_ours():
                         log.info(
                             "%s: healthy after %.1f s (pid %d, port %d)",
                             self.spec.name,
@@ -237,6 +248,24 @@ class Server:
                     f"is only slow); last lines of its log:\n{self.log_tail()}"
                 )
             time.sleep(0.5)
+
+    def answered_by_ours(self) -> bool:
+        """Whether the process listening on the port is in the process group this launch
+        started (the guard leads it). Another process there is an error: the job never sends
+        it a request. Where /proc shows no sockets (not Linux) the check cannot run."""
+        if not Path("/proc/net/tcp").exists():
+            return True
+        pids = listeners(self.port)
+        if pids and in_group(pids, self.proc.pid):
+            return True
+        if not pids and not listening(self.port):
+            return False  # the answer came before the socket showed up: ask again
+        self.stop()
+        raise ServerError(
+            f"{self.spec.name}: port {self.port} answered, but from {holder(self.port)}, not "
+            f"from the server this job launched (pid {self.proc.pid}); nothing was sent to it. "
+            f"Another job with the same port? Use sglang.port: 0 (a free port per launch)"
+        )
 
     def stop(self) -> None:
         """SIGTERM to the process group, SIGKILL after the grace period; idempotent."""

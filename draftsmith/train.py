@@ -56,14 +56,18 @@ from draftsmith.checkpoint import latest_checkpoint, load_checkpoint, reset_metr
 from draftsmith.common import (
     atomic_path,
     init_logging,
+    merge_run,
     parse_cfg,
     set_threads,
     sha256_file,
     versions,
 )
+from draftsmith.config import execution_defaults
 from draftsmith.export import export_draft, target_embedding, verifier_ref
+from draftsmith.finite import check_step
 from draftsmith.hardware import cpu_facts, resolve_precision
 from draftsmith.model import DraftConfig, Eagle3Draft
+from draftsmith.repair import keep_last_good
 from draftsmith.stopping import stop_promptly
 from draftsmith.traindata import (  # noqa: F401 (target_tensors, run_key: public here too)
     Data,
@@ -215,6 +219,9 @@ def train_step(s: Step, cfg: dict, inputs: Inputs, data: Data, pos: Progress, ra
     s.opt.zero_grad(set_to_none=True)
     loss.backward()
     grad_norm = torch.nn.utils.clip_grad_norm_(s.draft.parameters(), CLIP)
+    check_step(
+        pos.step + 1, loss, grad_norm, pos.run_dir
+    )  # before the update: checkpoints stay good
     s.opt.step()
     ce_all = all_sum(ce.detach().float(), world)
     correct_all = all_sum(correct.detach().float(), world)
@@ -357,6 +364,7 @@ def finish(draft, provenance: dict, target_dir, out_dir, run_dir, metrics_path) 
         verifier=verifier_ref(target_dir),
         num_tokens=provenance["config"]["train"]["ttt_steps"],
     )
+    keep_last_good(out_dir)  # <out>.last-good/: outlives a failed rebuild
     with atomic_path(metrics_path) as tmp:
         shutil.copyfile(run_dir / "metrics.jsonl", tmp)
     log.info("wrote %s and %s", out_dir, metrics_path)
@@ -436,7 +444,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda when available")
     args = ap.parse_args(argv)
     init_logging("draftsmith.train")
-    cfg = parse_cfg(args.cfg)
+    cfg = merge_run(parse_cfg(args.cfg), sections=("train",))  # the x-execution train keys
+    cfg["train"] = {**execution_defaults("train"), **cfg.get("train", {})}
     for section in ("train", "draft", "capture"):
         if section not in cfg:
             raise SystemExit(f"--cfg has no {section!r} section")

@@ -24,6 +24,7 @@ from tqdm import tqdm
 
 from draftsmith.common import atomic_path, remove_stale_temps, sha256_file
 from draftsmith.config import aux_layer_ids
+from draftsmith.repair import discard_refused_shards
 from draftsmith.shards import ShardError, open_shard, verify_cached
 from draftsmith.storage import StorageError, check_draft_vocab
 from draftsmith.ttt import teacher_ok
@@ -185,10 +186,7 @@ def check_inputs(
         if rank == 0:
             prove_shards(shards, state_root / "verified")
     except ShardError as e:
-        raise SystemExit(
-            f"error: {e}\n(`python -m draftsmith.shards verify results/hidden --delete`, then "
-            "rerun snakemake to rebuild the bad shards)"
-        ) from None
+        raise discard_refused_shards(e, shard_paths) from None  # the next run rebuilds them
     return Inputs(target_cfg, ids, d2t, t2d, heads, expect.get("target_fingerprint"), shards)
 
 

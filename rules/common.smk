@@ -14,8 +14,10 @@ import yaml  # noqa: E402
 from draftsmith.common import sha256_file  # noqa: E402
 from draftsmith.config import (
     check_config,
+    check_finite,
     check_range,
     coerce,
+    execution_keys,
     neutral_defaults,
     row_ranges,
     sections_json,
@@ -32,6 +34,7 @@ _SCHEMA = yaml.safe_load(
 _coerced = coerce(dict(config), _SCHEMA)
 config.clear()
 config.update(_coerced)
+check_finite(config)
 validate(config, "../schemas/config.schema.yaml")
 check_config(config)
 # options whose default builds what was built before them: left out of params at that default
@@ -75,6 +78,7 @@ else:
 wildcard_constraints:
     rows=r"rows_\d{6}-\d{6}",
     role="|".join(ROLES),
+    envkey=r"[0-9a-f]{12}",
 
 
 def uses_conda():
@@ -140,16 +144,42 @@ def role_of(stage):
     return "cpu" if stage in ("env", "target", "data") else config[stage]["role"]
 
 
+def env_key(role):
+    """Digest of what a role's check depends on: pin text, interpreter, GPUs (rules/env.smk)."""
+    from draftsmith.envcheck import stamp_key
+
+    pins = Path(workflow.basedir, "envs", f"{role}.txt").read_text()
+    return stamp_key(pins, role_python(role), role_gpus(role))
+
+
+def keyed_stamp(wildcards):
+    """validate_env's output for the role's current pins, interpreter and GPUs."""
+    return f"results/env/{wildcards.role}/{env_key(wildcards.role)}.json"
+
+
+def current_env_key(wildcards):
+    """Input function of validate_env: only the current key is a target (a stamp under another
+    key would describe another interpreter or pin set)."""
+    want = env_key(wildcards.role)
+    if wildcards.envkey != want:
+        raise ValueError(
+            f"results/env/{wildcards.role}/{wildcards.envkey}.json: not the current check of "
+            f"role {wildcards.role} (its key is {want}); ask for results/env/{wildcards.role}.json"
+        )
+    return []
+
+
 def stamp(stage):
     """The environment stamp of the stage's role: an input of every rule."""
     return f"results/env/{role_of(stage)}.json"
 
 
-# Server settings that change no result (port, timeouts, retries) stay out of params, so that
-# changing one reruns nothing: jobs get them as DRAFTSMITH_RUN (JSON, exported by
-# job_environment, read by draftsmith.common.merge_run). Every other key of a server engine's
-# section is part of the params of the stages that use the engine (server_cfg).
-RUN_KEYS = {"sglang": ("port", "startup_timeout", "request_timeout", "retries")}
+# Settings that change no result (the schema's x-execution keys: retries, requests in flight,
+# checkpoint cadence, a server's port and timeouts) stay out of params, so that changing one
+# reruns nothing: jobs get them as DRAFTSMITH_RUN (JSON, exported by job_environment, read by
+# draftsmith.common.merge_run). Every other key of a server engine's section is part of the
+# params of the stages that use the engine (server_cfg).
+RUN_KEYS = execution_keys(_SCHEMA)
 
 
 def job_environment():
@@ -180,7 +210,11 @@ def job_environment():
     return f"export {exports}; export {path}; ".replace("{", "{{").replace("}", "}}")
 
 
-shell.prefix(f"set -euo pipefail; {job_environment()}")
+# DRAFTSMITH_JOB_PARENT: the Snakemake process running the job's shell; the job's Python
+# processes end when it does, even after a kill -9 of snakemake (draftsmith/lifeline.py).
+shell.prefix(
+    f"set -euo pipefail; export DRAFTSMITH_JOB_PARENT=$PPID; {job_environment()}"
+)
 
 
 def configured_range(wildcards):
@@ -208,7 +242,7 @@ def cfg_json(*sections, server_of=None, **only):
     server settings of the engine of stage `server_of`; `section=(keys...)` takes only those
     keys of a section (draftsmith.config.sections_json)."""
     extra = server_cfg(server_of) if server_of else None
-    return sections_json(config, sections, extra, NEUTRAL_DEFAULTS, only)
+    return sections_json(config, sections, extra, NEUTRAL_DEFAULTS, only, RUN_KEYS)
 
 
 def pins_text(wildcards):

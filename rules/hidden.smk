@@ -1,8 +1,9 @@
 # Hidden-state shards: one capture job per row range, plus the disk estimate.
 # Params carry only the `capture` and `target` sections, so a change to train.*, draft.* or
 # bench.* leaves every shard fresh, while new layer ids or a new storage dtype make all stale.
-# A corrupt shard: `python -m draftsmith.shards verify results/hidden --delete`, then rerun;
-# only the deleted ranges are rebuilt (docs/shards.md).
+# A corrupt shard: the train job that refuses it deletes it (draftsmith/repair.py), so the next
+# plain run rebuilds only that range (docs/shards.md); `draftsmith.shards verify --delete` does
+# the same by hand.
 
 print_shard_estimate()
 

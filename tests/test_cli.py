@@ -14,14 +14,24 @@ PACKAGE = ROOT / "draftsmith"
 # have a main() that passes the test below.
 LIBRARY = {
     "__init__",
+    "benchinput",
+    "checkpoint",
     "common",
     "config",
     "convert_speculators",
+    "finite",
     "gate",
+    "hardware",
+    "lifeline",
+    "load",
     "model",
+    "ports",
+    "repair",
     "server",
+    "stopping",
     "specdec",
     "storage",
+    "traindata",
     "ttt",
 }
 COMMANDS = sorted(

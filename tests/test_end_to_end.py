@@ -90,7 +90,12 @@ def test_engine_serving_results_draft_accepts_as_ours(request, engine):
     }
     (work / f"bench-{engine}.yaml").write_text(yaml.safe_dump(overlay))
     args = ("--configfile", str(work / f"bench-{engine}.yaml"))
-    assert planned_jobs(work, args=args) == {"validate_env": 1, "bench": 1, "all": 1}
+    assert planned_jobs(work, args=args) == {
+        "validate_env": 1,
+        "env_stamp": 1,
+        "bench": 1,
+        "all": 1,
+    }
     draft = work / "results/draft/model.safetensors"
     before = draft.stat().st_mtime_ns
     run = snakemake(work, "--cores", "all", *args, timeout=2400)

@@ -28,7 +28,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.slurm, pytest.mark.workflow]
 
 PROFILE = ("--profile", str(ROOT / "profiles" / "local-slurm"))
 SUBMITTED = {"target_model", "regenerate", "tokenize", "capture", "vocab", "train", "bench"}
-LOCAL = {"validate_env", "data_report", "hidden_plan", "all"}
+LOCAL = {"validate_env", "env_stamp", "data_report", "hidden_plan", "all"}
 
 
 def slurm_answers() -> bool:

@@ -29,7 +29,7 @@ def test_validate_env_and_path_target_build_for_real(tmp_path: Path, tiny_target
     other.symlink_to(sys.executable)
     envs = f'envs={{"cpu": {{"python": "{other}"}}}}'
     jobs = planned_jobs(tmp_path, "results/target", args=("--config", envs))
-    assert jobs == {"validate_env": 1, "target_model": 1}
+    assert jobs == {"validate_env": 1, "env_stamp": 1, "target_model": 1}
 
 
 def test_bare_interpreter_stops_in_validate_env_before_any_other_job(
