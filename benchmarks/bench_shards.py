@@ -31,8 +31,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from draftsmith.capture import plan_batches  # noqa: E402
-from draftsmith.convert import specforge_path, to_specforge, to_speculators  # noqa: E402
+from draftsmith.capture_base import plan_batches  # noqa: E402
+from draftsmith.convert import specforge_path, to_specforge  # noqa: E402
+from draftsmith.convert_speculators import to_speculators  # noqa: E402
 from draftsmith.engines.hf import (  # noqa: E402
     capture_shard,
     decoder_parts,

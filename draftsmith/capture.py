@@ -5,8 +5,8 @@ ids: the residual stream leaving layer i, un-normalized, i.e. transformers'
 `output_hidden_states[i + 1]`) and the final post-norm state (the input of the lm_head).
 This module reads and checks the token file, resolves the layer ids and the provenance of the
 manifest; the engine named by `capture.backend` (`draftsmith.engines`) runs the target and
-writes the shard. `plan_batches` is the length-sorted batching shared by engines: rows are
-grouped up to `capture.batch_tokens` (padded rows x longest row). The shard is stored in the mode
+writes the shard (`draftsmith.capture_base` holds what this CLI and the engines share:
+`CaptureError` and `plan_batches`, the length-sorted batching). The shard is stored in the mode
 `capture.storage` names (draftsmith/storage.py): engines hand `ShardWriter` the same states in
 every mode and pass it `storage=` (and the target's lm_head for top-k teachers).
 
@@ -29,16 +29,13 @@ from pathlib import Path
 
 import torch
 
+from draftsmith.capture_base import CaptureError
 from draftsmith.common import init_logging, merge_run, parse_cfg, versions
 from draftsmith.config import aux_layer_ids, parse_range
 from draftsmith.shards import STORAGE_DTYPES, ShardError
 from draftsmith.storage import Storage, StorageError
 
 DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
-
-
-class CaptureError(ValueError):
-    """Inputs the capture cannot use; the message names the file or key."""
 
 
 def read_tokens(path: str | Path) -> dict[str, torch.Tensor]:
@@ -90,21 +87,6 @@ def shard_size(tokens: dict, text_cfg: dict, dtype: str, storage: Storage) -> in
     n_tokens, n_rows = tokens["input_ids"].numel(), tokens["row_offsets"].numel() - 1
     hidden, vocab = int(text_cfg["hidden_size"]), int(text_cfg["vocab_size"])
     return shard_bytes(n_rows, n_tokens, hidden, dtype, storage, trained, vocab)
-
-
-def plan_batches(lengths: list[int], batch_tokens: int) -> list[list[int]]:
-    """Row indices grouped longest first so that len(group) * longest <= batch_tokens.
-
-    A row longer than the budget forms a batch of its own.
-    """
-    order = sorted(range(len(lengths)), key=lambda r: (-lengths[r], r))
-    batches: list[list[int]] = []
-    for r in order:
-        if batches and (len(batches[-1]) + 1) * lengths[batches[-1][0]] <= batch_tokens:
-            batches[-1].append(r)
-        else:
-            batches.append([r])
-    return batches
 
 
 def main(argv: list[str] | None = None) -> None:

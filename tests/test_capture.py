@@ -11,7 +11,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from draftsmith.capture import main, plan_batches
+from draftsmith.capture import main
+from draftsmith.capture_base import plan_batches
 from draftsmith.config import aux_layer_ids
 from draftsmith.engines.hf import capture_shard, forward_states, pad_rows
 from draftsmith.shards import open_shard

@@ -14,11 +14,14 @@ PACKAGE = ROOT / "draftsmith"
 # have a main() that passes the test below.
 LIBRARY = {
     "__init__",
+    "capture_base",
     "common",
     "config",
+    "convert_common",
     "convert_speculators",
     "gate",
     "model",
+    "regenerate_base",
     "server",
     "specdec",
     "storage",

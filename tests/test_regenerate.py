@@ -8,7 +8,7 @@ import shutil
 import pytest
 
 from draftsmith.engines.hf import HFGenerator
-from draftsmith.regenerate import MissingAnswerError, copy_answers, dropped_ids, regenerate
+from draftsmith.regenerate_base import MissingAnswerError, copy_answers, dropped_ids, regenerate
 
 
 def _conv(cid, *turns):

@@ -430,7 +430,8 @@ def test_capture_fp8_topk_matches_model(tiny_target, tmp_path):
 def test_convert_compact_modes(tmp_path, tiny_target):
     """to-specforge dequantizes float8 shards and refuses top-k ones; from-specforge writes any
     mode (top-k through the target's lm_head)."""
-    from draftsmith.convert import ConvertError, lm_head_weight, main, to_specforge
+    from draftsmith.convert import main, to_specforge
+    from draftsmith.convert_common import ConvertError, lm_head_weight
     from draftsmith.target import write_meta
 
     target = shutil.copytree(tiny_target, tmp_path / "target")
@@ -568,7 +569,8 @@ def test_capture_cli_compact_mode(tiny_target, tmp_path):
 def test_recode_trained_capture_to_fp8_topk(tmp_path, tiny_target):
     """`convert recode`: a `trained` shard rewritten as float8 + top-k equals writing that mode
     directly from the same states (the top-k recomputed from the stored bf16 states)."""
-    from draftsmith.convert import ConvertError, lm_head_weight, main
+    from draftsmith.convert import main
+    from draftsmith.convert_common import ConvertError, lm_head_weight
 
     head = lm_head_weight(tiny_target)
     h = head.shape[1]
@@ -638,8 +640,8 @@ def test_capture_cli_and_recode_draft_topk(tiny_target, tmp_path):
     from transformers import AutoModelForCausalLM
 
     from draftsmith.capture import main
-    from draftsmith.convert import ConvertError, lm_head_weight
     from draftsmith.convert import main as convert_main
+    from draftsmith.convert_common import ConvertError, lm_head_weight
     from draftsmith.target import write_meta
 
     target = shutil.copytree(tiny_target, tmp_path / "target")
@@ -710,10 +712,10 @@ def test_capture_cli_and_recode_draft_topk(tiny_target, tmp_path):
     assert x.manifest["storage"] == y.manifest["storage"]
     for key in ("teacher_topk_ids", "teacher_topk_logprobs", "teacher_in_vocab"):
         assert torch.equal(getattr(x, key).view(torch.uint8), getattr(y, key).view(torch.uint8))
-    from draftsmith.convert import _write_shard
+    from draftsmith.convert_common import write_shard
 
     with pytest.raises(ConvertError, match="recode"):
-        _write_shard(tmp_path / "z.safetensors", [], None, "bfloat16", {}, st, target)
+        write_shard(tmp_path / "z.safetensors", [], None, "bfloat16", {}, st, target)
 
 
 def test_training_refuses_another_draft_vocabulary(tmp_path):

@@ -23,8 +23,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from draftsmith.capture import CaptureError, plan_batches
-from draftsmith.regenerate import new_stats
+from draftsmith.capture_base import CaptureError, plan_batches
+from draftsmith.regenerate_base import new_stats
 from draftsmith.shards import ShardWriter
 from draftsmith.storage import Storage
 
@@ -183,7 +183,7 @@ def regenerate_rows(conversations, cfg: dict, *, target, threads: int, seed: int
     Prompt + reply stay within data.max_length and the target's positions (HFGenerator).
     """
     from draftsmith.common import set_threads
-    from draftsmith.regenerate import regenerate
+    from draftsmith.regenerate_base import regenerate
     from draftsmith.target import load_target
 
     regen = cfg["regenerate"]

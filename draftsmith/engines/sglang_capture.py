@@ -38,7 +38,8 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from draftsmith.capture import CaptureError
+from draftsmith.capture_base import CaptureError
+from draftsmith.engines.sglang_server import server_spec
 from draftsmith.shards import ShardWriter
 
 log = logging.getLogger("draftsmith.engines.sglang_capture")
@@ -116,8 +117,6 @@ def read_dump(path: Path, *, expect: dict) -> tuple[torch.Tensor, torch.Tensor, 
 def capture_server_spec(cfg, target, threads: int, ids, dump_dir: Path, overlay: str):
     """The patched SGLang server of one capture job: the sglang engine's launch (role, tp,
     CPU layer, `sglang.extra_args`) in capture-only mode, the overlay first on its PYTHONPATH."""
-    from draftsmith.engines.sglang import server_spec
-
     spec = server_spec(
         cfg,
         "capture",
