@@ -40,7 +40,8 @@ from draftsmith.engines.hf import (  # noqa: E402
     forward_states,
     pad_rows,
 )
-from draftsmith.shards import ShardWriter, open_shard  # noqa: E402
+from draftsmith.shard_writer import ShardWriter  # noqa: E402
+from draftsmith.shards import open_shard  # noqa: E402
 
 CAPTURE_RSS = """
 import sys, torch
@@ -62,7 +63,7 @@ print([int(x.split()[1]) * 1024 for x in open("/proc/self/status") if x.startswi
 WRITER_RSS = """
 import sys, torch
 sys.path.insert(0, {root!r})
-from draftsmith.shards import ShardWriter
+from draftsmith.shard_writer import ShardWriter
 rows, length, hidden = int(sys.argv[2]), 512, 1024
 t = rows * length
 aux, last = torch.randn(length, 3 * hidden), torch.randn(length, hidden)

@@ -52,7 +52,8 @@ from draftsmith.convert_common import (
     write_shard,
     write_sidecar,
 )
-from draftsmith.shards import STORAGE_DTYPES, ShardError, ShardWriter, open_shard
+from draftsmith.shard_writer import ShardWriter
+from draftsmith.shards import STORAGE_DTYPES, ShardError, open_shard
 from draftsmith.storage import Storage, StorageError
 
 SPECFORGE_GROUP = 2000

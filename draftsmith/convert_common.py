@@ -18,7 +18,8 @@ from tqdm import tqdm
 
 from draftsmith.common import atomic_path, atomic_write_json, versions
 from draftsmith.config import aux_layer_ids
-from draftsmith.shards import CONVENTION, STORAGE_DTYPES, ShardWriter, open_shard
+from draftsmith.shard_writer import ShardWriter
+from draftsmith.shards import CONVENTION, STORAGE_DTYPES, open_shard
 from draftsmith.storage import Storage
 
 SIDECAR = "draftsmith.json"

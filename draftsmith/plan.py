@@ -60,7 +60,7 @@ def shard_bytes(
     rows: int, tokens: int, hidden: int, dtype: str, storage=None, trained=None, vocab=None
 ) -> int:
     """Bytes of one shard in a storage mode (a 4 KiB header allowance included)."""
-    from draftsmith.shards import estimate_bytes
+    from draftsmith.shard_writer import estimate_bytes
 
     return estimate_bytes(tokens, rows, hidden, dtype, storage, trained, vocab)
 

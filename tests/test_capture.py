@@ -370,7 +370,7 @@ def test_disk_full_during_capture_is_a_clear_error(tiny_target, tmp_path, monkey
     import errno
     import os
 
-    import draftsmith.shards as shards
+    import draftsmith.shard_writer as shard_writer
 
     args, out = _cli_inputs(tiny_target, tmp_path)
     real, calls = os.pwrite, []
@@ -381,7 +381,7 @@ def test_disk_full_during_capture_is_a_clear_error(tiny_target, tmp_path, monkey
             raise OSError(errno.ENOSPC, "No space left on device")
         return real(fd, data, pos)
 
-    monkeypatch.setattr(shards.os, "pwrite", pwrite)
+    monkeypatch.setattr(shard_writer.os, "pwrite", pwrite)
     with pytest.raises(SystemExit, match="disk full while writing: not enough disk space") as e:
         main(args)
     assert "the shard needs" in str(e.value)

@@ -23,6 +23,7 @@ LIBRARY = {
     "model",
     "regenerate_base",
     "server",
+    "shard_writer",
     "specdec",
     "storage",
     "ttt",

@@ -9,7 +9,8 @@ import shutil
 import pytest
 import torch
 
-from draftsmith.shards import ShardError, ShardWriter, estimate_bytes, manifest_path, open_shard
+from draftsmith.shard_writer import ShardWriter, estimate_bytes
+from draftsmith.shards import ShardError, manifest_path, open_shard
 from draftsmith.storage import (
     Storage,
     StorageError,

@@ -25,7 +25,7 @@ from tqdm import tqdm
 
 from draftsmith.capture_base import CaptureError, plan_batches
 from draftsmith.regenerate_base import new_stats
-from draftsmith.shards import ShardWriter
+from draftsmith.shard_writer import ShardWriter
 from draftsmith.storage import Storage
 
 log = logging.getLogger("draftsmith.engines.hf")

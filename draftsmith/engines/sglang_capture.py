@@ -40,7 +40,7 @@ from tqdm import tqdm
 
 from draftsmith.capture_base import CaptureError
 from draftsmith.engines.sglang_server import server_spec
-from draftsmith.shards import ShardWriter
+from draftsmith.shard_writer import ShardWriter
 
 log = logging.getLogger("draftsmith.engines.sglang_capture")
 
