@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> None:
     if "capture" not in cfg:
         raise SystemExit("--cfg has no `capture` section")
     cap = cfg["capture"]
-    dtype = cap.get("dtype", "bfloat16")
+    dtype = cap["dtype"]
     if dtype not in STORAGE_DTYPES:
         raise SystemExit(f"capture.dtype {dtype!r} is not one of {list(STORAGE_DTYPES)}")
     try:
@@ -133,7 +133,7 @@ def main(argv: list[str] | None = None) -> None:
     if storage.draft_topk:  # the hf engine stores the teacher's top-k over this vocabulary
         if args.vocab is None:
             raise SystemExit("error: capture.storage.topk_vocab draft needs --vocab")
-        if cap.get("backend", "hf") == "hf":
+        if cap["backend"] == "hf":
             from draftsmith.vocab import load_vocab
 
             d2t, _ = load_vocab(args.vocab)
@@ -151,11 +151,11 @@ def main(argv: list[str] | None = None) -> None:
             )
         text_cfg = tgt.target_config(args.target)
         n_layers = int(text_cfg["num_hidden_layers"])
-        ids = aux_layer_ids(cap.get("aux_layer_ids", "auto"), n_layers)
+        ids = aux_layer_ids(cap["aux_layer_ids"], n_layers)
         need = shard_size(tokens, text_cfg, dtype, storage)
         check_free_space(args.out, need)
         fp = tgt.fingerprint(args.target)
-        capture_range = engine("capture", cap.get("backend", "hf"))
+        capture_range = engine("capture", cap["backend"])
         log.info(
             "%s: %d rows, %d tokens, aux ids %s of %d layers, storage %s, backend %s",
             args.out.stem,
@@ -164,7 +164,7 @@ def main(argv: list[str] | None = None) -> None:
             ids,
             n_layers,
             storage.name(dtype),
-            cap.get("backend", "hf"),
+            cap["backend"],
         )
         manifest = capture_range(
             tokens,

@@ -50,13 +50,13 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     init_logging("draftsmith.regenerate")
     cfg = merge_run(parse_cfg(args.cfg), args.run)
-    regen = cfg.get("regenerate", {})
+    regen = cfg["regenerate"]
     a, b = parse_range(args.range)
     try:
         rows = rows_for_range(load_sources(cfg), a, b)
     except SourceError as e:
         raise SystemExit(str(e)) from None
-    report = {"range": args.range, "rows": len(rows), "enabled": bool(regen.get("enabled", True))}
+    report = {"range": args.range, "rows": len(rows), "enabled": bool(regen["enabled"])}
     if not report["enabled"]:
         try:
             out = copy_answers(rows)
@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> None:
         from draftsmith.engines import EngineError, engine
 
         try:
-            regenerate_rows = engine("regenerate", regen.get("backend", "hf"))
+            regenerate_rows = engine("regenerate", regen["backend"])
         except EngineError as e:
             raise SystemExit(str(e)) from None
         out, figures = regenerate_rows(
@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> None:
             cfg,
             target=args.target,
             threads=args.threads,
-            seed=int(regen.get("seed", 0)) + a,
+            seed=int(regen["seed"]) + a,
         )
         dropped = dropped_ids(rows, out)
         report.update(figures, dropped_rows=len(dropped), dropped_ids=dropped[:20])

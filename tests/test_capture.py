@@ -9,7 +9,7 @@ import shutil
 import pytest
 import torch
 from safetensors.torch import save_file
-from wf import planned_jobs, snakemake, tiny_config, write_config
+from wf import planned_jobs, snakemake, tiny_config, with_defaults, write_config
 
 from draftsmith.capture import main
 from draftsmith.capture_base import plan_batches
@@ -290,7 +290,9 @@ def _cli_inputs(tiny_target, tmp_path):
     tokens = tmp_path / "rows_000000-000003.safetensors"
     save_file(random_tokens(300, [6, 9, 5], seed=5), str(tokens))
     out = tmp_path / "hidden" / "rows_000000-000003.safetensors"
-    cfg = {"capture": {"aux_layer_ids": "auto", "dtype": "float32", "batch_tokens": 8}}
+    cfg = with_defaults(
+        {"capture": {"aux_layer_ids": "auto", "dtype": "float32", "batch_tokens": 8}}
+    )
     args = ["--cfg", json.dumps(cfg), "--tokens", str(tokens), "--target", str(target)]
     return [*args, "--out", str(out)], out
 

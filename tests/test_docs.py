@@ -5,8 +5,7 @@ from __future__ import annotations
 import re
 
 import yaml
-from test_config import with_defaults
-from wf import ROOT
+from wf import ROOT, with_defaults
 
 from draftsmith.config import row_ranges
 from draftsmith.prompts import load_sources

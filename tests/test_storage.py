@@ -8,6 +8,7 @@ import shutil
 
 import pytest
 import torch
+from wf import with_defaults
 
 from draftsmith.shard_writer import ShardWriter, estimate_bytes
 from draftsmith.shards import ShardError, manifest_path, open_shard
@@ -526,8 +527,10 @@ def test_plan_uses_storage_mode(tiny_target, tmp_path):
     tok = tmp_path / "tokens" / "rows_000000-000002.safetensors"
     tok.parent.mkdir()
     save_file({k: d[k] for k in ("input_ids", "loss_mask", "row_offsets")}, str(tok))
-    ref = make_plan({"capture": {}}, [tok], tiny_target, tmp_path / "hidden")
-    cfg = {"capture": {"storage": {"aux": "float8_e4m3", "final": "topk", "topk": 8}}}
+    ref = make_plan(with_defaults({}), [tok], tiny_target, tmp_path / "hidden")
+    cfg = with_defaults(
+        {"capture": {"storage": {"aux": "float8_e4m3", "final": "topk", "topk": 8}}}
+    )
     small = make_plan(cfg, [tok], tiny_target, tmp_path / "hidden")
     assert small["storage"] == "float8_e4m3+topk8" and ref["storage"] == "bfloat16"
     hidden = json.loads((tiny_target / "config.json").read_text())["hidden_size"]
@@ -556,7 +559,9 @@ def test_capture_cli_compact_mode(tiny_target, tmp_path):
     save_file({k: d[k] for k in ("input_ids", "loss_mask", "row_offsets")}, str(tokens))
     out = tmp_path / "hidden" / "rows_000000-000003.safetensors"
     storage = {"aux": "float8_e4m3", "final": "topk", "topk": 6, "scale_block": 0}
-    cfg = {"capture": {"aux_layer_ids": "auto", "batch_tokens": 64, "storage": storage}}
+    cfg = with_defaults(
+        {"capture": {"aux_layer_ids": "auto", "batch_tokens": 64, "storage": storage}}
+    )
     args = ["--tokens", str(tokens), "--target", str(target), "--out", str(out)]
     main(["--cfg", json.dumps(cfg), *args, "--threads", "1"])
     shard = open_shard(out, verify_sha=True)
@@ -657,7 +662,9 @@ def test_capture_cli_and_recode_draft_topk(tiny_target, tmp_path):
     save_file({k: d[k] for k in ("input_ids", "loss_mask", "row_offsets")}, str(tokens))
     out = tmp_path / "hidden" / "rows_000000-000003.safetensors"
     storage = {"aux": "float8_e4m3", "final": "topk", "topk": 6, "topk_vocab": "draft"}
-    cfg = {"capture": {"aux_layer_ids": "auto", "batch_tokens": 64, "storage": storage}}
+    cfg = with_defaults(
+        {"capture": {"aux_layer_ids": "auto", "batch_tokens": 64, "storage": storage}}
+    )
     args = ["--cfg", json.dumps(cfg), "--tokens", str(tokens), "--target", str(target)]
     with pytest.raises(SystemExit, match="--vocab"):
         main([*args, "--out", str(out)])

@@ -43,6 +43,16 @@ def tiny_config(target_dir: Path, **sections) -> dict:
     return cfg
 
 
+def with_defaults(cfg: dict) -> dict:
+    """A copy of `cfg` as the workflow hands it to a job: validated by the schema, every default
+    filled in (rules/common.smk validates the same way). For tests that call a stage's CLI."""
+    from snakemake.utils import validate
+
+    out = copy.deepcopy(cfg)
+    validate(out, str(ROOT / "schemas" / "config.schema.yaml"))
+    return out
+
+
 def write_config(workdir: Path, cfg: dict) -> Path:
     workdir.mkdir(parents=True, exist_ok=True)
     path = workdir / "config.yaml"

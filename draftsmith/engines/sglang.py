@@ -191,7 +191,7 @@ def regenerate_rows(conversations, cfg: dict, *, target, threads: int, seed: int
             stops,
             regen,
             float(s["request_timeout"]),
-            max_total=int(cfg.get("data", {}).get("max_length", 0)),
+            max_total=int(cfg["data"]["max_length"]),
         )
         out = regenerate(conversations, gen)
     report = {
