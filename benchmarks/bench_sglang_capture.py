@@ -52,7 +52,7 @@ def plain_pass(url: str, rc, rows: list[int], concurrency: int) -> float:
 
 def capture_pass(sup, tokens, cfg, out: Path, dump_dir: Path, expect, rows, concurrency) -> float:
     from draftsmith.engines import sglang_capture as sc
-    from draftsmith.shards import ShardWriter
+    from draftsmith.shard_writer import ShardWriter
 
     class Bar:
         def update(self, n):

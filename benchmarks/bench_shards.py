@@ -31,15 +31,17 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from draftsmith.capture import plan_batches  # noqa: E402
-from draftsmith.convert import specforge_path, to_specforge, to_speculators  # noqa: E402
+from draftsmith.capture_base import plan_batches  # noqa: E402
+from draftsmith.convert import specforge_path, to_specforge  # noqa: E402
+from draftsmith.convert_speculators import to_speculators  # noqa: E402
 from draftsmith.engines.hf import (  # noqa: E402
     capture_shard,
     decoder_parts,
     forward_states,
     pad_rows,
 )
-from draftsmith.shards import ShardWriter, open_shard  # noqa: E402
+from draftsmith.shard_writer import ShardWriter  # noqa: E402
+from draftsmith.shards import open_shard  # noqa: E402
 
 CAPTURE_RSS = """
 import sys, torch
@@ -61,7 +63,7 @@ print([int(x.split()[1]) * 1024 for x in open("/proc/self/status") if x.startswi
 WRITER_RSS = """
 import sys, torch
 sys.path.insert(0, {root!r})
-from draftsmith.shards import ShardWriter
+from draftsmith.shard_writer import ShardWriter
 rows, length, hidden = int(sys.argv[2]), 512, 1024
 t = rows * length
 aux, last = torch.randn(length, 3 * hidden), torch.randn(length, hidden)

@@ -50,9 +50,11 @@ import torch  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from draftsmith.capture import plan_batches, read_tokens  # noqa: E402
+from draftsmith.capture import read_tokens  # noqa: E402
+from draftsmith.capture_base import plan_batches  # noqa: E402
 from draftsmith.common import atomic_write_json, atomic_write_text, versions  # noqa: E402
-from draftsmith.shards import ShardWriter, estimate_bytes, open_shard  # noqa: E402
+from draftsmith.shard_writer import ShardWriter, estimate_bytes  # noqa: E402
+from draftsmith.shards import open_shard  # noqa: E402
 from draftsmith.storage import Storage  # noqa: E402
 
 MODES = {

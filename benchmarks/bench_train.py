@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from draftsmith.common import atomic_write_json, atomic_write_text, set_threads  # noqa: E402
-from draftsmith.shards import ShardWriter  # noqa: E402
+from draftsmith.shard_writer import ShardWriter  # noqa: E402
 from draftsmith.train import train  # noqa: E402
 
 H, V, K, LAYERS, I_SIZE = 576, 49152, 4096, 30, 1536

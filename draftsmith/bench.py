@@ -66,15 +66,15 @@ def load_sets(cfg: dict, skipped: dict | None = None) -> dict[str, list[dict]]:
             sets["heldout"] = heldout[: bench["heldout_size"]]
         if bench["humaneval_size"]:
             sets["humaneval"] = load_humaneval(bench["humaneval_size"])
-        for spec in bench.get("files", []):
+        for spec in bench["files"]:
             name = spec["name"]
             if not name or name in sets:
                 raise SystemExit(f"bench.files: set name {name!r} is empty or used twice")
             rows, report = read_source(
                 {
-                    "format": spec.get("format", "prompt"),
+                    "format": spec["format"],
                     "path": spec["path"],
-                    "max_rows": spec.get("size", 0),
+                    "max_rows": spec["size"],
                 }
             )
             if not rows:
@@ -401,14 +401,12 @@ def main(argv: list[str] | None = None) -> None:
     sets, screened = screen_sets(sets, skipped, args.target, int(bench["max_new_tokens"]))
     records = read_metrics(args.metrics)
     try:
-        bench_sets = engine("bench", bench.get("backend", "hf"))
+        bench_sets = engine("bench", bench["backend"])
     except EngineError as e:
         raise SystemExit(str(e)) from None
-    log.info(
-        "sets: %s; backend %s", {n: len(r) for n, r in sets.items()}, bench.get("backend", "hf")
-    )
+    log.info("sets: %s; backend %s", {n: len(r) for n, r in sets.items()}, bench["backend"])
     meter = LoadMeter()
-    with stop_guard("bench", bench.get("backend", "hf")), meter.phase("run"):
+    with stop_guard("bench", bench["backend"]), meter.phase("run"):
         results, info = bench_sets(
             sets, cfg, target=args.target, draft=args.draft, threads=args.threads
         )
@@ -427,11 +425,11 @@ def main(argv: list[str] | None = None) -> None:
         )
     verdict = check_gate(results, float(bench["tau_floor"]))
     if not verdict["passed"]:
-        if not bench.get("smoke", False):
+        if not bench["smoke"]:
             raise GateError(verdict["message"])
         log.warning("bench.smoke is true: not enforcing the gate. %s", verdict["message"])
     report = {
-        "gate": {**verdict, "smoke": bool(bench.get("smoke", False))},
+        "gate": {**verdict, "smoke": bool(bench["smoke"])},
         "sets": results,
         "config": {**training_config(args.draft), **cfg},
         **info,

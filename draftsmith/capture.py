@@ -5,8 +5,8 @@ ids: the residual stream leaving layer i, un-normalized, i.e. transformers'
 `output_hidden_states[i + 1]`) and the final post-norm state (the input of the lm_head).
 This module reads and checks the token file, resolves the layer ids and the provenance of the
 manifest; the engine named by `capture.backend` (`draftsmith.engines`) runs the target and
-writes the shard. `plan_batches` is the length-sorted batching shared by engines: rows are
-grouped up to `capture.batch_tokens` (padded rows x longest row). The shard is stored in the mode
+writes the shard (`draftsmith.capture_base` holds what this CLI and the engines share:
+`CaptureError` and `plan_batches`, the length-sorted batching). The shard is stored in the mode
 `capture.storage` names (draftsmith/storage.py): engines hand `ShardWriter` the same states in
 every mode and pass it `storage=` (and the target's lm_head for top-k teachers).
 
@@ -29,16 +29,13 @@ from pathlib import Path
 
 import torch
 
+from draftsmith.capture_base import CaptureError
 from draftsmith.common import init_logging, merge_run, parse_cfg, versions
 from draftsmith.config import aux_layer_ids, parse_range
 from draftsmith.shards import STORAGE_DTYPES, ShardError
 from draftsmith.storage import Storage, StorageError
 
 DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
-
-
-class CaptureError(ValueError):
-    """Inputs the capture cannot use; the message names the file or key."""
 
 
 def read_tokens(path: str | Path) -> dict[str, torch.Tensor]:
@@ -92,21 +89,6 @@ def shard_size(tokens: dict, text_cfg: dict, dtype: str, storage: Storage) -> in
     return shard_bytes(n_rows, n_tokens, hidden, dtype, storage, trained, vocab)
 
 
-def plan_batches(lengths: list[int], batch_tokens: int) -> list[list[int]]:
-    """Row indices grouped longest first so that len(group) * longest <= batch_tokens.
-
-    A row longer than the budget forms a batch of its own.
-    """
-    order = sorted(range(len(lengths)), key=lambda r: (-lengths[r], r))
-    batches: list[list[int]] = []
-    for r in order:
-        if batches and (len(batches[-1]) + 1) * lengths[batches[-1][0]] <= batch_tokens:
-            batches[-1].append(r)
-        else:
-            batches.append([r])
-    return batches
-
-
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(
         prog="python -m draftsmith.capture",
@@ -138,14 +120,14 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit("--cfg has no `capture` section")
     from draftsmith.engines import stop_guard
 
-    with stop_guard("capture", cfg["capture"].get("backend", "hf")):
+    with stop_guard("capture", cfg["capture"]["backend"]):
         run(args, cfg, log)
 
 
 def run(args, cfg: dict, log) -> None:
     """The capture job after its arguments: storage checks, the engine's shard, the log."""
     cap = cfg["capture"]
-    dtype = cap.get("dtype", "bfloat16")
+    dtype = cap["dtype"]
     if dtype not in STORAGE_DTYPES:
         raise SystemExit(f"capture.dtype {dtype!r} is not one of {list(STORAGE_DTYPES)}")
     try:
@@ -159,7 +141,7 @@ def run(args, cfg: dict, log) -> None:
     if storage.draft_topk:  # the hf engine stores the teacher's top-k over this vocabulary
         if args.vocab is None:
             raise SystemExit("error: capture.storage.topk_vocab draft needs --vocab")
-        if cap.get("backend", "hf") == "hf":
+        if cap["backend"] == "hf":
             from draftsmith.vocab import load_vocab
 
             d2t, _ = load_vocab(args.vocab)
@@ -177,11 +159,11 @@ def run(args, cfg: dict, log) -> None:
             )
         text_cfg = tgt.target_config(args.target)
         n_layers = int(text_cfg["num_hidden_layers"])
-        ids = aux_layer_ids(cap.get("aux_layer_ids", "auto"), n_layers)
+        ids = aux_layer_ids(cap["aux_layer_ids"], n_layers)
         need = shard_size(tokens, text_cfg, dtype, storage)
         check_free_space(args.out, need)
         fp = tgt.fingerprint(args.target)
-        capture_range = engine("capture", cap.get("backend", "hf"))
+        capture_range = engine("capture", cap["backend"])
         log.info(
             "%s: %d rows, %d tokens, aux ids %s of %d layers, storage %s, backend %s",
             args.out.stem,
@@ -190,7 +172,7 @@ def run(args, cfg: dict, log) -> None:
             ids,
             n_layers,
             storage.name(dtype),
-            cap.get("backend", "hf"),
+            cap["backend"],
         )
         manifest = capture_range(
             tokens,

@@ -31,20 +31,20 @@ from tqdm import tqdm
 
 from draftsmith.common import atomic_write_json
 from draftsmith.config import parse_range
-from draftsmith.convert import (
+from draftsmith.convert_common import (
     SIDECAR,
     ConvertError,
-    _check_sample,
-    _converted_manifest,
-    _ids_from,
-    _save,
-    _sidecar,
-    _write_shard,
     apply_norm,
+    check_sample,
+    converted_manifest,
     final_norm,
+    ids_from,
     load_legacy,
     open_full,
     remove_norm,
+    save_sample,
+    write_shard,
+    write_sidecar,
 )
 from draftsmith.shards import STORAGE_DTYPES
 
@@ -91,7 +91,7 @@ def from_speculators(src: Path, target: Path, out: Path, ids_arg, dtype, storage
     n_layers = int(target_config(target)["num_hidden_layers"])
     layout = layout_of(src)
     try:
-        ids, how = _ids_from(src, ids_arg, n_layers)
+        ids, how = ids_from(src, ids_arg, n_layers)
     except ConvertError as e:
         raise ConvertError(f"{e}. {_vllm_hint(n_layers)}") from None
     weight, eps = final_norm(target)
@@ -101,7 +101,7 @@ def from_speculators(src: Path, target: Path, out: Path, ids_arg, dtype, storage
     else:
         read, items, offset = _arrow_reader(src, weight, eps, a, b)
         index = f"dataset row (hs_<row>.safetensors) = global row - {offset}"
-    manifest = _converted_manifest(
+    manifest = converted_manifest(
         (a, b),
         ids,
         target,
@@ -116,7 +116,7 @@ def from_speculators(src: Path, target: Path, out: Path, ids_arg, dtype, storage
         "source: speculators/vLLM input-of-layer ids (SGLang id + 1); shard: SGLang output-of-layer"
     )
     manifest["converted_from"]["sample_index"] = index
-    return _write_shard(out, items, read, dtype, manifest, storage, target)
+    return write_shard(out, items, read, dtype, manifest, storage, target)
 
 
 def _pt_reader(weight, eps):
@@ -131,7 +131,7 @@ def _pt_reader(weight, eps):
                 f"{f}: hidden_states must be a list of 3 aux states + the final "
                 f"pre-norm state, got {type(hs).__name__} of {len(hs)}"
             )
-        input_ids, loss_mask = _check_sample(f, d["input_ids"], d["loss_mask"], list(hs))
+        input_ids, loss_mask = check_sample(f, d["input_ids"], d["loss_mask"], list(hs))
         s = {
             "input_ids": input_ids,
             "loss_mask": loss_mask,
@@ -194,7 +194,7 @@ def _arrow_reader(src: Path, weight, eps, a: int, b: int):
             raise ConvertError(f"{f}: hidden_states dtype {tag} is not one of {list(ST_DTYPES)}")
         if not torch.equal(token_ids, ids):
             raise ConvertError(f"{f}: token_ids differ from the dataset's input_ids of row {i}")
-        input_ids, loss_mask = _check_sample(
+        input_ids, loss_mask = check_sample(
             f, ids, torch.as_tensor(row["loss_mask"]), [torch.empty(shape[0], 0)]
         )
         s = {
@@ -237,7 +237,7 @@ def to_speculators(shard_path: Path, target: Path, out: Path, layout: str = "arr
                 "hidden_states": [t.clone() for t in hs],  # clone: never save the mmap
                 "loss_mask": row["loss_mask"].long(),
             }
-            _save(sample, out / f"data_{start + r}.pt")
+            save_sample(sample, out / f"data_{start + r}.pt")
         atomic_write_json(
             out / "data_config.json",
             {
@@ -249,7 +249,7 @@ def to_speculators(shard_path: Path, target: Path, out: Path, layout: str = "arr
                 "format": {"file_pattern": "data_{idx}.pt", "data_format_version": 1},
             },
         )
-        _sidecar(out, shard, "speculators-v1", last)
+        write_sidecar(out, shard, "speculators-v1", last)
         return len(shard)
     return _to_arrow(shard, out, weight, last)
 
@@ -281,7 +281,7 @@ def _to_arrow(shard, out: Path, weight, last: str) -> int:
         for p in (stage / "dataset").iterdir():
             p.rename(stage / p.name)
         (stage / "dataset").rmdir()
-        _sidecar(stage, shard, "speculators-arrow", last)
+        write_sidecar(stage, shard, "speculators-arrow", last)
         if out.exists():
             out.rmdir()
         stage.rename(out)

@@ -12,8 +12,11 @@ Pin files may carry directive lines, `# draftsmith: <word>` (a comment to pip):
 - `no-deps`: `venv` installs the file with `pip install --no-deps`, so the file must pin the
   whole runtime closure itself. Used where a package's own metadata pins what cannot run here
   (envs/sglang-cpu.txt: sglang pins a CUDA torch; the role runs it on the CPU torch build).
-- `sglang-cpu`: `check` also proves, in the role's interpreter, that sglang imports with the CPU
-  compatibility layer active (draftsmith.sglang_cpu.selfcheck).
+
+For role `sglang-cpu` (`draftsmith.sglang_cpu.ROLE`, the one fact that switches the CPU
+compatibility layer on, here and in the server launcher `draftsmith.engines.sglang_server`),
+`check` also proves, in the role's interpreter, that sglang imports with the layer active
+(draftsmith.sglang_cpu.selfcheck).
 """
 
 from __future__ import annotations
@@ -29,9 +32,10 @@ import venv
 from pathlib import Path
 
 from draftsmith.common import atomic_write_bytes, atomic_write_json
+from draftsmith.sglang_cpu import ROLE as SGLANG_CPU_ROLE
 
 DIRECTIVE_RE = re.compile(r"^#\s*draftsmith:\s*(\S+)\s*$")
-DIRECTIVES = ("no-deps", "sglang-cpu")
+DIRECTIVES = ("no-deps",)
 PIN_RE = re.compile(r"^([A-Za-z0-9_.\-]+)(\[[^\]]*\])?==([^\s;#]+)")
 
 # Runs inside the role's interpreter: standard library only, prints one JSON object.
@@ -164,7 +168,7 @@ def check(role: str, pins_file: Path, python: str, gpus: int) -> dict:
         "gpu_count": info["gpu_count"],
         "gpus": info["gpus"],
     }
-    if "sglang-cpu" in read_directives(pins_file):
+    if role == SGLANG_CPU_ROLE:
         stamp["sglang_cpu"] = sglang_cpu_check(role, python)
     return stamp
 

@@ -60,7 +60,7 @@ def shard_bytes(
     rows: int, tokens: int, hidden: int, dtype: str, storage=None, trained=None, vocab=None
 ) -> int:
     """Bytes of one shard in a storage mode (a 4 KiB header allowance included)."""
-    from draftsmith.shards import estimate_bytes
+    from draftsmith.shard_writer import estimate_bytes
 
     return estimate_bytes(tokens, rows, hidden, dtype, storage, trained, vocab)
 
@@ -81,9 +81,9 @@ def make_plan(cfg: dict, token_files: list[Path], target: Path, out_dir: Path) -
     text_cfg = target_config(target)
     hidden, n_layers = int(text_cfg["hidden_size"]), int(text_cfg["num_hidden_layers"])
     vocab = int(text_cfg["vocab_size"])
-    dtype = cap.get("dtype", "bfloat16")
+    dtype = cap["dtype"]
     storage = Storage.from_config(cap.get("storage"))
-    ids = aux_layer_ids(cap.get("aux_layer_ids", "auto"), n_layers)
+    ids = aux_layer_ids(cap["aux_layer_ids"], n_layers)
     shards, total, pending = [], 0, 0
     for f in sorted(token_files):
         rows, tokens = token_counts(f)
@@ -137,7 +137,7 @@ def upper_bound(cfg: dict, ranges: list[tuple[int, int]], text_cfg: dict) -> str
 
     cap, max_len = cfg["capture"], int(cfg["data"]["max_length"])
     hidden, vocab = int(text_cfg["hidden_size"]), int(text_cfg.get("vocab_size", 0)) or None
-    dtype = cap.get("dtype", "bfloat16")
+    dtype = cap["dtype"]
     storage = Storage.from_config(cap.get("storage"))
     total = tokens = 0
     for a, b in ranges:

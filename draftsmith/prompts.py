@@ -154,7 +154,7 @@ def _decode(raw: bytes) -> str:
 
 def source_files(config: dict) -> list[str]:
     """The files the configured sources read (the bundled set's package file included)."""
-    specs = config.get("data", {}).get("sources") or [{"format": "bundled"}]
+    specs = config["data"].get("sources") or [{"format": "bundled"}]
     return [str(BUNDLED_PATH) if s["format"] == "bundled" else s["path"] for s in specs]
 
 
@@ -243,14 +243,14 @@ def load_sources(config: dict) -> Sources:
     `config` is the whole workflow config or any dict holding its `data` section (what a rule
     passes with `--cfg`). `data.max_rows` caps the training rows after the split.
     """
-    data = config.get("data", {})
+    data = config["data"]
     specs = data.get("sources") or [{"format": "bundled"}]
     merged, reports = [], []
     for spec in specs:
         rows, report = read_source(spec)
         merged.extend(rows)
         reports.append(report)
-    heldout_n = int(data.get("heldout_rows", 40))
+    heldout_n = int(data["heldout_rows"])
     if heldout_n >= len(merged):
         raise SourceError(
             f"data.heldout_rows={heldout_n} leaves no training rows: the sources have "

@@ -193,17 +193,15 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     init_logging("draftsmith.tokens")
     cfg = parse_cfg(args.cfg)
-    data = cfg.get("data", {})
+    data = cfg["data"]
     tokenizer = AutoTokenizer.from_pretrained(
-        Path(args.target), trust_remote_code=bool(cfg.get("target", {}).get("trust_remote_code"))
+        Path(args.target), trust_remote_code=bool(cfg["target"].get("trust_remote_code"))
     )
     if not tokenizer.is_fast:
         raise SystemExit(f"{args.target}: the tokenizer must be a fast tokenizer (offsets)")
     rows = read_rows_jsonl(args.rows)
     try:
-        tensors, stats = tokenize_rows(
-            tokenizer, rows, int(data.get("max_length", 512)), data.get("overlong", "truncate")
-        )
+        tensors, stats = tokenize_rows(tokenizer, rows, int(data["max_length"]), data["overlong"])
     except TemplateError as e:
         raise SystemExit(f"{args.rows}: {e}") from None
     log.info(

@@ -158,7 +158,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rows", nargs="*", default=[], help="results/data/rows_*.jsonl (checked)")
     args = ap.parse_args(argv)
     init_logging("draftsmith.vocab")
-    k = int(parse_cfg(args.cfg).get("draft", {}).get("vocab_size", 4096))
+    k = int(parse_cfg(args.cfg)["draft"]["vocab_size"])
     vocab_size = target_vocab_size(args.target)
     try:
         if args.rows:

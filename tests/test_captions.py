@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from test_config import with_defaults
+from wf import with_defaults
 
 from draftsmith.captions import CAPTIONS, render, write_captions
 

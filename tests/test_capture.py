@@ -4,14 +4,15 @@ and the CLI end to end."""
 from __future__ import annotations
 
 import json
-import re
 import shutil
 
 import pytest
 import torch
 from safetensors.torch import save_file
+from wf import planned_jobs, snakemake, tiny_config, with_defaults, write_config
 
-from draftsmith.capture import main, plan_batches
+from draftsmith.capture import main
+from draftsmith.capture_base import plan_batches
 from draftsmith.config import aux_layer_ids
 from draftsmith.engines.hf import capture_shard, forward_states, pad_rows
 from draftsmith.shards import open_shard
@@ -231,112 +232,53 @@ def test_cli_end_to_end(tiny_target, tmp_path):
         )
 
 
-SNAKEFILE = """
-import json, sys
-sys.path.insert(0, "{root}")
-wildcard_constraints:
-    rows=r"rows_\\d{{6}}-\\d{{6}}",
-RANGES = {ranges!r}
-def stamp(stage):
-    return "results/env/cpu.json"
-def configured_range(wildcards):
-    return []
-def print_shard_estimate():
-    pass
-def capture_engine_inputs(wildcards):
-    return {{}}
-def gpu_resources(stage):
-    return {{}}
-shell.prefix(f"set -euo pipefail; export PYTHONPATH={root} DRAFTSMITH_PY_CAPTURE={{sys.executable}}; ")
-def role_env(stage):
-    return "../envs/cpu.yaml"
-def capture_vocab_input(wildcards):
-    return {{}}
-def cfg_json(*sections, server_of=None):
-    from draftsmith.config import sections_json
-    return sections_json(config, sections)
-include: "{root}/rules/hidden.smk"
-"""
-
-
-def snakemake(workdir, *targets, config: dict, dry=False):
-    import subprocess
-    import sys
-
-    (workdir / "config.json").write_text(json.dumps(config))
-    cmd = [sys.executable, "-m", "snakemake", *targets, "-s", "Snakefile", "--cores", "2"]
-    cmd += ["--configfile", "config.json", *(["-n"] if dry else ["--quiet", "rules"])]
-    res = subprocess.run(cmd, cwd=workdir, capture_output=True, text=True)
-    assert res.returncode == 0, res.stdout + res.stderr
-    return res.stdout + res.stderr
-
-
 @pytest.mark.slow
 @pytest.mark.workflow
 def test_rules_targeted_rebuild_and_staleness(tiny_target, tmp_path):
-    """rules/hidden.smk: one shard on request, a deleted/corrupt shard alone, params staleness."""
-    from pathlib import Path
-
+    """rules/hidden.smk in the real Snakefile on the tiny config: one shard on request, a
+    deleted/corrupt shard alone, params staleness."""
     from draftsmith.shards import main as shards_main
-    from draftsmith.target import write_meta
 
-    root = Path(__file__).resolve().parents[1]
-    ranges = ["rows_000000-000003", "rows_000003-000005"]
-    (tmp_path / "Snakefile").write_text(SNAKEFILE.format(ranges=ranges, root=root))
-    target = shutil.copytree(tiny_target, tmp_path / "results" / "target")
-    write_meta(target, source="path", origin=str(tiny_target))
-    (tmp_path / "results" / "env").mkdir()
-    (tmp_path / "results" / "env" / "cpu.json").write_text("{}")
-    (tmp_path / "results" / "tokens").mkdir()
-    save_file(
-        random_tokens(300, [5, 7, 4], 1),
-        str(tmp_path / "results/tokens" / f"{ranges[0]}.safetensors"),
-    )
-    save_file(
-        random_tokens(300, [6, 3], 2), str(tmp_path / "results/tokens" / f"{ranges[1]}.safetensors")
-    )
-    config = {
-        "capture": {
-            "backend": "hf",
-            "role": "cpu",
-            "aux_layer_ids": "auto",
-            "dtype": "bfloat16",
-            "batch_tokens": 32,
-        },
-        "target": {"source": "path", "path": "", "dtype": "float32"},
-        "train": {"lr": 0.0003},
-    }
+    ranges = ["rows_000000-000016", "rows_000016-000032"]  # tiny_config: 32 training rows
+    capture = {"batch_tokens": 32}
+
+    def configure(**sections) -> None:
+        sections["capture"] = {**capture, **sections.get("capture", {})}
+        write_config(tmp_path, tiny_config(tiny_target, **sections))
+
     names = [f"results/hidden/{r}.safetensors" for r in ranges]
     shard = [tmp_path / n for n in names]
+    configure()
     # targeted: one shard alone
-    snakemake(tmp_path, f"results/hidden/{ranges[1]}.safetensors", config=config)
+    snakemake(tmp_path, "--cores", "2", names[1])
     assert shard[1].exists() and not shard[0].exists()
-    out = snakemake(tmp_path, *names, "results/hidden/plan.json", config=config)
+    snakemake(tmp_path, "--cores", "2", *names, "results/hidden/plan.json")
     assert "bytes" in json.loads((tmp_path / "results/hidden/plan.json").read_text())["shards"][0]
     first = [s.stat().st_mtime_ns for s in shard]
 
-    def pending(cfg):
-        text = snakemake(tmp_path, *names, config=cfg, dry=True)
-        return sorted(set(re.findall(r"wildcards: rows=(rows_\d{6}-\d{6})", text)))
+    def pending(**sections) -> dict[str, int]:
+        configure(**sections)
+        return planned_jobs(tmp_path, *names)
 
-    assert pending(config) == []
-    assert pending({**config, "train": {"lr": 0.1}}) == []  # train.* never touches shards
-    assert pending({**config, "capture": {**config["capture"], "dtype": "float16"}}) == ranges
-    ids = {**config, "capture": {**config["capture"], "aux_layer_ids": [0, 1, 2]}}
-    assert pending(ids) == ranges
+    assert pending() == {}
+    assert pending(train={"lr": 0.1}) == {}  # train.* never touches shards
+    assert pending(capture={"dtype": "float16"}) == {"capture": 2}
+    assert pending(capture={"aux_layer_ids": [0, 1, 2]}) == {"capture": 2}
     unused = {"topk": 64, "topk_vocab": "draft", "scale_block": 64}  # keys of other modes
-    assert pending({**config, "capture": {**config["capture"], "storage": unused}}) == []
+    assert pending(capture={"storage": unused}) == {}
     compact = {"aux": "float8_e4m3", "final": "topk"}  # a new storage mode: every shard stale
-    assert pending({**config, "capture": {**config["capture"], "storage": compact}}) == ranges
+    assert pending(capture={"storage": compact})["capture"] == 2
+    configure()
     # a corrupt shard is found by verify, deleted, and rebuilt alone
     with open(shard[0], "r+b") as f:
         f.seek(-100, 2)
         f.write(b"\xff" * 4)
     with pytest.raises(SystemExit, match="1 bad shard"):  # nonzero: a shard was bad
         shards_main(["verify", str(tmp_path / "results" / "hidden"), "--delete"])
-    assert pending(config) == [ranges[0]]
-    out = snakemake(tmp_path, *names, config=config)
-    assert shard[1].stat().st_mtime_ns == first[1], out
+    assert pending() == {"capture": 1}
+    out = snakemake(tmp_path, "--cores", "2", *names)
+    assert f"wildcards: rows={ranges[0]}" in out.stdout + out.stderr
+    assert shard[1].stat().st_mtime_ns == first[1]
     assert shard[0].stat().st_mtime_ns != first[0]
 
 
@@ -348,7 +290,9 @@ def _cli_inputs(tiny_target, tmp_path):
     tokens = tmp_path / "rows_000000-000003.safetensors"
     save_file(random_tokens(300, [6, 9, 5], seed=5), str(tokens))
     out = tmp_path / "hidden" / "rows_000000-000003.safetensors"
-    cfg = {"capture": {"aux_layer_ids": "auto", "dtype": "float32", "batch_tokens": 8}}
+    cfg = with_defaults(
+        {"capture": {"aux_layer_ids": "auto", "dtype": "float32", "batch_tokens": 8}}
+    )
     args = ["--cfg", json.dumps(cfg), "--tokens", str(tokens), "--target", str(target)]
     return [*args, "--out", str(out)], out
 
@@ -369,7 +313,7 @@ def test_disk_full_during_capture_is_a_clear_error(tiny_target, tmp_path, monkey
     import errno
     import os
 
-    import draftsmith.shards as shards
+    import draftsmith.shard_writer as shard_writer
 
     args, out = _cli_inputs(tiny_target, tmp_path)
     real, calls = os.pwrite, []
@@ -380,7 +324,7 @@ def test_disk_full_during_capture_is_a_clear_error(tiny_target, tmp_path, monkey
             raise OSError(errno.ENOSPC, "No space left on device")
         return real(fd, data, pos)
 
-    monkeypatch.setattr(shards.os, "pwrite", pwrite)
+    monkeypatch.setattr(shard_writer.os, "pwrite", pwrite)
     with pytest.raises(SystemExit, match="disk full while writing: not enough disk space") as e:
         main(args)
     assert "the shard needs" in str(e.value)

@@ -10,20 +10,11 @@ from pathlib import Path
 
 import pytest
 import yaml
-from wf import ROOT, snakemake, tiny_config, write_config
+from wf import ROOT, snakemake, tiny_config, with_defaults, write_config
 
 from draftsmith.config import ConfigError, aux_layer_ids, check_config, coerce
 
 SCHEMA = yaml.safe_load((ROOT / "schemas" / "config.schema.yaml").read_text())
-
-
-def with_defaults(cfg: dict) -> dict:
-    """What Snakemake's validate(config, schema) makes of `cfg`: every default filled in."""
-    from snakemake.utils import validate
-
-    cfg = json.loads(json.dumps(cfg))
-    validate(cfg, str(ROOT / "schemas" / "config.schema.yaml"))
-    return cfg
 
 
 # ---------------------------------------------------------------- coercion

@@ -8,15 +8,8 @@ import shutil
 import pytest
 import torch
 
-from draftsmith.convert import (
-    ConvertError,
-    apply_norm,
-    final_norm,
-    load_legacy,
-    main,
-    remove_norm,
-    specforge_path,
-)
+from draftsmith.convert import main, specforge_path
+from draftsmith.convert_common import ConvertError, apply_norm, final_norm, load_legacy, remove_norm
 from draftsmith.engines.hf import capture_shard
 from draftsmith.shards import manifest_path, open_shard
 

@@ -5,8 +5,7 @@ from __future__ import annotations
 import re
 
 import yaml
-from test_config import with_defaults
-from wf import ROOT
+from wf import ROOT, with_defaults
 
 from draftsmith.config import row_ranges
 from draftsmith.prompts import load_sources
@@ -84,3 +83,105 @@ def test_defaults_quoted_in_the_docs_are_the_schemas():
                         want = cfg[section][name]
                         bad.append(f"{page.name} sentence {n}: {key}: {value} (default {want})")
     assert not bad, "\n".join(bad)
+
+
+# ---------------------------------------------------------------- docs/architecture.md
+
+
+def doc_table(page: str, heading: str) -> list[list[str]]:
+    """The rows (cells) of the first table under `## <heading>` in a page."""
+    text = (ROOT / page).read_text()
+    section = text.split(f"\n## {heading}\n", 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in section.splitlines() if line.startswith("|")]
+    return [[c.strip() for c in row.strip().strip("|").split("|")] for row in rows[2:]]
+
+
+def ticked(cell: str) -> list[str]:
+    return re.findall(r"`([^`]+)`", cell)
+
+
+def test_architecture_lists_every_rule_by_its_file():
+    documented = {ticked(row[0])[0]: set(ticked(row[1])) for row in doc_table(ARCH, "Rules")}
+    actual = {}
+    for path in [ROOT / "Snakefile", *sorted((ROOT / "rules").glob("*.smk"))]:
+        name = str(path.relative_to(ROOT))
+        actual[name] = set(re.findall(r"^rule (\w+):", path.read_text(), flags=re.M))
+    assert documented == actual
+
+
+def test_architecture_lists_every_role():
+    documented = {ticked(row[0])[0] for row in doc_table(ARCH, "Roles")}
+    assert documented == {p.stem for p in (ROOT / "envs").glob("*.txt")}
+
+
+def test_architecture_lists_every_module():
+    documented = {ticked(row[0])[0] for row in doc_table(ARCH, "Modules")}
+    package = ROOT / "draftsmith"
+    actual = {str(p.relative_to(ROOT)) for p in package.rglob("*.py") if "overlay" not in p.parts}
+    assert documented == actual
+
+
+ARCH = "docs/architecture.md"
+
+
+# ---------------------------------------------------------------- README figures
+
+# README tables whose figures no file in benchmarks/results/ holds; the README says so above each.
+NOT_BACKED = {"### Through SGLang (`config/embedded-sglang.yaml`, measured, CPU)"}
+NUMBER = re.compile(r"\d+(?:\.\d+)?")
+
+
+def readme_tables() -> list[tuple[str, list[tuple[int, list[str]]]]]:
+    """(heading, [(line number, cells)]) of every table in the README, header rows left out."""
+    tables, heading, current = [], "", None
+    for n, line in enumerate((ROOT / "README.md").read_text().splitlines(), start=1):
+        if line.startswith("#"):
+            heading = line
+        if not line.startswith("|"):
+            current = None
+            continue
+        if current is None:
+            current = []
+            tables.append((heading, current))
+        current.append((n, [c.strip() for c in line.strip().strip("|").split("|")]))
+    return [(h, rows[2:]) for h, rows in tables]
+
+
+def results_numbers() -> dict[int, set[str]]:
+    """Every number in benchmarks/results/*.md|json, as written at 0-4 decimals (a README figure
+    may round a results file's)."""
+    text = "\n".join(
+        p.read_text() for p in sorted((ROOT / "benchmarks" / "results").glob("*.[mj][ds]*"))
+    )
+    out: dict[int, set[str]] = {d: set() for d in range(5)}
+    for s in NUMBER.findall(text):
+        for d in out:
+            out[d].add(f"{float(s):.{d}f}")
+    return out
+
+
+def test_every_readme_table_figure_is_in_a_results_file():
+    """Each number in the README's tables (label column left out) appears in a file of
+    benchmarks/results/ at the README's precision, but for the tables the README marks as not
+    backed (NOT_BACKED)."""
+    have = results_numbers()
+    tables = readme_tables()
+    assert len(tables) >= 3 and NOT_BACKED <= {h for h, _ in tables}
+    missing = []
+    for heading, rows in tables:
+        if heading in NOT_BACKED:
+            continue
+        for n, cells in rows:
+            for cell in cells[1:]:
+                for num in NUMBER.findall(cell):
+                    decimals = len(num.split(".")[1]) if "." in num else 0
+                    if num not in have[min(decimals, 4)]:
+                        missing.append(f"README.md:{n}: {num} ({cell!r})")
+    assert not missing, "README figures without a results file:\n" + "\n".join(missing)
+
+
+def test_readme_marks_the_tables_that_are_not_backed():
+    text = (ROOT / "README.md").read_text()
+    for heading in NOT_BACKED:
+        section = text.split(heading, 1)[1].split("\n#", 1)[0]
+        assert "Not backed by a results file" in section, heading

@@ -101,6 +101,6 @@ def test_directives_and_no_deps_install_args(tmp_path):
     with pytest.raises(EnvError, match=r"x.txt:1: unknown directive 'nodeps'"):
         read_directives(f)
     # the sglang-cpu role's file is a whole closure installed without dependency resolution
-    assert read_directives(ROOT / "envs" / "sglang-cpu.txt") == {"no-deps", "sglang-cpu"}
+    assert read_directives(ROOT / "envs" / "sglang-cpu.txt") == {"no-deps"}
     pins = read_pins(ROOT / "envs" / "sglang-cpu.txt")
     assert pins["sglang"] == "0.5.23" and pins["torch"] == "2.13.0"

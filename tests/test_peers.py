@@ -20,7 +20,8 @@ import torch
 from roles import role_python
 from safetensors.torch import load_file, save_file
 
-from draftsmith.convert import apply_norm, final_norm, main
+from draftsmith.convert import main
+from draftsmith.convert_common import apply_norm, final_norm
 from draftsmith.shards import manifest_path, open_shard
 
 pytestmark = [pytest.mark.slow, pytest.mark.peers]

@@ -6,9 +6,10 @@ import json
 import shutil
 
 import pytest
+from wf import with_defaults
 
 from draftsmith.engines.hf import HFGenerator
-from draftsmith.regenerate import MissingAnswerError, copy_answers, dropped_ids, regenerate
+from draftsmith.regenerate_base import MissingAnswerError, copy_answers, dropped_ids, regenerate
 
 
 def _conv(cid, *turns):
@@ -142,10 +143,12 @@ def test_cli_regenerates_one_range(tiny_target, tmp_path):
     write_meta(target, "path", str(tiny_target))
     src = tmp_path / "p.jsonl"
     src.write_text("".join(json.dumps({"prompt": f"Question {i}?"}) + "\n" for i in range(7)))
-    cfg = {
-        "data": {"sources": [{"format": "prompt", "path": str(src)}], "heldout_rows": 2},
-        "regenerate": {"enabled": True, "max_new_tokens": 5, "batch_size": 2},
-    }
+    cfg = with_defaults(
+        {
+            "data": {"sources": [{"format": "prompt", "path": str(src)}], "heldout_rows": 2},
+            "regenerate": {"enabled": True, "max_new_tokens": 5, "batch_size": 2},
+        }
+    )
     out, rep = tmp_path / "rows_000002-000005.jsonl", tmp_path / "rows.report.json"
     main(
         [
@@ -238,10 +241,16 @@ def test_cli_skips_a_100k_character_prompt_and_counts_it(tiny_target, tmp_path):
         {"prompt": "Question 3?"},
     ]
     src.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    cfg = {
-        "data": {"sources": [{"format": "prompt", "path": str(src)}], "heldout_rows": 1},
-        "regenerate": {"enabled": True, "max_new_tokens": 4, "batch_size": 2},
-    }
+    cfg = with_defaults(
+        {
+            "data": {
+                "sources": [{"format": "prompt", "path": str(src)}],
+                "heldout_rows": 1,
+                "max_length": 4096,
+            },
+            "regenerate": {"enabled": True, "max_new_tokens": 4, "batch_size": 2},
+        }
+    )
     out, rep = tmp_path / "rows_000000-000003.jsonl", tmp_path / "rows.report.json"
     args = ["--range", "rows_000000-000003", "--target", str(target), "--threads", "1"]
     main([*args, "--cfg", json.dumps(cfg), "--out", str(out), "--report", str(rep)])

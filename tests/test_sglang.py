@@ -25,13 +25,13 @@ import time
 from pathlib import Path
 
 import pytest
+from roles import role_python
 from wf import ROOT, snakemake, write_config
 
 from draftsmith.server import server_processes
 
 pytestmark = [pytest.mark.slow, pytest.mark.sglang, pytest.mark.workflow]
 
-ROLE_ENV = "DRAFTSMITH_PYTHON_SGLANG_CPU"
 RANGE = "rows_000000-000064"  # the workflow's one range
 PART = "rows_000000-000016"  # what the kill tests regenerate (its rows are RANGE's first 16)
 # Measured (8 held-out prompts, one request at a time, float32): SGLang's outputs and per-prompt
@@ -41,16 +41,6 @@ PART = "rows_000000-000016"  # what the kill tests regenerate (its rows are RANG
 # allows about one of 8 prompts to diverge. A wrong layer id or vocabulary mapping puts SGLang's
 # tau at ~1.0, far outside it.
 TAU_TOLERANCE = 0.05
-
-
-def role_python() -> str:
-    py = os.environ.get(ROLE_ENV, "")
-    if py and os.access(py, os.X_OK):
-        return py
-    reason = f"{ROLE_ENV} does not name the sglang-cpu role's interpreter ({py!r})"
-    if os.environ.get("DRAFTSMITH_REQUIRE_ENGINES") == "1":
-        pytest.fail(reason)
-    pytest.skip(reason)
 
 
 def workflow_config(py: str) -> dict:
@@ -100,7 +90,7 @@ def workflow_config(py: str) -> dict:
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     """The reduced embedded default through SGLang, end to end (the real Snakefile)."""
-    py = role_python()
+    py = role_python("sglang-cpu")  # skips, or fails under DRAFTSMITH_REQUIRE_ENGINES=1
     work = tmp_path_factory.mktemp("sglang_workflow")
     cfg = workflow_config(py)
     write_config(work, cfg)

@@ -140,10 +140,6 @@ CPU_SERVER_ARGS = ["--max-total-tokens", "4096", "--mem-fraction-static", "0.1"]
 AUX_IDS = [1, 2, 4]  # of the tiny target's 6 layers (auto would repeat layer 2)
 
 
-def role_python() -> str:
-    return roles.role_python("sglang-cpu")  # skips, or fails under DRAFTSMITH_REQUIRE_ENGINES=1
-
-
 def token_file(path: Path, lengths: list[int], vocab: int, seed: int = 0) -> Path:
     from safetensors.torch import save_file
 
@@ -164,7 +160,7 @@ def token_file(path: Path, lengths: list[int], vocab: int, seed: int = 0) -> Pat
 @pytest.fixture(scope="module")
 def capture_setup(tmp_path_factory, request):
     """A linked target dir, a 6-row token file, the hf shard of it and the patched overlay."""
-    python = role_python()
+    python = roles.role_python("sglang-cpu")  # skips, or fails under DRAFTSMITH_REQUIRE_ENGINES=1
     tiny = request.getfixturevalue("tiny_target")
     return prepare(tiny, tmp_path_factory.mktemp("sglcap"), python, AUX_IDS)
 

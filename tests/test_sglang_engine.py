@@ -13,6 +13,7 @@ import pytest
 from draftsmith.common import merge_run
 from draftsmith.engines import implements
 from draftsmith.engines import sglang as eng
+from draftsmith.engines.sglang_server import server_spec
 
 SGLANG = {"tp_size": 2, "extra_args": ["--max-total-tokens", "4096"], "port": 0}
 RUN = {"startup_timeout": 60, "request_timeout": 60, "retries": 1}
@@ -32,7 +33,7 @@ def test_sglang_implements_regenerate_and_bench():
 
 def test_gpu_role_launches_stock_sglang(tmp_path, monkeypatch):
     monkeypatch.delitem(sys.modules, "draftsmith.sglang_cpu", raising=False)
-    spec = eng.server_spec(cfg("sglang"), "regenerate", target=tmp_path, threads=4)
+    spec = server_spec(cfg("sglang"), "regenerate", target=tmp_path, threads=4)
     argv = spec.command(12345)
     assert argv[:3] == [sys.executable, "-m", "sglang.launch_server"]
     assert argv[argv.index("--port") + 1] == "12345" and "127.0.0.1" in argv
@@ -45,14 +46,14 @@ def test_gpu_role_launches_stock_sglang(tmp_path, monkeypatch):
 
 def test_pythonpath_entries_go_first(tmp_path, monkeypatch):
     monkeypatch.setenv("PYTHONPATH", "/somewhere")
-    spec = eng.server_spec(
+    spec = server_spec(
         cfg("sglang"), "regenerate", target=tmp_path, threads=1, pythonpath=["/overlay"]
     )
     assert spec.env["PYTHONPATH"] == "/overlay:/somewhere"
 
 
 def test_cpu_role_gets_the_compatibility_layer(tmp_path):
-    spec = eng.server_spec(cfg("sglang-cpu"), "regenerate", target=tmp_path, threads=1)
+    spec = server_spec(cfg("sglang-cpu"), "regenerate", target=tmp_path, threads=1)
     argv = spec.command(1)
     assert spec.env["SGLANG_USE_CPU_ENGINE"] == "1"
     assert spec.env["PYTHONPATH"].split(":")[0].endswith("draftsmith/sglang_cpu/overlay")

@@ -154,16 +154,12 @@ def test_pristine_hashes_cover_every_changed_file():
         assert f"sglang/srt/models/{model}.py" in touched
 
 
-def role_python() -> str:
-    return roles.role_python("sglang-cpu")  # skips, or fails under DRAFTSMITH_REQUIRE_ENGINES=1
-
-
 @pytest.mark.slow
 @pytest.mark.sglang
 def test_real_patch_applies_to_pinned_sglang_and_compiles(tmp_path):
     """The capture patch on the role's installed sglang==0.5.23: applies, every patched module
     (deepseek_v2 and kimi_k25 included) compiles and imports its names."""
-    python = role_python()
+    python = roles.role_python("sglang-cpu")  # skips, or fails under DRAFTSMITH_REQUIRE_ENGINES=1
     (tmp_path / "pins.txt").write_text("sglang==0.5.23\n")
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.run(

@@ -12,11 +12,10 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from draftsmith.shard_writer import ShardWriter, estimate_bytes
 from draftsmith.shards import (
     STORAGE_DTYPES,
     ShardError,
-    ShardWriter,
-    estimate_bytes,
     main,
     manifest_path,
     open_shard,
@@ -169,10 +168,10 @@ def test_manifest_is_checked_against_the_copy_inside_the_shard(tmp_path):
 
 
 def test_rebuilt_shard_with_the_same_tensors_has_the_same_sha256(tmp_path, monkeypatch):
-    import draftsmith.shards as shards
+    import draftsmith.shard_writer as shard_writer
 
     clock = iter(f"2026-01-0{i}T00:00:00+0000" for i in range(1, 9))
-    monkeypatch.setattr(shards.time, "strftime", lambda *_: next(clock))
+    monkeypatch.setattr(shard_writer.time, "strftime", lambda *_: next(clock))
     first, second = tmp_path / "a" / "rows_000000-000004.safetensors", tmp_path / "b"
     second = second / first.name
     first.parent.mkdir()
@@ -210,7 +209,7 @@ def test_killed_writer_leaves_no_temp_after_the_next_start(tmp_path):
         f"""
         import os, signal, sys, torch
         sys.path.insert(0, {str(ROOT)!r})
-        from draftsmith.shards import ShardWriter
+        from draftsmith.shard_writer import ShardWriter
         with ShardWriter({str(path)!r}, input_ids=torch.arange(4), loss_mask=torch.ones(4),
                          row_offsets=torch.tensor([0, 4]), hidden_size=8, dtype="float32",
                          manifest={{}}):
@@ -250,7 +249,7 @@ def test_writer_refuses_incomplete_and_double_writes(tmp_path):
 RSS_SCRIPT = textwrap.dedent(
     """
     import resource, sys, torch
-    from draftsmith.shards import ShardWriter
+    from draftsmith.shard_writer import ShardWriter
     rows, row_len, hidden = int(sys.argv[2]), 512, 1024
     t = rows * row_len
     offs = torch.arange(0, t + 1, row_len)

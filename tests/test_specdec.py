@@ -6,6 +6,7 @@ import random
 
 import pytest
 import torch
+from wf import with_defaults
 
 from draftsmith import specdec
 from draftsmith.bench import GateError, gate
@@ -241,22 +242,24 @@ def _bench_inputs(tmp_path, tiny_target, model, num_heldout=3):
             for i, p in enumerate(PROMPTS * 2)
         )
     )
-    cfg = {
-        "bench": {
-            "role": "cpu",
-            "num_steps": 3,
-            "max_new_tokens": 12,
-            "tau_floor": 1.05,
-            "heldout_size": num_heldout,
-            "humaneval_size": 2,
-            "files": [],
-        },
-        "data": {
-            "sources": [{"format": "specforge", "path": str(rows)}],
-            "heldout_rows": num_heldout,
-        },
-        "target": {"dtype": "float32"},
-    }
+    cfg = with_defaults(
+        {
+            "bench": {
+                "role": "cpu",
+                "num_steps": 3,
+                "max_new_tokens": 12,
+                "tau_floor": 1.05,
+                "heldout_size": num_heldout,
+                "humaneval_size": 2,
+                "files": [],
+            },
+            "data": {
+                "sources": [{"format": "specforge", "path": str(rows)}],
+                "heldout_rows": num_heldout,
+            },
+            "target": {"dtype": "float32"},
+        }
+    )
     out = tmp_path / "bench"
     argv = [
         "--cfg", json.dumps(cfg), "--draft", str(draft_dir), "--target", str(target_dir),

@@ -8,8 +8,10 @@ import shutil
 
 import pytest
 import torch
+from wf import with_defaults
 
-from draftsmith.shards import ShardError, ShardWriter, estimate_bytes, manifest_path, open_shard
+from draftsmith.shard_writer import ShardWriter, estimate_bytes
+from draftsmith.shards import ShardError, manifest_path, open_shard
 from draftsmith.storage import (
     Storage,
     StorageError,
@@ -430,7 +432,8 @@ def test_capture_fp8_topk_matches_model(tiny_target, tmp_path):
 def test_convert_compact_modes(tmp_path, tiny_target):
     """to-specforge dequantizes float8 shards and refuses top-k ones; from-specforge writes any
     mode (top-k through the target's lm_head)."""
-    from draftsmith.convert import ConvertError, lm_head_weight, main, to_specforge
+    from draftsmith.convert import main, to_specforge
+    from draftsmith.convert_common import ConvertError, lm_head_weight
     from draftsmith.target import write_meta
 
     target = shutil.copytree(tiny_target, tmp_path / "target")
@@ -524,8 +527,10 @@ def test_plan_uses_storage_mode(tiny_target, tmp_path):
     tok = tmp_path / "tokens" / "rows_000000-000002.safetensors"
     tok.parent.mkdir()
     save_file({k: d[k] for k in ("input_ids", "loss_mask", "row_offsets")}, str(tok))
-    ref = make_plan({"capture": {}}, [tok], tiny_target, tmp_path / "hidden")
-    cfg = {"capture": {"storage": {"aux": "float8_e4m3", "final": "topk", "topk": 8}}}
+    ref = make_plan(with_defaults({}), [tok], tiny_target, tmp_path / "hidden")
+    cfg = with_defaults(
+        {"capture": {"storage": {"aux": "float8_e4m3", "final": "topk", "topk": 8}}}
+    )
     small = make_plan(cfg, [tok], tiny_target, tmp_path / "hidden")
     assert small["storage"] == "float8_e4m3+topk8" and ref["storage"] == "bfloat16"
     hidden = json.loads((tiny_target / "config.json").read_text())["hidden_size"]
@@ -554,7 +559,9 @@ def test_capture_cli_compact_mode(tiny_target, tmp_path):
     save_file({k: d[k] for k in ("input_ids", "loss_mask", "row_offsets")}, str(tokens))
     out = tmp_path / "hidden" / "rows_000000-000003.safetensors"
     storage = {"aux": "float8_e4m3", "final": "topk", "topk": 6, "scale_block": 0}
-    cfg = {"capture": {"aux_layer_ids": "auto", "batch_tokens": 64, "storage": storage}}
+    cfg = with_defaults(
+        {"capture": {"aux_layer_ids": "auto", "batch_tokens": 64, "storage": storage}}
+    )
     args = ["--tokens", str(tokens), "--target", str(target), "--out", str(out)]
     main(["--cfg", json.dumps(cfg), *args, "--threads", "1"])
     shard = open_shard(out, verify_sha=True)
@@ -568,7 +575,8 @@ def test_capture_cli_compact_mode(tiny_target, tmp_path):
 def test_recode_trained_capture_to_fp8_topk(tmp_path, tiny_target):
     """`convert recode`: a `trained` shard rewritten as float8 + top-k equals writing that mode
     directly from the same states (the top-k recomputed from the stored bf16 states)."""
-    from draftsmith.convert import ConvertError, lm_head_weight, main
+    from draftsmith.convert import main
+    from draftsmith.convert_common import ConvertError, lm_head_weight
 
     head = lm_head_weight(tiny_target)
     h = head.shape[1]
@@ -638,8 +646,8 @@ def test_capture_cli_and_recode_draft_topk(tiny_target, tmp_path):
     from transformers import AutoModelForCausalLM
 
     from draftsmith.capture import main
-    from draftsmith.convert import ConvertError, lm_head_weight
     from draftsmith.convert import main as convert_main
+    from draftsmith.convert_common import ConvertError, lm_head_weight
     from draftsmith.target import write_meta
 
     target = shutil.copytree(tiny_target, tmp_path / "target")
@@ -654,7 +662,9 @@ def test_capture_cli_and_recode_draft_topk(tiny_target, tmp_path):
     save_file({k: d[k] for k in ("input_ids", "loss_mask", "row_offsets")}, str(tokens))
     out = tmp_path / "hidden" / "rows_000000-000003.safetensors"
     storage = {"aux": "float8_e4m3", "final": "topk", "topk": 6, "topk_vocab": "draft"}
-    cfg = {"capture": {"aux_layer_ids": "auto", "batch_tokens": 64, "storage": storage}}
+    cfg = with_defaults(
+        {"capture": {"aux_layer_ids": "auto", "batch_tokens": 64, "storage": storage}}
+    )
     args = ["--cfg", json.dumps(cfg), "--tokens", str(tokens), "--target", str(target)]
     with pytest.raises(SystemExit, match="--vocab"):
         main([*args, "--out", str(out)])
@@ -710,10 +720,10 @@ def test_capture_cli_and_recode_draft_topk(tiny_target, tmp_path):
     assert x.manifest["storage"] == y.manifest["storage"]
     for key in ("teacher_topk_ids", "teacher_topk_logprobs", "teacher_in_vocab"):
         assert torch.equal(getattr(x, key).view(torch.uint8), getattr(y, key).view(torch.uint8))
-    from draftsmith.convert import _write_shard
+    from draftsmith.convert_common import write_shard
 
     with pytest.raises(ConvertError, match="recode"):
-        _write_shard(tmp_path / "z.safetensors", [], None, "bfloat16", {}, st, target)
+        write_shard(tmp_path / "z.safetensors", [], None, "bfloat16", {}, st, target)
 
 
 def test_training_refuses_another_draft_vocabulary(tmp_path):

@@ -22,7 +22,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from draftsmith.shards import ShardWriter
+from draftsmith.shard_writer import ShardWriter
 from draftsmith.ttt import step_masks
 
 ROOT = Path(__file__).resolve().parents[1]

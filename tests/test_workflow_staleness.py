@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -18,7 +17,7 @@ from pathlib import Path
 import pytest
 import yaml
 from safetensors.torch import load_file, save_file
-from wf import ROOT, tiny_config
+from wf import ROOT, parse_plan, tiny_config
 
 pytestmark = pytest.mark.workflow
 
@@ -87,16 +86,9 @@ def fake_build(repo: Path) -> None:
 
 def stale(repo: Path, *targets: str) -> dict[str, int]:
     """Jobs `snakemake -n` plans in `repo`, per rule, without the aggregate `all`."""
-    out = run_in(repo, "-n", *targets).stdout
-    jobs: dict[str, int] = {}
-    if "Job stats" in out:
-        for line in out.split("Job stats:", 1)[1].splitlines()[3:]:
-            m = re.match(r"^(\S+)\s+(\d+)$", line.strip())
-            if not m:
-                break
-            jobs[m.group(1)] = int(m.group(2))
-    for key in ("all", "total"):
-        jobs.pop(key, None)
+    proc = run_in(repo, "-n", *targets)
+    jobs = parse_plan(proc.stdout + proc.stderr)
+    jobs.pop("all", None)
     return jobs
 
 

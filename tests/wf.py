@@ -43,6 +43,16 @@ def tiny_config(target_dir: Path, **sections) -> dict:
     return cfg
 
 
+def with_defaults(cfg: dict) -> dict:
+    """A copy of `cfg` as the workflow hands it to a job: validated by the schema, every default
+    filled in (rules/common.smk validates the same way). For tests that call a stage's CLI."""
+    from snakemake.utils import validate
+
+    out = copy.deepcopy(cfg)
+    validate(out, str(ROOT / "schemas" / "config.schema.yaml"))
+    return out
+
+
 def write_config(workdir: Path, cfg: dict) -> Path:
     workdir.mkdir(parents=True, exist_ok=True)
     path = workdir / "config.yaml"
@@ -66,18 +76,35 @@ def snakemake(workdir: Path, *args: str, check: bool = True, timeout: int = 900)
     return proc
 
 
-def planned_jobs(workdir: Path, *targets: str, args: tuple[str, ...] = ()) -> dict[str, int]:
-    """Job counts per rule that `snakemake -n` plans (parsed from its 'Job stats' table)."""
-    proc = snakemake(workdir, "-n", *args, *(("--", *targets) if targets else ()))
-    out = proc.stdout + proc.stderr
-    counts: dict[str, int] = {}
-    if "Job stats" not in out:
-        return counts
-    table = out.split("Job stats:", 1)[1]
-    for line in table.splitlines()[3:]:
-        m = re.match(r"^(\S+)\s+(\d+)$", line.strip())
-        if not m:
-            break
-        if m.group(1) != "total":
+class PlanError(AssertionError):
+    """Snakemake's dry-run output holds neither a plan nor "Nothing to be done"."""
+
+
+def parse_plan(output: str) -> dict[str, int]:
+    """Job counts per rule from `snakemake -n` output (its "Job stats" table, "total" checked
+    and left out), {} when Snakemake said "Nothing to be done"; anything else raises PlanError,
+    so an unparsed plan never reads as "up to date"."""
+    if "Job stats:" in output:
+        counts: dict[str, int] = {}
+        for line in output.split("Job stats:", 1)[1].splitlines()[3:]:
+            m = re.match(r"^(\S+)\s+(\d+)$", line.strip())
+            if not m:
+                break
             counts[m.group(1)] = int(m.group(2))
-    return counts
+        total = counts.pop("total", None)
+        if not counts or total != sum(counts.values()):
+            raise PlanError(
+                f"unreadable 'Job stats' table (total {total}, rows {counts}):\n{output[-3000:]}"
+            )
+        return counts
+    if "Nothing to be done" in output:
+        return {}
+    raise PlanError(
+        f"snakemake -n printed neither a plan nor 'Nothing to be done':\n{output[-3000:]}"
+    )
+
+
+def planned_jobs(workdir: Path, *targets: str, args: tuple[str, ...] = ()) -> dict[str, int]:
+    """Job counts per rule that `snakemake -n` plans (`parse_plan`: {} only when nothing is)."""
+    proc = snakemake(workdir, "-n", *args, *(("--", *targets) if targets else ()))
+    return parse_plan(proc.stdout + proc.stderr)

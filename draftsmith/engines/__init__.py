@@ -5,11 +5,11 @@ CLIs the rules call: they read inputs, validate, write artifacts and reports. Th
 is asked of the engine named by the stage's `backend` key, through one function per stage:
 
     regenerate_rows(conversations, cfg, *, target, threads, seed) -> (conversations, report)
-        conversations in and out as in `draftsmith.regenerate.regenerate`; report: the engine's
+        conversations in and out as in `draftsmith.regenerate_base.regenerate`; report: the engine's
         figures (backend, prompts, new_tokens, prompt_tokens, seconds, hit_limit, empty,
         wall_seconds, tokens_per_second, ...), merged into the range's report.json.
     capture_range(tokens, cfg, *, target, out, ids, manifest, threads) -> manifest
-        tokens: the token file's tensors; writes the shard at `out` (draftsmith.shards) with the
+        tokens: the token file's tensors; writes the shard at `out` (draftsmith.shard_writer) with the
         aux states of layer ids `ids` and returns its manifest.
     bench_sets(sets, cfg, *, target, draft, threads) -> (results, info)
         sets: name -> conversations; results: name -> figures (the keys of
@@ -20,8 +20,9 @@ is asked of the engine named by the stage's `backend` key, through one function 
 settings of `--run` (server ports, timeouts, retries: outside params, see `common.merge_run`)
 merged into their sections.
 
-An engine is one module here that defines the functions of the stages it implements. Adding an
-engine touches its module and one line of `ENGINES` (plus the backend enums in the schema).
+An engine is one module here that defines the functions of the stages it implements, and one
+line of `ENGINES`; docs/architecture.md ("Adding an engine") lists what else a new engine touches
+today (the schema's backend enums, a role, and for a server engine rules/common.smk).
 The registry imports an engine's module only when a stage asks for it (the Snakefile, which
 imports the package at DAG-build time, never does).
 

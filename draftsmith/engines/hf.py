@@ -23,11 +23,11 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from draftsmith.capture import CaptureError, plan_batches
+from draftsmith.capture_base import CaptureError, plan_batches
 from draftsmith.hardware import announce
 from draftsmith.load import LoadMeter
-from draftsmith.regenerate import new_stats
-from draftsmith.shards import ShardWriter
+from draftsmith.regenerate_base import new_stats
+from draftsmith.shard_writer import ShardWriter
 from draftsmith.storage import Storage
 
 log = logging.getLogger("draftsmith.engines.hf")
@@ -187,7 +187,7 @@ def regenerate_rows(conversations, cfg: dict, *, target, threads: int, seed: int
     Prompt + reply stay within data.max_length and the target's positions (HFGenerator).
     """
     from draftsmith.common import set_threads
-    from draftsmith.regenerate import regenerate
+    from draftsmith.regenerate_base import regenerate
     from draftsmith.target import load_target
 
     regen = cfg["regenerate"]
@@ -198,11 +198,11 @@ def regenerate_rows(conversations, cfg: dict, *, target, threads: int, seed: int
     gen = HFGenerator(
         model,
         tokenizer,
-        max_new_tokens=regen.get("max_new_tokens", 128),
-        temperature=regen.get("temperature", 0.0),
-        batch_size=regen.get("batch_size", 32),
+        max_new_tokens=regen["max_new_tokens"],
+        temperature=regen["temperature"],
+        batch_size=regen["batch_size"],
         seed=seed,
-        max_total=int(cfg.get("data", {}).get("max_length", 0)),
+        max_total=int(cfg["data"]["max_length"]),
     )
     t0 = time.perf_counter()
     out = regenerate(conversations, gen)
@@ -325,7 +325,7 @@ def capture_range(
     from draftsmith.target import load_target
 
     set_threads(threads)
-    dtype = getattr(torch, cfg.get("target", {}).get("dtype", "float32"))
+    dtype = getattr(torch, cfg["target"].get("dtype", "float32"))
     model, _ = load_target(target, dtype=dtype)
     announce(
         log, "capture forward", str(dtype).removeprefix("torch."), "target.dtype", model.device.type
@@ -336,8 +336,8 @@ def capture_range(
         tokens,
         out,
         ids,
-        cap.get("dtype", "bfloat16"),
-        int(cap.get("batch_tokens", 8192)),
+        cap["dtype"],
+        int(cap["batch_tokens"]),
         manifest={**manifest, "forward_dtype": str(dtype).removeprefix("torch.")},
         storage=Storage.from_config(cap.get("storage")),
         draft_ids=draft_ids,
@@ -451,7 +451,7 @@ def load_models(target_dir: Path, draft_dir: Path, cfg: dict, device: str):
     from draftsmith.export import ExportError, load_export
     from draftsmith.target import TargetError, load_target
 
-    dtype = getattr(torch, cfg.get("target", {}).get("dtype", "float32"))
+    dtype = getattr(torch, cfg["target"].get("dtype", "float32"))
     try:
         model, tokenizer = load_target(target_dir, dtype=dtype, device=device)
         draft = load_export(draft_dir).to(device=device, dtype=dtype)
@@ -490,9 +490,9 @@ def bench_sets(sets: dict, cfg: dict, *, target, draft, threads: int):
     from draftsmith.common import set_threads
 
     bench = cfg["bench"]
-    if bench.get("topk", 1) != 1:
+    if bench["topk"] != 1:
         raise SystemExit(f"bench.topk {bench['topk']}: the hf engine decodes chains (top-k 1)")
-    if bench.get("concurrency", 1) != 1:
+    if bench["concurrency"] != 1:
         raise SystemExit(
             f"bench.concurrency {bench['concurrency']}: the hf engine runs batch size 1"
         )

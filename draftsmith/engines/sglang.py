@@ -16,92 +16,24 @@ token for token.
 
 capture: `draftsmith.engines.sglang_capture` (a patched server dumps each row's states).
 
-Role `sglang-cpu` (`CPU_ROLE`): the launcher adds the CPU compatibility layer's environment
-(`draftsmith.sglang_cpu.server_env`: SGLANG_USE_CPU_ENGINE=1, its overlay first on PYTHONPATH)
-and launch flags, and serves in `target.dtype` (float32 by default, as the hf engine computes on
-CPU). Any other role launches stock SGLang: the compatibility layer is never imported for it.
+The server of a job is described by `draftsmith.engines.sglang_server.server_spec` (shared with
+the capture engine): for role `sglang-cpu` it adds the CPU compatibility layer's environment and
+launch flags; any other role launches stock SGLang.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import os
-import sys
 import time
 from pathlib import Path
 
 from draftsmith.engines.sglang_capture import capture_range  # noqa: F401 (the capture stage)
-from draftsmith.regenerate import new_stats
-from draftsmith.server import ServerSpec, Supervisor, http_json, run_requests
+from draftsmith.engines.sglang_server import CPU_ROLE, server_spec, settings
+from draftsmith.regenerate_base import new_stats
+from draftsmith.server import Supervisor, http_json, run_requests
 
 log = logging.getLogger("draftsmith.engines.sglang")
-
-CPU_ROLE = "sglang-cpu"
-
-
-# ---------------------------------------------------------------- launching
-
-
-def settings(cfg: dict) -> dict:
-    if "sglang" not in cfg:
-        raise SystemExit("--cfg has no `sglang` section (the server settings of this engine)")
-    return cfg["sglang"]
-
-
-def server_spec(
-    cfg: dict,
-    stage: str,
-    *,
-    target,
-    threads: int,
-    extra_args=(),
-    env: dict | None = None,
-    pythonpath=(),
-) -> ServerSpec:
-    """The SGLang server of a `stage` job: the role's interpreter (this one), `sglang.tp_size`,
-    the port (free by default), `sglang.extra_args` then `extra_args`; `env` merged in and
-    `pythonpath` entries first on the server's PYTHONPATH."""
-    s = settings(cfg)
-    role = cfg[stage]["role"]
-    args = ["--tp-size", str(s["tp_size"])]
-    if cfg.get("target", {}).get("trust_remote_code"):
-        args.append("--trust-remote-code")
-    server_env: dict[str, str] = {}
-    if role == CPU_ROLE:
-        from draftsmith import sglang_cpu  # the CPU role only: GPU jobs never import it
-
-        server_env = sglang_cpu.server_env(threads=max(1, int(threads or 1)))
-        args += [*sglang_cpu.LAUNCH_ARGS, "--dtype", cfg.get("target", {}).get("dtype", "float32")]
-    server_env.update(env or {})
-    path = [*map(str, pythonpath)]
-    if path:
-        rest = server_env.get("PYTHONPATH", os.environ.get("PYTHONPATH", ""))
-        server_env["PYTHONPATH"] = os.pathsep.join(path + ([rest] if rest else []))
-    model = str(Path(target).resolve())
-    tail = [*args, *map(str, s["extra_args"]), *map(str, extra_args)]
-
-    def command(port: int) -> list[str]:
-        return [
-            sys.executable,
-            "-m",
-            "sglang.launch_server",
-            "--model-path",
-            model,
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            *tail,
-        ]
-
-    return ServerSpec(
-        name="sglang",
-        command=command,
-        env=server_env,
-        port=int(s["port"]),
-        startup_timeout=float(s["startup_timeout"]),
-    )
 
 
 def trust(cfg: dict) -> bool:
@@ -240,7 +172,7 @@ class SGLangGenerator:
 
 def regenerate_rows(conversations, cfg: dict, *, target, threads: int, seed: int):
     """The regenerate stage: one server for the range, every user turn answered again."""
-    from draftsmith.regenerate import regenerate
+    from draftsmith.regenerate_base import regenerate
     from draftsmith.tokens import end_of_turn_id
 
     regen, s = cfg["regenerate"], settings(cfg)
@@ -259,7 +191,7 @@ def regenerate_rows(conversations, cfg: dict, *, target, threads: int, seed: int
             stops,
             regen,
             float(s["request_timeout"]),
-            max_total=int(cfg.get("data", {}).get("max_length", 0)),
+            max_total=int(cfg["data"]["max_length"]),
         )
         out = regenerate(conversations, gen)
     report = {

@@ -38,8 +38,9 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from draftsmith.capture import CaptureError
-from draftsmith.shards import ShardWriter
+from draftsmith.capture_base import CaptureError
+from draftsmith.engines.sglang_server import server_spec
+from draftsmith.shard_writer import ShardWriter
 
 log = logging.getLogger("draftsmith.engines.sglang_capture")
 
@@ -116,8 +117,6 @@ def read_dump(path: Path, *, expect: dict) -> tuple[torch.Tensor, torch.Tensor, 
 def capture_server_spec(cfg, target, threads: int, ids, dump_dir: Path, overlay: str):
     """The patched SGLang server of one capture job: the sglang engine's launch (role, tp,
     CPU layer, `sglang.extra_args`) in capture-only mode, the overlay first on its PYTHONPATH."""
-    from draftsmith.engines.sglang import server_spec
-
     spec = server_spec(
         cfg,
         "capture",
@@ -156,7 +155,7 @@ class RowCapture:
         self.writer = writer
         self.dump_dir = dump_dir
         self.expect = expect
-        self.timeout = float(cfg.get("sglang", {}).get("request_timeout", 1800))
+        self.timeout = float(cfg["sglang"].get("request_timeout", 1800))
         self.dump_wait = 120.0  # seconds from the answer to the dump (written by a server thread)
         self.lock = threading.Lock()
         self.stem = writer.path.stem
@@ -295,20 +294,20 @@ def capture_range(
     t0 = time.perf_counter()
     try:
         with (
-            Supervisor(spec, retries=int(cfg.get("sglang", {}).get("retries", 2))) as sup,
+            Supervisor(spec, retries=int(cfg["sglang"].get("retries", 2))) as sup,
             ShardWriter(
                 out,
                 input_ids=tokens["input_ids"],
                 loss_mask=tokens["loss_mask"],
                 row_offsets=tokens["row_offsets"],
                 hidden_size=hidden,
-                dtype=cap.get("dtype", "bfloat16"),
+                dtype=cap["dtype"],
                 storage=storage,
                 manifest={
                     **manifest,
                     "aux_layer_ids": list(ids),
                     "backend": "sglang",
-                    "forward_dtype": cfg.get("target", {}).get("dtype", "float32"),
+                    "forward_dtype": cfg["target"].get("dtype", "float32"),
                     "sglang": {
                         "version": record["sglang_version"],
                         "patch_id": record["patch_id"],
@@ -326,7 +325,7 @@ def capture_range(
                     sup,
                     rc,
                     rows,
-                    concurrency=int(cap.get("concurrency", 4)),
+                    concurrency=int(cap["concurrency"]),
                     retries=int(cap.get("retries", 2)),
                     bar=bar,
                 )
@@ -334,7 +333,7 @@ def capture_range(
             writer.manifest["server"] = {
                 **sup.stats(),
                 **stats,
-                "tp_size": int(cfg.get("sglang", {}).get("tp_size", 1)),
+                "tp_size": int(cfg["sglang"]["tp_size"]),
             }
     finally:
         shutil.rmtree(dump_dir, ignore_errors=True)

@@ -203,7 +203,7 @@ def method_text(bench: dict, threads: int, version: str) -> str:
 def bench_sets(sets: dict, cfg: dict, *, target, draft, threads: int):
     """The bench stage on vLLM: speculative and plain greedy generation of every set."""
     bench = cfg["bench"]
-    if bench.get("topk", 1) != 1:
+    if bench["topk"] != 1:
         raise SystemExit(f"bench.topk {bench['topk']}: the vllm engine benchmarks chains")
     if threads:
         os.environ.setdefault("OMP_NUM_THREADS", str(threads))
@@ -233,7 +233,7 @@ def bench_sets(sets: dict, cfg: dict, *, target, draft, threads: int):
     }
     longest = max(len(p) for ps in prompts.values() for p in ps)
     max_len = longest + bench["max_new_tokens"] + bench["num_steps"] + 8
-    dtype = cfg.get("target", {}).get("dtype", "float32")
+    dtype = cfg["target"].get("dtype", "float32")
     spec_llm, base_llm = _engines(target, draft, bench, dtype, max_len)
     first = next(iter(sets))
     run_set(spec_llm, base_llm, prompts[first][:1], sets[first][:1], bench, stops)  # warm-up

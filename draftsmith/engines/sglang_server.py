@@ -1,0 +1,85 @@
+"""The SGLang server of one job, for the `sglang` engine's stages (regenerate, bench) and its
+capture engine alike (`draftsmith.engines.sglang`, `draftsmith.engines.sglang_capture`).
+
+`server_spec` describes the launch: `python -m sglang.launch_server` in the job's own (the
+role's) interpreter, `sglang.tp_size`, `sglang.port`, `sglang.extra_args`, the target's
+`trust_remote_code`; `draftsmith.server.Supervisor` runs it.
+
+Role `sglang-cpu` (`CPU_ROLE`, which is `draftsmith.sglang_cpu.ROLE`: the one fact that switches
+the CPU compatibility layer on, here and in `validate_env`'s self-check): the launcher adds the
+layer's environment (`draftsmith.sglang_cpu.server_env`: SGLANG_USE_CPU_ENGINE=1, its overlay
+first on PYTHONPATH) and launch flags, and serves in `target.dtype` (float32 by default, as the hf
+engine computes on CPU). Any other role launches stock SGLang: the overlay is never put on its
+path (`draftsmith.sglang_cpu` itself is constants and path helpers; it imports neither torch nor
+sglang).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+from draftsmith import sglang_cpu
+from draftsmith.server import ServerSpec
+
+CPU_ROLE = sglang_cpu.ROLE
+
+
+def settings(cfg: dict) -> dict:
+    if "sglang" not in cfg:
+        raise SystemExit("--cfg has no `sglang` section (the server settings of this engine)")
+    return cfg["sglang"]
+
+
+def server_spec(
+    cfg: dict,
+    stage: str,
+    *,
+    target,
+    threads: int,
+    extra_args=(),
+    env: dict | None = None,
+    pythonpath=(),
+) -> ServerSpec:
+    """The SGLang server of a `stage` job: the role's interpreter (this one), `sglang.tp_size`,
+    the port (free by default), `sglang.extra_args` then `extra_args`; `env` merged in and
+    `pythonpath` entries first on the server's PYTHONPATH."""
+    s = settings(cfg)
+    role = cfg[stage]["role"]
+    args = ["--tp-size", str(s["tp_size"])]
+    if cfg.get("target", {}).get("trust_remote_code"):
+        args.append("--trust-remote-code")
+    server_env: dict[str, str] = {}
+    if role == CPU_ROLE:
+        server_env = sglang_cpu.server_env(threads=max(1, int(threads or 1)))
+        args += [*sglang_cpu.LAUNCH_ARGS, "--dtype", cfg.get("target", {}).get("dtype", "float32")]
+    server_env.update(env or {})
+    path = [*map(str, pythonpath)]
+    if path:
+        rest = server_env.get("PYTHONPATH", os.environ.get("PYTHONPATH", ""))
+        server_env["PYTHONPATH"] = os.pathsep.join(path + ([rest] if rest else []))
+    model = str(Path(target).resolve())
+    tail = [*args, *map(str, s["extra_args"]), *map(str, extra_args)]
+
+    def command(port: int) -> list[str]:
+        return [
+            sys.executable,
+            "-m",
+            "sglang.launch_server",
+            "--model-path",
+            model,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            *tail,
+        ]
+
+    return ServerSpec(
+        name="sglang",
+        command=command,
+        env=server_env,
+        port=int(s["port"]),
+        startup_timeout=float(s["startup_timeout"]),
+    )
