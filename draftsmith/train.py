@@ -445,10 +445,10 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     init_logging("draftsmith.train")
     cfg = merge_run(parse_cfg(args.cfg), sections=("train",))  # the x-execution train keys
-    cfg["train"] = {**execution_defaults("train"), **cfg.get("train", {})}
     for section in ("train", "draft", "capture"):
         if section not in cfg:
             raise SystemExit(f"--cfg has no {section!r} section")
+    cfg["train"] = {**execution_defaults("train"), **cfg["train"]}
     progress = Progress()
     with stop_promptly("draftsmith.train", lambda sig: log_stop(progress)):
         set_threads(args.threads)
