@@ -14,7 +14,8 @@ in a fresh subprocess with the policy's environment:
   directory, precision as `train.precision auto` resolves on this CPU), tokens/s of the last
   steps (the first two are warm-up).
 
-Policies: `spin` (libgomp's default: spin ~300k iterations, then sleep), `passive`
+Policies: `auto` (what a workflow job does: draftsmith/threads.py probes the load at start),
+`spin` (libgomp's default: spin ~300k iterations, then sleep), `passive`
 (OMP_WAIT_POLICY=PASSIVE: sleep at once), `spinN` (GOMP_SPINCOUNT=N), each optionally with
 `@T` for T threads instead of the run's (e.g. `passive@1`). The default for jobs is the policy
 rules/common.smk exports; this script is how it was chosen.
@@ -41,11 +42,14 @@ from draftsmith.common import atomic_write_json, atomic_write_text  # noqa: E402
 from draftsmith.hardware import cpu_facts  # noqa: E402
 
 DECODE = r"""
-import json, sys, time, torch
+import json, os, sys, time
+import draftsmith  # first: the job's OpenMP policy is chosen before torch loads libgomp
+import torch
+from draftsmith.common import set_threads
 from draftsmith.prompts import prompt_turns
 from draftsmith.specdec import greedy_generate, prompt_ids, stop_ids
 from draftsmith.target import load_target
-torch.set_num_threads(int(sys.argv[2]))
+set_threads(int(sys.argv[2]))
 model, tok = load_target(sys.argv[1], dtype=torch.float32)
 rows = [json.loads(l) for l in open(sys.argv[3])][: int(sys.argv[4])]
 stops = stop_ids(model, tok)
@@ -53,15 +57,20 @@ greedy_generate(model, prompt_ids(tok, prompt_turns(rows[0])), 8, stops)  # warm
 n, t0 = 0, time.perf_counter()
 for r in rows:
     n += len(greedy_generate(model, prompt_ids(tok, prompt_turns(r)), 64, stops))
-print(json.dumps({"tokens": n, "seconds": time.perf_counter() - t0}))
+print(json.dumps({"tokens": n, "seconds": time.perf_counter() - t0,
+                  "threads_used": torch.get_num_threads(),
+                  "decision": os.environ.get("DRAFTSMITH_OMP_DECISION")}))
 """
 
 
 def policy_env(policy: str, threads: int) -> tuple[dict, int]:
     """(environment, threads) of a policy name such as `spin`, `passive@1`, `spin20000`."""
     name, _, t = policy.partition("@")
-    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
-    if name == "passive":
+    drop = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "DRAFTSMITH_OMP", "DRAFTSMITH_OMP_DECISION")
+    env = {k: v for k, v in os.environ.items() if k not in drop}
+    if name == "auto":  # what a workflow job does (draftsmith/threads.py)
+        env["DRAFTSMITH_OMP"] = "auto"
+    elif name == "passive":
         env["OMP_WAIT_POLICY"] = "PASSIVE"
     elif name.startswith("spin") and name != "spin":
         env["GOMP_SPINCOUNT"] = name.removeprefix("spin")
@@ -103,7 +112,7 @@ def run_decode(run: Path, env: dict, threads: int, prompts: Path, n: int) -> flo
         env=env, capture_output=True, text=True, check=True,
     )  # fmt: skip
     r = json.loads(res.stdout.strip().splitlines()[-1])
-    return r["tokens"] / r["seconds"]
+    return r["tokens"] / r["seconds"], r["threads_used"], r["decision"]
 
 
 def run_train(run: Path, env: dict, threads: int, steps: int, work: Path) -> float:
@@ -112,7 +121,7 @@ def run_train(run: Path, env: dict, threads: int, steps: int, work: Path) -> flo
     sections = {"train": tcfg, "draft": cfg["draft"], "capture": cfg["capture"]}
     state = work / f"state-{time.monotonic_ns()}"
     shards = sorted(str(p) for p in (run / "results" / "hidden").glob("rows_*.safetensors"))
-    subprocess.run(
+    res = subprocess.run(
         [sys.executable, "-m", "draftsmith.train", "--cfg", json.dumps(sections), "--shards",
          *shards, "--vocab", str(run / "results/vocab/vocab.safetensors"), "--target",
          str(run / "results/target"), "--out", str(state / "draft"), "--metrics",
@@ -122,7 +131,10 @@ def run_train(run: Path, env: dict, threads: int, steps: int, work: Path) -> flo
     )  # fmt: skip
     records = [json.loads(ln) for ln in (state / "metrics.jsonl").read_text().splitlines()]
     timed = records[2:]
-    return sum(r["tokens"] for r in timed) / sum(r["tokens"] / r["tokens_per_s"] for r in timed)
+    tps = sum(r["tokens"] for r in timed) / sum(r["tokens"] / r["tokens_per_s"] for r in timed)
+    log = res.stderr
+    used = "capped" if "threads capped at" in log else str(threads)
+    return tps, used, next((ln for ln in log.splitlines() if "threads: OpenMP" in ln), None)
 
 
 def measure(args, prompts: Path) -> list[dict]:
@@ -136,11 +148,14 @@ def measure(args, prompts: Path) -> list[dict]:
                 for stage in args.stages:
                     t0 = time.perf_counter()
                     if stage == "decode":
-                        tps = run_decode(args.run, env, threads, prompts, args.prompts)
+                        tps, used, why = run_decode(args.run, env, threads, prompts, args.prompts)
                     else:
-                        tps = run_train(args.run, env, threads, args.train_steps, args.work)
-                    row = {"stage": stage, "policy": policy, "threads": threads, "load": load,
-                           "tokens_per_s": tps, "wall_s": time.perf_counter() - t0}  # fmt: skip
+                        tps, used, why = run_train(
+                            args.run, env, threads, args.train_steps, args.work
+                        )
+                    row = {"stage": stage, "policy": policy, "threads": used, "load": load,
+                           "tokens_per_s": tps, "wall_s": time.perf_counter() - t0,
+                           "decision": why}  # fmt: skip
                     print(json.dumps(row), flush=True)
                     rows.append(row)
             finally:
@@ -178,7 +193,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--run", type=Path, required=True, help="a finished run's directory")
     ap.add_argument("--load", type=int, nargs="+", default=[0, 2])
-    ap.add_argument("--policies", nargs="+", default=["spin", "passive", "spin20000"])
+    ap.add_argument("--policies", nargs="+", default=["auto", "spin", "passive", "passive@1"])
     ap.add_argument("--stages", nargs="+", default=["decode", "train"])
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--prompts", type=int, default=4)

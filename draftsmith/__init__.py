@@ -7,3 +7,9 @@ __version__ = "0.1.0"
 from draftsmith.lifeline import follow_from_environment as _follow  # noqa: E402
 
 _follow()
+
+# A job's OpenMP policy and thread cap, chosen for the load it starts under, before torch is
+# imported (draftsmith/threads.py); outside a job (no DRAFTSMITH_OMP=auto) this does nothing.
+from draftsmith.threads import prepare as _prepare_threads  # noqa: E402
+
+_prepare_threads()

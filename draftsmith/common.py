@@ -133,7 +133,15 @@ def merge_run(cfg: dict, text: str | None = None, sections=None) -> dict:
 
 
 def set_threads(n: int | None) -> None:
-    """Apply the rule's thread count to torch (threads come from profiles, not config)."""
+    """Apply the rule's thread count to torch (threads come from profiles, not config), capped
+    when the job started on busy cores (draftsmith.threads), and log what was chosen."""
+    from draftsmith.threads import thread_cap
+
+    cap, why = thread_cap()
+    if why:
+        logging.getLogger("draftsmith").info("threads: %s", why)
+    if cap and (not n or n > cap):
+        n = cap
     if n:
         import torch
 

@@ -189,10 +189,10 @@ def job_environment():
     envcheck (DRAFTSMITH_DRIVER) and each stage's role interpreter (DRAFTSMITH_PY_<STAGE>):
     none of them changes a result (the role interpreters are covered by their env stamps), and
     as params their absolute paths would make a moved or copied project rerun everything.
-    OMP_WAIT_POLICY is not set here: the jobs inherit the caller's. Snakemake never gives jobs
-    more threads than cores, and on free cores libgomp's default (spinning) decodes 1.7x faster
-    than PASSIVE; on a machine shared with other work export OMP_WAIT_POLICY=PASSIVE before
-    snakemake (spinning threads that lose their core cost up to 3x there; docs/tuning.md).
+    DRAFTSMITH_OMP=auto lets each job choose libgomp's wait policy and its thread count for
+    the load it starts under (draftsmith/threads.py): spinning on free cores (1.7x faster
+    decoding than PASSIVE), PASSIVE and fewer threads on cores busy with other work (where
+    spinning threads stall each other ~15x). A caller's own OMP_WAIT_POLICY wins.
     """
     env = {
         "DRAFTSMITH_WORKFLOW": workflow.basedir,
@@ -206,6 +206,9 @@ def job_environment():
         env[f"DRAFTSMITH_PY_{stage.upper()}"] = role_python(role_of(stage))
     exports = " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items())
     path = 'PYTHONPATH="$DRAFTSMITH_WORKFLOW${PYTHONPATH:+:$PYTHONPATH}"'
+    # OpenMP waiting and threads chosen per job for the load it starts under (threads.py);
+    # DRAFTSMITH_OMP=off, or the user's own OMP_WAIT_POLICY, keeps libgomp's default
+    path += '; export DRAFTSMITH_OMP="${DRAFTSMITH_OMP:-auto}"'
     # shell.prefix str.format()s its argument: braces are doubled
     return f"export {exports}; export {path}; ".replace("{", "{{").replace("}", "}}")
 

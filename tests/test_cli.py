@@ -33,6 +33,7 @@ LIBRARY = {
     "server",
     "shard_writer",
     "stopping",
+    "threads",
     "specdec",
     "storage",
     "traindata",

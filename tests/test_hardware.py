@@ -99,3 +99,26 @@ def test_load_meter_sees_other_work():
     if not s["measured"]:
         pytest.skip("no /proc/stat")
     assert 0.0 <= s["other_work_cores"]["x"] <= s["cpus"]
+
+
+def test_thread_policy_follows_the_load_at_start():
+    from draftsmith.threads import choose, prepare, thread_cap
+
+    assert choose(2, 0.05, 2)["policy"] == "spin"
+    busy = choose(2, 2.0, 2)
+    assert busy["policy"] == "passive" and busy["cap"] == 1
+    assert choose(2, 1.0, 1)["policy"] == "spin"  # one thread, one free core
+    assert choose(64, 40.0, 16)["policy"] == "spin"  # other jobs on other cores
+    assert choose(64, 56.0, 16) == {
+        "policy": "passive",
+        "cap": 8,
+        "others": 56.0,
+        "why": "56.00 of 64 cores busy with other work",
+    }
+    assert choose(2, None, 2)["policy"] == "spin"
+    # only in a job (DRAFTSMITH_OMP=auto), never over the user's own settings
+    assert prepare({}) is None
+    assert prepare({"DRAFTSMITH_OMP": "auto", "OMP_WAIT_POLICY": "ACTIVE"}) is None
+    env = {"DRAFTSMITH_OMP_DECISION": '{"policy": "passive", "cap": 1, "why": "busy"}'}
+    assert thread_cap(env) == (1, "OpenMP PASSIVE, threads capped at 1: busy")
+    assert thread_cap({}) == (0, "")
