@@ -195,7 +195,11 @@ def main(argv: list[str] | None = None) -> None:
     cfg = parse_cfg(args.cfg)
     data = cfg["data"]
     tokenizer = AutoTokenizer.from_pretrained(
-        Path(args.target), trust_remote_code=bool(cfg["target"].get("trust_remote_code"))
+        Path(args.target),
+        trust_remote_code=bool(
+            # the rule passes a target section only when trust_remote_code is on
+            "target" in cfg and cfg["target"]["trust_remote_code"]
+        ),
     )
     if not tokenizer.is_fast:
         raise SystemExit(f"{args.target}: the tokenizer must be a fast tokenizer (offsets)")
