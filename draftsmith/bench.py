@@ -385,7 +385,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--captions", type=Path, help="results/bench/captions (report captions)")
     args = ap.parse_args(argv)
     init_logging("draftsmith.bench")
-    cfg = merge_run(parse_cfg(args.cfg), args.run)
+    cfg = parse_cfg(args.cfg)
+    # run settings only for the sections this job was given (not the trainer's train keys,
+    # which would hide the draft's own train section from the report and its captions)
+    cfg = merge_run(cfg, args.run, sections=tuple(cfg))
 
     import matplotlib
 

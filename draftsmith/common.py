@@ -124,9 +124,7 @@ def merge_run(cfg: dict, text: str | None = None, sections=None) -> dict:
         return cfg
     run = parse_cfg(text)
     for section, values in run.items():
-        # only into the sections the job was given: a bench job's config must not grow a
-        # train section holding only the trainer's checkpoint cadence
-        if section not in cfg or (sections is not None and section not in sections):
+        if sections is not None and section not in sections:
             continue
         if not isinstance(values, dict):
             raise SystemExit(f"--run: section {section!r} must be an object")

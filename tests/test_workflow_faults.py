@@ -39,6 +39,7 @@ CHANGED = {
     ("capture", "concurrency"): 7,
     ("capture", "retries"): 5,
     ("train", "checkpoint_every"): 3,
+    ("train", "checkpoint_seconds"): 30,
     ("sglang", "port"): 31234,
     ("sglang", "startup_timeout"): 60,
     ("sglang", "request_timeout"): 60,
