@@ -67,7 +67,8 @@ def test_bench_report_counts_skipped_and_refused_prompts(tiny_target, tmp_path, 
     i = argv.index("--cfg") + 1
     cfg = json.loads(argv[i])
     cfg["bench"].update(
-        humaneval_size=0, files=[{"name": "extra", "path": str(extra), "format": "specforge", "size": 0}]
+        humaneval_size=0,
+        files=[{"name": "extra", "path": str(extra), "format": "specforge", "size": 0}],
     )
     argv[i] = json.dumps(cfg)
     bench.main(argv)
