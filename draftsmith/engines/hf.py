@@ -227,14 +227,17 @@ def regenerate_rows(conversations, cfg: dict, *, target, threads: int, seed: int
 
 
 def decoder_parts(model) -> tuple[torch.nn.Module, torch.nn.ModuleList]:
-    """(base model, its decoder layers) of a transformers causal LM (Llama, DeepSeek-V3, ...)."""
-    base = getattr(model, "model", None)
-    layers = getattr(base, "layers", None)
-    if base is None or not isinstance(layers, torch.nn.ModuleList) or not hasattr(base, "norm"):
+    """(base model, its decoder layers) of a transformers causal LM (Llama, DeepSeek-V3, ...),
+    or of the text model inside a multimodal wrapper (draftsmith.layout.MODULE_PATHS)."""
+    from draftsmith.layout import MODULE_PATHS, decoder_modules
+
+    found = decoder_modules(model)
+    if found is None:
         raise CaptureError(
-            f"{type(model).__name__}: expected .model.layers and .model.norm (a decoder-only LM)"
+            f"{type(model).__name__}: no decoder-only text model at "
+            f"{', '.join('.' + p for p in MODULE_PATHS)} (expected .layers and .norm there)"
         )
-    return base, layers
+    return found
 
 
 def pad_rows(input_ids: torch.Tensor, offsets: list[int], rows: list[int]) -> torch.Tensor:
