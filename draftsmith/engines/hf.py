@@ -59,12 +59,14 @@ class HFGenerator:
         seed: int = 0,
         max_total: int = 0,
         progress: bool = True,
+        thinking: str = "template",
     ):
         from draftsmith.tokens import end_of_turn_id
 
         self.model, self.tokenizer = model, tokenizer
         self.max_new_tokens, self.temperature = int(max_new_tokens), float(temperature)
         self.batch_size, self.seed, self.progress = int(batch_size), int(seed), progress
+        self.thinking = thinking  # regenerate.thinking: the template's switch, or its default
         positions = getattr(model.config.get_text_config(), "max_position_embeddings", None)
         limits = [int(n) for n in (max_total, positions) if n]
         self.max_total = min(limits) if limits else 0
@@ -98,7 +100,7 @@ class HFGenerator:
     def _encode(self, prompt: list[dict]) -> list[int]:
         from draftsmith.tokens import render
 
-        text = render(self.tokenizer, prompt, add_generation_prompt=True)
+        text = render(self.tokenizer, prompt, add_generation_prompt=True, thinking=self.thinking)
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
     def budget(self, prompt_len: int) -> int:
@@ -203,6 +205,7 @@ def regenerate_rows(conversations, cfg: dict, *, target, threads: int, seed: int
         batch_size=regen["batch_size"],
         seed=seed,
         max_total=int(cfg["data"]["max_length"]),
+        thinking=regen.get("thinking", "template"),  # x-omit-default: absent at default
     )
     t0 = time.perf_counter()
     out = regenerate(conversations, gen)
