@@ -37,6 +37,7 @@ from safetensors.torch import save_file
 
 from draftsmith.common import atomic_write_json, fsync_dir
 from draftsmith.finite import metrics_problem, nonfinite_tensors
+from draftsmith.layout import LayoutError, read_pieces
 from draftsmith.model import DraftConfig, Eagle3Draft
 
 ARCH = "LlamaForCausalLMEagle3"
@@ -355,19 +356,12 @@ def verifier_ref(target_dir: str | os.PathLike) -> dict:
 
 
 def target_embedding(target_dir: str | os.PathLike) -> torch.Tensor:
-    """The target's input embedding exactly as stored (name `*embed_tokens.weight` outside the
-    decoder layers; the text model's for multimodal wrappers)."""
-    found = []
-    for f in sorted(Path(target_dir).glob("*.safetensors")):
-        with safe_open(str(f), framework="pt") as st:
-            found += [(f, k) for k in st.keys() if k.endswith("embed_tokens.weight")]
-    found = [(f, k) for f, k in found if "layers." not in k and "vision" not in k]
-    if len(found) != 1:
-        raise ExportError(
-            f"{target_dir}: expected one embed_tokens.weight, found {[k for _, k in found]}"
-        )
-    with safe_open(str(found[0][0]), framework="pt") as st:
-        return st.get_tensor(found[0][1])
+    """The target's input embedding exactly as stored: the text model's `embed_tokens.weight`,
+    under whatever prefix a wrapped checkpoint puts it (draftsmith.layout)."""
+    try:
+        return read_pieces(target_dir, roles=("embed",))["embed"]
+    except LayoutError as e:
+        raise ExportError(str(e)) from None
 
 
 def export_draft(

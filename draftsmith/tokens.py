@@ -12,6 +12,14 @@ excluded. `apply_chat_template(return_assistant_tokens_mask=True)` only works fo
 4. the first token at or after the content's end is the end-of-turn token; it must be a special
    (added) token, otherwise the template is not one we understand and we stop.
 
+Thinking models (Qwen3, Kimi-K2.5, DeepSeek-R1) reply with a reasoning block
+(`<think>...</think>` before the answer) that their templates drop from earlier turns (R1: from
+every turn), so the stored turn is not in the rendering. `data.reasoning` says what is trained
+then: `verbatim` (the default) refuses such rows; `last` and `all` find each turn as the template
+renders it (whole, with the whitespace around the reasoning markers the template's own, else its
+answer alone) and train the last assistant turn only (TorchSpec's rule) or every one.
+`regenerate.thinking` enabled/disabled renders with the templates' switches (`enable_thinking`, `thinking`).
+
 Output per row range, packed: `input_ids [T] int64`, `loss_mask [T] uint8`, `row_offsets [R+1] int64`
 (safetensors, atomic). Rows longer than `data.max_length` are truncated (mask with them) or dropped.
 
@@ -24,40 +32,98 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import re
 from pathlib import Path
 
 log = logging.getLogger("draftsmith.tokens")
+# the reasoning block of a thinking reply, before its answer (Qwen3, DeepSeek-R1, Kimi-K2.5)
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+# the chat-template switches of thinking: Qwen3's, and Kimi-K2.5's / DeepSeek-V3.1's
+THINKING_SWITCHES = ("enable_thinking", "thinking")
+REASONING_RULES = ("verbatim", "last", "all")  # data.reasoning
+THINKING_MODES = ("template", "enabled", "disabled")  # regenerate.thinking
 
 
 class TemplateError(ValueError):
     """The chat template renders a conversation in a way the mask derivation cannot follow."""
 
 
-def render(tokenizer, turns: list[dict], add_generation_prompt: bool = False) -> str:
+def template_kwargs(thinking: str = "template") -> dict:
+    """Chat template variables of `regenerate.thinking`: none for `template` (its default), else
+    every family's switch set true or false (a template reads its own, ignores the others)."""
+    if thinking not in THINKING_MODES:
+        raise ValueError(f"regenerate.thinking must be one of {THINKING_MODES}, got {thinking!r}")
+    return {} if thinking == "template" else dict.fromkeys(THINKING_SWITCHES, thinking == "enabled")
+
+
+def render(
+    tokenizer, turns: list[dict], add_generation_prompt: bool = False, thinking: str = "template"
+) -> str:
     return tokenizer.apply_chat_template(
-        turns, tokenize=False, add_generation_prompt=add_generation_prompt
+        turns,
+        tokenize=False,
+        add_generation_prompt=add_generation_prompt,
+        **template_kwargs(thinking),
     )
 
 
-def assistant_spans(tokenizer, turns: list[dict]) -> tuple[str, list[tuple[int, int]]]:
-    """Rendered text and the character span of each assistant turn's content in it."""
-    text = render(tokenizer, turns)
-    spans, cursor = [], 0
+def _relaxed(content: str) -> re.Pattern:
+    """The content with any whitespace around the reasoning markers (templates re-space them)."""
+    parts = re.split(rf"\s*({re.escape(THINK_OPEN)}|{re.escape(THINK_CLOSE)})\s*", content)
+    return re.compile(r"\s*".join(re.escape(p) for p in parts if p))
+
+
+def find_turn(text: str, content: str, lower: int, relaxed: bool) -> tuple[int, int, bool] | None:
+    """(start, end, reasoning kept) of an assistant turn's content in the rendered text at or
+    after `lower`: verbatim; or, `relaxed`, re-spaced around its reasoning markers, else its
+    answer alone (the template dropped the reasoning). None: not rendered."""
+    start = text.find(content, lower)
+    if start >= 0:
+        return start, start + len(content), True
+    if not relaxed or THINK_CLOSE not in content:
+        return None
+    found = _relaxed(content).search(text, lower)
+    if found:
+        return found.start(), found.end(), True
+    answer = content.split(THINK_CLOSE)[-1].strip()
+    start = text.find(answer, lower) if answer else -1
+    return (start, start + len(answer), False) if start >= 0 else None
+
+
+def assistant_spans(
+    tokenizer, turns: list[dict], reasoning: str = "verbatim", thinking: str = "template"
+) -> tuple[str, list[tuple[int, int]], int]:
+    """Rendered text, the character span of each trained assistant turn's content in it (every
+    turn, or the last one for `reasoning` last) and the turns whose reasoning was not rendered."""
+    if reasoning not in REASONING_RULES:
+        raise ValueError(f"data.reasoning must be one of {REASONING_RULES}, got {reasoning!r}")
+    text = render(tokenizer, turns, thinking=thinking)
+    last = max((k for k, t in enumerate(turns) if t["role"] == "assistant"), default=-1)
+    spans, cursor, dropped = [], 0, 0
     for k, turn in enumerate(turns):
         if turn["role"] != "assistant":
             continue
-        prefix = render(tokenizer, turns[:k], add_generation_prompt=True)
+        prefix = render(tokenizer, turns[:k], add_generation_prompt=True, thinking=thinking)
         lower = max(cursor, len(prefix)) if text.startswith(prefix) else cursor
         content = turn["content"].strip()
-        start = text.find(content, lower)
-        if start < 0:
+        found = find_turn(text, content, lower, relaxed=reasoning != "verbatim")
+        if found is None:
             raise TemplateError(
                 f"assistant turn {k} ({content[:40]!r}...) not found in the rendered chat "
                 f"template after position {lower}; the template rewrites assistant content"
+                + (
+                    " (a thinking template drops earlier turns' reasoning: data.reasoning "
+                    "last or all)"
+                    if reasoning == "verbatim" and THINK_CLOSE in content
+                    else ""
+                )
             )
-        spans.append((start, start + len(content)))
-        cursor = start + len(content)
-    return text, spans
+        start, end, kept = found
+        dropped += int(not kept)
+        if reasoning != "last" or k == last:
+            spans.append((start, end))
+        cursor = end
+    return text, spans, dropped
 
 
 def _special_ids(tokenizer) -> set[int]:
@@ -66,9 +132,17 @@ def _special_ids(tokenizer) -> set[int]:
     return ids
 
 
-def encode_with_mask(tokenizer, turns: list[dict]) -> tuple[list[int], list[int]]:
+def encode_with_mask(
+    tokenizer, turns: list[dict], reasoning: str = "verbatim", thinking: str = "template"
+) -> tuple[list[int], list[int]]:
     """Token ids of the rendered conversation and its 0/1 loss mask (same length)."""
-    text, spans = assistant_spans(tokenizer, turns)
+    ids, mask, _ = encode_turns(tokenizer, turns, reasoning, thinking)
+    return ids, mask
+
+
+def encode_turns(tokenizer, turns, reasoning: str = "verbatim", thinking: str = "template"):
+    """(ids, mask, turns whose reasoning the template did not render) of one conversation."""
+    text, spans, dropped = assistant_spans(tokenizer, turns, reasoning, thinking)
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     ids, offsets = list(enc["input_ids"]), list(enc["offset_mapping"])
     mask = [0] * len(ids)
@@ -85,7 +159,7 @@ def encode_with_mask(tokenizer, turns: list[dict]) -> tuple[list[int], list[int]
                 f"{found}; the chat template is not supported by the mask derivation"
             )
         mask[eot] = 1
-    return ids, mask
+    return ids, mask, dropped
 
 
 def end_of_turn_id(tokenizer) -> int:
@@ -95,17 +169,26 @@ def end_of_turn_id(tokenizer) -> int:
     return ids[max(i for i, m in enumerate(mask) if m)]
 
 
-def tokenize_rows(tokenizer, rows: list[dict], max_length: int, overlong: str = "truncate"):
-    """Pack rows -> (tensors dict, stats dict). `rows` are conversation dicts (prompts module)."""
+def tokenize_rows(
+    tokenizer,
+    rows: list[dict],
+    max_length: int,
+    overlong: str = "truncate",
+    reasoning: str = "verbatim",
+    thinking: str = "template",
+):
+    """Pack rows -> (tensors dict, stats dict). `rows` are conversation dicts (prompts module);
+    `reasoning` (data.reasoning) and `thinking` (regenerate.thinking) as in the module doc."""
     import torch
 
     if overlong not in ("truncate", "drop"):
         raise ValueError(f"data.overlong must be truncate or drop, got {overlong!r}")
     all_ids, all_mask, offsets, kept = [], [], [0], []
-    truncated, dropped, no_mask = [], [], []
+    truncated, dropped, no_mask, unrendered = [], [], [], 0
     for i, row in enumerate(rows):
         try:
-            ids, mask = encode_with_mask(tokenizer, row["conversations"])
+            ids, mask, n = encode_turns(tokenizer, row["conversations"], reasoning, thinking)
+            unrendered += n
         except TemplateError as e:
             raise TemplateError(f"row {row['id']} ({row['source']}): {e}") from None
         if len(ids) > max_length:
@@ -135,6 +218,8 @@ def tokenize_rows(tokenizer, rows: list[dict], max_length: int, overlong: str = 
         "dropped": dropped,
         "rows_without_loss": no_mask,
     }
+    if reasoning != "verbatim":  # (verbatim: every turn is rendered whole)
+        stats["reasoning_not_rendered"] = unrendered
     return tensors, stats
 
 
@@ -205,7 +290,15 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"{args.target}: the tokenizer must be a fast tokenizer (offsets)")
     rows = read_rows_jsonl(args.rows)
     try:
-        tensors, stats = tokenize_rows(tokenizer, rows, int(data["max_length"]), data["overlong"])
+        tensors, stats = tokenize_rows(
+            tokenizer,
+            rows,
+            int(data["max_length"]),
+            data["overlong"],
+            # x-omit-default: absent from the job's config at their defaults
+            reasoning=data.get("reasoning", "verbatim"),
+            thinking=(cfg.get("regenerate") or {}).get("thinking", "template"),
+        )
     except TemplateError as e:
         raise SystemExit(f"{args.rows}: {e}") from None
     log.info(

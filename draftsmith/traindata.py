@@ -18,12 +18,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
 from draftsmith.common import atomic_path, remove_stale_temps, sha256_file
 from draftsmith.config import aux_layer_ids
+from draftsmith.layout import LayoutError, read_pieces, text_config
 from draftsmith.repair import discard_refused_shards
 from draftsmith.shards import ShardError, open_shard, verify_cached
 from draftsmith.storage import StorageError, check_draft_vocab
@@ -36,22 +36,15 @@ log = logging.getLogger("draftsmith.train")
 
 
 def target_tensors(target_dir: Path) -> dict[str, torch.Tensor]:
-    """The frozen target pieces training needs, read by name: embed, lm_head (tied ok), norm."""
-    want = {"embed": "embed_tokens.weight", "lm_head": "lm_head.weight", "norm": "norm.weight"}
-    found: dict[str, torch.Tensor] = {}
-    files = sorted(target_dir.glob("*.safetensors"))
-    if not files:
-        raise SystemExit(f"{target_dir}: no *.safetensors weights")
-    for path in files:
-        with safe_open(str(path), framework="pt") as f:
-            for key in f.keys():
-                for role, suffix in want.items():
-                    top = key.count(".") <= 2 and "layers." not in key
-                    if key.endswith(suffix) and top and role not in found:
-                        found[role] = f.get_tensor(key).float()
-    if "embed" not in found or "norm" not in found:
-        raise SystemExit(f"{target_dir}: no embed_tokens.weight / final norm.weight in the weights")
-    found.setdefault("lm_head", found["embed"])  # tied embeddings (SmolLM2)
+    """The frozen target pieces training needs, in float32: embed, lm_head (the embedding when
+    tied), norm; found by `draftsmith.layout` in plain and wrapped checkpoints alike."""
+    try:
+        pieces = read_pieces(target_dir)
+    except LayoutError as e:
+        raise SystemExit(f"error: {e}") from None
+    found = {k: v.float() for k, v in pieces.items() if k != "lm_head"}
+    tied = pieces["lm_head"] is pieces["embed"]
+    found["lm_head"] = found["embed"] if tied else pieces["lm_head"].float()
     return found
 
 
@@ -162,8 +155,7 @@ def check_inputs(
 ) -> Inputs:
     """Target pieces, vocabulary and shards, with layer ids and target checked against the
     manifests and each shard's sha256 proven (rank 0)."""
-    target_cfg = json.loads((target_dir / "config.json").read_text())
-    target_cfg = target_cfg.get("text_config", target_cfg)
+    target_cfg = text_config(json.loads((target_dir / "config.json").read_text()))
     ids = aux_layer_ids(cfg["capture"]["aux_layer_ids"], int(target_cfg["num_hidden_layers"]))
     d2t, t2d = load_vocab(vocab_path)
     if d2t.shape[0] != cfg["draft"]["vocab_size"]:

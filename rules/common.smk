@@ -356,6 +356,20 @@ def remote_code_cfg():
     return {}
 
 
+def set_away(section, *keys):
+    """Those of `keys` (x-omit-default) set away from their default: a job's params name them
+    only then, so the default's params stay as they were."""
+    return tuple(k for k in keys if config[section][k] != NEUTRAL_DEFAULTS[section][k])
+
+
+def thinking_cfg():
+    """{"regenerate": {"thinking": ...}} when regeneration sets the template's thinking switch
+    (tokenization renders with it too), else {}."""
+    if set_away("regenerate", "thinking"):
+        return {"regenerate": {"thinking": config["regenerate"]["thinking"]}}
+    return {}
+
+
 def run_caption(name):
     """A report caption rendered by the bench job with the run's config (draftsmith.captions).
 

@@ -91,9 +91,13 @@ rule tokenize:
     params:
         cfg=json.dumps(
             {
-                "data": {k: config["data"][k] for k in ("max_length", "overlong")},
+                "data": {
+                    k: config["data"][k]
+                    for k in ("max_length", "overlong", *set_away("data", "reasoning"))
+                },
                 # only when on, so the default's params (and its token files) stay as they were
                 **remote_code_cfg(),
+                **thinking_cfg(),
             },
             sort_keys=True,
         ),

@@ -24,6 +24,7 @@ LIBRARY = {
     "finite",
     "gate",
     "hardware",
+    "layout",
     "lifeline",
     "load",
     "model",

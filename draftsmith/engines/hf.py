@@ -59,12 +59,14 @@ class HFGenerator:
         seed: int = 0,
         max_total: int = 0,
         progress: bool = True,
+        thinking: str = "template",
     ):
         from draftsmith.tokens import end_of_turn_id
 
         self.model, self.tokenizer = model, tokenizer
         self.max_new_tokens, self.temperature = int(max_new_tokens), float(temperature)
         self.batch_size, self.seed, self.progress = int(batch_size), int(seed), progress
+        self.thinking = thinking  # regenerate.thinking: the template's switch, or its default
         positions = getattr(model.config.get_text_config(), "max_position_embeddings", None)
         limits = [int(n) for n in (max_total, positions) if n]
         self.max_total = min(limits) if limits else 0
@@ -98,7 +100,7 @@ class HFGenerator:
     def _encode(self, prompt: list[dict]) -> list[int]:
         from draftsmith.tokens import render
 
-        text = render(self.tokenizer, prompt, add_generation_prompt=True)
+        text = render(self.tokenizer, prompt, add_generation_prompt=True, thinking=self.thinking)
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
     def budget(self, prompt_len: int) -> int:
@@ -203,6 +205,7 @@ def regenerate_rows(conversations, cfg: dict, *, target, threads: int, seed: int
         batch_size=regen["batch_size"],
         seed=seed,
         max_total=int(cfg["data"]["max_length"]),
+        thinking=regen.get("thinking", "template"),  # x-omit-default: absent at default
     )
     t0 = time.perf_counter()
     out = regenerate(conversations, gen)
@@ -227,14 +230,17 @@ def regenerate_rows(conversations, cfg: dict, *, target, threads: int, seed: int
 
 
 def decoder_parts(model) -> tuple[torch.nn.Module, torch.nn.ModuleList]:
-    """(base model, its decoder layers) of a transformers causal LM (Llama, DeepSeek-V3, ...)."""
-    base = getattr(model, "model", None)
-    layers = getattr(base, "layers", None)
-    if base is None or not isinstance(layers, torch.nn.ModuleList) or not hasattr(base, "norm"):
+    """(base model, its decoder layers) of a transformers causal LM (Llama, DeepSeek-V3, ...),
+    or of the text model inside a multimodal wrapper (draftsmith.layout.MODULE_PATHS)."""
+    from draftsmith.layout import MODULE_PATHS, decoder_modules
+
+    found = decoder_modules(model)
+    if found is None:
         raise CaptureError(
-            f"{type(model).__name__}: expected .model.layers and .model.norm (a decoder-only LM)"
+            f"{type(model).__name__}: no decoder-only text model at "
+            f"{', '.join('.' + p for p in MODULE_PATHS)} (expected .layers and .norm there)"
         )
-    return base, layers
+    return found
 
 
 def pad_rows(input_ids: torch.Tensor, offsets: list[int], rows: list[int]) -> torch.Tensor:

@@ -94,6 +94,7 @@ class SGLangGenerator:
         self.concurrency = int(regen["batch_size"])
         self.timeout = request_timeout
         self.max_total = int(max_total)
+        self.thinking = regen.get("thinking", "template")  # x-omit-default: absent at default
         self.stats = new_stats()
 
     def budget(self, prompt_len: int) -> int:
@@ -118,7 +119,9 @@ class SGLangGenerator:
 
         encoded = [
             list(
-                self.tokenizer(render(self.tokenizer, p, True), add_special_tokens=False).input_ids
+                self.tokenizer(
+                    render(self.tokenizer, p, True, self.thinking), add_special_tokens=False
+                ).input_ids
             )
             for p in prompts
         ]
