@@ -282,8 +282,8 @@ def main(argv: list[str] | None = None) -> None:
     tokenizer = AutoTokenizer.from_pretrained(
         Path(args.target),
         trust_remote_code=bool(
-            # the rule passes a target section only when trust_remote_code is on
-            "target" in cfg and cfg["target"]["trust_remote_code"]
+            # a target section only when trust_remote_code is on (or thinking is set)
+            "target" in cfg and cfg["target"].get("trust_remote_code")
         ),
     )
     if not tokenizer.is_fast:
