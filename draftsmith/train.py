@@ -64,6 +64,7 @@ from draftsmith.common import (
 )
 from draftsmith.config import execution_defaults
 from draftsmith.export import export_draft, target_embedding, verifier_ref
+from draftsmith.families import effective_norm_weight
 from draftsmith.finite import check_step
 from draftsmith.hardware import cpu_facts, resolve_precision
 from draftsmith.model import DraftConfig, Eagle3Draft
@@ -146,7 +147,8 @@ def build_draft(cfg: dict, inputs: Inputs, device):
     if cfg["draft"]["init_from_target"]:
         with torch.no_grad():
             draft.lm_head.weight.copy_(inputs.heads["lm_head"][hot])
-            draft.norm.weight.copy_(inputs.heads["norm"])
+            # a Gemma-style target applies its norm as 1 + w; the draft's norm is x * w
+            draft.norm.weight.copy_(effective_norm_weight(inputs.heads["norm"], inputs.target_cfg))
     draft.to(device)
     opt = torch.optim.AdamW(draft.parameters(), lr=cfg["train"]["lr"], weight_decay=0.0)
     return draft, opt
