@@ -39,6 +39,55 @@ def render(tokenizer, turns: list[dict], add_generation_prompt: bool = False) ->
     )
 
 
+def template_refusal(tokenizer, turns: list[dict]) -> str | None:
+    """The chat template's own refusal of these turns (its `raise_exception`, e.g. Gemma-2's
+    "System role not supported"), or None when it renders them: the turns as given, and as
+    regeneration asks them (each user turn with the generation prompt, a placeholder answer
+    after it)."""
+    from jinja2.exceptions import TemplateError as JinjaTemplateError
+
+    probe = [t for t in turns if t["role"] != "assistant"]
+    asked = []
+    for turn in probe:
+        asked.append(turn)
+        if turn["role"] == "user":
+            asked.append({"role": "assistant", "content": "..."})
+    try:
+        render(tokenizer, turns)
+        render(tokenizer, asked)
+        render(tokenizer, asked[:-1], add_generation_prompt=True)
+    except JinjaTemplateError as e:
+        return f"the chat template refuses it: {e}"
+    return None
+
+
+def split_refused(tokenizer, rows: list[dict]) -> tuple[list[dict], list[dict]]:
+    """(rows the chat template renders, [{"id", "source", "reason"}] of those it refuses)."""
+    kept, refused = [], []
+    for row in rows:
+        reason = template_refusal(tokenizer, row["conversations"])
+        if reason is None:
+            kept.append(row)
+        else:
+            refused.append({"id": row["id"], "source": row["source"], "reason": reason})
+    return kept, refused
+
+
+def log_refused(where: str, refused: list[dict], listed: int = 5) -> None:
+    """One warning naming the refused rows (source and id) and the template's reason."""
+    if refused:
+        shown = "; ".join(f"{r['source']} row {r['id']}: {r['reason']}" for r in refused[:listed])
+        more = f"; and {len(refused) - listed} more" if len(refused) > listed else ""
+        log.warning(
+            "%s: skipped %d rows the chat template refuses (%s%s); data.system_prompt drop or "
+            "merge removes system turns",
+            where,
+            len(refused),
+            shown,
+            more,
+        )
+
+
 def assistant_spans(tokenizer, turns: list[dict]) -> tuple[str, list[tuple[int, int]]]:
     """Rendered text and the character span of each assistant turn's content in it."""
     text = render(tokenizer, turns)
@@ -103,7 +152,11 @@ def tokenize_rows(tokenizer, rows: list[dict], max_length: int, overlong: str = 
         raise ValueError(f"data.overlong must be truncate or drop, got {overlong!r}")
     all_ids, all_mask, offsets, kept = [], [], [0], []
     truncated, dropped, no_mask = [], [], []
+    ok, refused = split_refused(tokenizer, rows)
+    ok_ids = {id(row) for row in ok}
     for i, row in enumerate(rows):
+        if id(row) not in ok_ids:
+            continue  # the chat template refuses it (counted in stats["refused"])
         try:
             ids, mask = encode_with_mask(tokenizer, row["conversations"])
         except TemplateError as e:
@@ -135,6 +188,8 @@ def tokenize_rows(tokenizer, rows: list[dict], max_length: int, overlong: str = 
         "dropped": dropped,
         "rows_without_loss": no_mask,
     }
+    if refused:
+        stats["refused"] = refused
     return tensors, stats
 
 
@@ -204,6 +259,7 @@ def main(argv: list[str] | None = None) -> None:
         tensors, stats = tokenize_rows(tokenizer, rows, int(data["max_length"]), data["overlong"])
     except TemplateError as e:
         raise SystemExit(f"{args.rows}: {e}") from None
+    log_refused(args.rows, stats.get("refused", []))
     log.info(
         "%s: %d/%d rows, %d tokens, %d masked, %d truncated, %d dropped, %d without loss",
         args.rows,
