@@ -132,3 +132,107 @@ def test_converters_apply_the_targets_norm(family, tmp_path):
     with torch.no_grad():
         want = model.model.norm(x)
     torch.testing.assert_close(apply_norm(x, weight, eps), want, rtol=1e-5, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------
+# RoPE
+
+
+def test_gemma3_per_layer_type_rope_gives_the_full_attention_theta():
+    """transformers 5 Gemma-3: rope_parameters per layer type; the draft takes full_attention's
+    theta (1e6 by default), not the 1e4 fallback."""
+    from transformers import AutoConfig
+
+    from draftsmith.model import DraftConfig
+
+    hf = AutoConfig.for_model("gemma3_text", **SMALL, sliding_window=16).to_dict()
+    assert hf["rope_parameters"]["full_attention"]["rope_theta"] == 1e6
+    cfg = DraftConfig.from_target_config(hf, 16, [0, 0, 1])
+    assert cfg.rope_theta == 1e6 and cfg.rope_scaling is None
+    assert cfg.extra["target_rope_layer_type"] == "full_attention"
+    linear = {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6}
+    hf["rope_parameters"]["full_attention"] = linear
+    cfg = DraftConfig.from_target_config(hf, 16, [0, 0, 1])
+    assert cfg.rope_scaling == {"rope_type": "linear", "factor": 8.0}  # carried, SGLang has it
+
+
+@pytest.mark.parametrize(
+    "params, kind",
+    [
+        ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096}, "yarn"),
+        ({"rope_type": "longrope", "short_factor": [1.0], "long_factor": [2.0]}, "longrope"),
+        ({"rope_type": "default", "partial_rotary_factor": 0.75}, "default"),
+    ],
+)
+def test_rope_the_draft_cannot_carry_is_recorded_and_warned(params, kind):
+    from draftsmith.families import family_facts
+    from draftsmith.model import DraftConfig
+
+    hf = {**SMALL, "model_type": "deepseek_v3", "rope_parameters": {"rope_theta": 5e4, **params}}
+    cfg = DraftConfig.from_target_config(hf, 16, [0, 0, 1])
+    assert cfg.rope_theta == 5e4 and cfg.rope_scaling is None
+    facts = family_facts(hf, cfg.rope_scaling, 300)
+    [warning] = facts["warnings"]
+    assert f"uses {kind} RoPE" in warning and "at most 300 tokens" in warning
+    assert facts["rope"]["kind"] == kind and facts["rope"]["trained_length"] == 300
+    if kind == "yarn":
+        assert "target_rope_scaling_not_used" in cfg.extra and "context is 4096" in warning
+
+
+def test_rope_the_draft_carries_warns_nothing():
+    from draftsmith.families import family_facts
+    from draftsmith.model import DraftConfig
+
+    llama3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0}
+    llama3 |= {"high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    for params in ({"rope_type": "default"}, llama3):
+        hf = {**SMALL, "model_type": "llama", "rope_parameters": {"rope_theta": 5e5, **params}}
+        cfg = DraftConfig.from_target_config(hf, 16, [0, 0, 1])
+        assert family_facts(hf, cfg.rope_scaling, 300)["warnings"] == []
+
+
+# ---------------------------------------------------------------------------------------------
+# Serving
+
+
+def test_serving_table_names_engine_file_and_reason():
+    from draftsmith.families import serving_findings
+
+    [g2] = serving_findings({"model_type": "gemma2"})
+    assert g2["engine"] == "sglang" and g2["file"].endswith("sglang/srt/models/gemma2.py")
+    assert g2["verdict"] == "refuse" and "set_eagle3_layers_to_capture" in g2["reason"]
+    wrapped = {"model_type": "gemma3", "text_config": {"model_type": "gemma3_text"}}
+    [g3] = serving_findings(wrapped)
+    assert g3["file"].endswith("gemma3_causal.py") and "residual" in g3["reason"]
+    assert serving_findings({"model_type": "llama"}) == []
+
+
+def test_serve_gate_refuses_under_strict_only(tmp_path):
+    from draftsmith.export import ExportError, serve_gate
+
+    (tmp_path / "config.json").write_text('{"model_type": "gemma2"}')
+    serve_gate(tmp_path, "warn")
+    with pytest.raises(ExportError, match=r"(?s)strict.*sglang.*gemma2\.py.*no EAGLE-3 capture"):
+        serve_gate(tmp_path, "strict")
+    (tmp_path / "config.json").write_text('{"model_type": "qwen3"}')
+    serve_gate(tmp_path, "strict")
+
+
+def test_export_check_warns_and_refuses_under_strict(tmp_path, capsys):
+    """The export records the family facts; `export check` prints them; --strict refuses."""
+    from draftsmith.export import export_draft, main, target_family
+    from draftsmith.model import DraftConfig, Eagle3Draft
+
+    (tmp_path / "target").mkdir()
+    (tmp_path / "target" / "config.json").write_text('{"model_type": "gemma2"}')
+    draft = Eagle3Draft(DraftConfig.tiny(vocab_size=64, draft_vocab_size=64))  # identity vocab
+    family = target_family(tmp_path / "target", draft.config, 128)
+    c, out = draft.config, tmp_path / "draft"
+    embed = torch.zeros(c.vocab_size, c.target_hidden_size)
+    verifier = {"name_or_path": "t", "architectures": ["Gemma2ForCausalLM"]}
+    export_draft(draft, out, {}, embed=embed, verifier=verifier, family=family)
+    main(["check", str(out)])
+    err = capsys.readouterr().err
+    assert "warning: sglang (sglang==0.5.23 sglang/srt/models/gemma2.py)" in err
+    with pytest.raises(SystemExit, match="--strict: sglang: .*gemma2.py"):
+        main(["check", str(out), "--strict"])
