@@ -54,7 +54,13 @@ rule regenerate:
         cfg=cfg_json(
             "regenerate",
             server_of="regenerate",
-            data=("sources", "heldout_rows", "max_rows", "max_length", "system_prompt"),
+            data=(
+                "sources",
+                "heldout_rows",
+                "max_rows",
+                "max_length",
+                "system_prompt",
+            ),
         ),
         bundled=bundled_digest(),
     shell:
