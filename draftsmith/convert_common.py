@@ -18,6 +18,7 @@ from tqdm import tqdm
 
 from draftsmith.common import atomic_path, atomic_write_json, versions
 from draftsmith.config import aux_layer_ids
+from draftsmith.families import effective_norm_weight
 from draftsmith.shard_writer import ShardWriter
 from draftsmith.shards import CONVENTION, STORAGE_DTYPES, open_shard
 from draftsmith.storage import Storage
@@ -54,12 +55,14 @@ def load_legacy(path: Path) -> dict:
 
 
 def final_norm(target_dir: Path) -> tuple[torch.Tensor, float]:
-    """The target's final RMSNorm weight (float32) and eps, read from its safetensors files."""
+    """The target's final RMSNorm as a plain `x * w` weight (float32) and its eps, read from its
+    safetensors files: `1 + w` for a Gemma-style target (`draftsmith.families`)."""
     from safetensors import safe_open
 
     from draftsmith.target import target_config
 
-    eps = float(target_config(target_dir).get("rms_norm_eps", 1e-6))
+    config = target_config(target_dir)
+    eps = float(config.get("rms_norm_eps", 1e-6))
     found = []
     for f in sorted(Path(target_dir).glob("*.safetensors")):
         with safe_open(str(f), "pt") as st:
@@ -71,7 +74,7 @@ def final_norm(target_dir: Path) -> tuple[torch.Tensor, float]:
         )
     f, key = found[0]
     with safe_open(str(f), "pt") as st:
-        return st.get_tensor(key).float(), eps
+        return effective_norm_weight(st.get_tensor(key), config), eps
 
 
 def lm_head_weight(target_dir: Path) -> torch.Tensor:
@@ -110,7 +113,7 @@ def open_full(shard_path: Path, fmt: str):
 
 
 def apply_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Llama/DeepSeek RMSNorm in float32 (as transformers computes it)."""
+    """RMSNorm in float32 (as transformers computes it) with a plain weight (`final_norm`'s)."""
     x = x.float()
     return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
 

@@ -46,6 +46,7 @@ from draftsmith.convert_common import (
     write_shard,
     write_sidecar,
 )
+from draftsmith.families import norm_convention
 from draftsmith.shards import STORAGE_DTYPES
 
 HS_DIR = "hidden_states"
@@ -110,7 +111,7 @@ def from_speculators(src: Path, target: Path, out: Path, ids_arg, dtype, storage
         how,
         "speculators-v1" if layout == "pt" else "speculators-arrow",
         "applied: the source stores the final state pre-norm (target's final RMSNorm, "
-        f"eps {eps}, float32)",
+        f"eps {eps}, weight applied as {norm_convention(target_config(target))}, float32)",
     )
     manifest["converted_from"]["layer_numbering"] = (
         "source: speculators/vLLM input-of-layer ids (SGLang id + 1); shard: SGLang output-of-layer"

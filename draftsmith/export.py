@@ -26,8 +26,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 
@@ -36,6 +38,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from draftsmith.common import atomic_write_json, fsync_dir
+from draftsmith.families import family_facts, serving_findings
 from draftsmith.finite import metrics_problem, nonfinite_tensors
 from draftsmith.layout import LayoutError, read_pieces
 from draftsmith.model import DraftConfig, Eagle3Draft
@@ -54,8 +57,40 @@ STACKED = [
 LEGACY = {"midlayer": "layers.0"}
 
 
+log = logging.getLogger("draftsmith.export")
+
+
 class ExportError(ValueError):
     """The exported draft is not what SGLang's loader will consume."""
+
+
+def target_family(target_dir, cfg: DraftConfig, trained_length: int) -> dict:
+    """The target family's facts for the provenance (`draftsmith.families.family_facts`), read
+    from the target's whole config.json (a multimodal wrapper's own model type included)."""
+    full = json.loads((Path(target_dir) / "config.json").read_text())
+    return family_facts(full, cfg.rope_scaling, trained_length)
+
+
+def serving_problems(findings: list[dict]) -> list[str]:
+    return [f"{f['engine']}: {f['file']}: {f['reason']}" for f in findings]
+
+
+def serve_gate(target_dir, mode: str) -> None:
+    """draft.serve_check strict: refuse, before training, a target an engine of the pinned
+    wheels cannot serve an EAGLE-3 draft for (or serves with other aux states)."""
+    full = json.loads((Path(target_dir) / "config.json").read_text())
+    problems = serving_problems(serving_findings(full))
+    if problems and mode == "strict":
+        raise ExportError(
+            f"{target_dir}: draft.serve_check is strict and a pinned engine cannot serve this "
+            "target's EAGLE-3 draft as trained:\n  " + "\n  ".join(problems)
+        )
+
+
+def say_family(where, facts: dict) -> None:
+    """The family warnings on stderr (the job's log): RoPE not carried, serving per engine."""
+    for w in facts["warnings"]:
+        log.warning("%s: %s", where, w)
 
 
 def sglang_config(cfg: DraftConfig) -> dict:
@@ -372,6 +407,7 @@ def export_draft(
     embed: torch.Tensor,
     verifier: dict,
     num_tokens: int = 4,
+    family: dict | None = None,
 ) -> None:
     """Write `out_dir` atomically (staging dir, fsync, rename) and contract-check it first.
 
@@ -400,7 +436,10 @@ def export_draft(
         renamed["embed_tokens.weight"] = embed.detach().to("cpu").contiguous()
         save_file(renamed, str(spec / WEIGHTS), metadata={"format": "pt"})
         atomic_write_json(spec / "config.json", speculators_config(cfg, verifier, num_tokens))
-        atomic_write_json(stage / PROVENANCE, {**provenance, "draft_config": cfg.to_dict()})
+        facts = {"target_family": family} if family is not None else {}
+        atomic_write_json(
+            stage / PROVENANCE, {**provenance, "draft_config": cfg.to_dict(), **facts}
+        )
         check_export(stage)
         for p in [*stage.iterdir(), *spec.iterdir()]:
             if p.is_file():
@@ -473,6 +512,12 @@ def main(argv: list[str] | None = None) -> None:
     chk = sub.add_parser("check", help="contract-check an exported draft directory")
     chk.add_argument("draft_dir")
     chk.add_argument(
+        "--strict",
+        action="store_true",
+        help="fail when a pinned engine cannot serve the draft's target as trained (the "
+        "target_family.serving entries of draftsmith_draft.json); warn otherwise",
+    )
+    chk.add_argument(
         "--metrics",
         help="training metrics whose last record must be finite (default: "
         "<draft_dir>/../train/metrics.jsonl, the workflow's layout, when it exists)",
@@ -485,6 +530,14 @@ def main(argv: list[str] | None = None) -> None:
         check_export(args.draft_dir, metrics)
     except ExportError as e:
         raise SystemExit(str(e)) from None
+    prov = Path(args.draft_dir) / PROVENANCE
+    family = json.loads(prov.read_text()).get("target_family") if prov.is_file() else None
+    for w in (family or {}).get("warnings", []):
+        print(f"{args.draft_dir}: warning: {w}", file=sys.stderr)
+    if args.strict and family and family["serving"]:
+        raise SystemExit(
+            f"{args.draft_dir}: --strict: " + "; ".join(serving_problems(family["serving"]))
+        )
     print(f"{args.draft_dir}: OK (SGLang {ARCH} contract)")
 
 

@@ -30,7 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-SUPPORTED_ROPE = ("default", "linear", "llama3")
+from draftsmith.families import DRAFT_ROPE as SUPPORTED_ROPE
+from draftsmith.families import target_rope
 
 
 @dataclass
@@ -91,8 +92,10 @@ class DraftConfig:
 
         MLA targets (DeepSeek-V3, Kimi-K2.x) have no per-head K/V width; the draft uses
         `v_head_dim` as its head_dim, as the published Kimi EAGLE-3 drafts do. RoPE scaling
-        kinds other than linear/llama3 (e.g. yarn) are not reproduced: the draft then uses plain
-        RoPE with the target's theta, and its exported config says so, so serving matches training.
+        kinds other than linear/llama3 (e.g. yarn, longrope) are not reproduced: the draft then
+        uses plain RoPE with the target's theta, its exported config says so, so serving matches
+        training, and the export warns (`draftsmith.families.rope_note`). Per-layer-type RoPE
+        (Gemma-3) gives the full-attention layers' theta and scaling.
         """
         cfg = dict(cfg.get("text_config") or cfg)
         for key in ("hidden_size", "num_attention_heads", "intermediate_size", "vocab_size"):
@@ -105,19 +108,13 @@ class DraftConfig:
             head_dim = int(cfg.get("v_head_dim") or hidden // heads)
         else:
             head_dim = int(cfg.get("head_dim") or hidden // heads)
-        params = cfg.get("rope_parameters") or {}
-        theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
-        scaling = cfg.get("rope_scaling") or (params if params else None)
-        extra = {}
-        if scaling is not None:
-            kind = _rope_type(scaling)
-            if kind == "default":
-                scaling = None
-            elif kind not in SUPPORTED_ROPE:
-                extra["target_rope_scaling_not_used"] = dict(scaling)
-                scaling = None
-            else:
-                scaling = {k: v for k, v in scaling.items() if k != "rope_theta"}
+        rope = target_rope(cfg)  # per-layer-type RoPE (Gemma-3): the full-attention layers'
+        theta, scaling, extra = rope["theta"], rope["scaling"], {}
+        if rope["layer_type"]:
+            extra["target_rope_layer_type"] = rope["layer_type"]
+        if scaling is not None and rope["kind"] not in SUPPORTED_ROPE:
+            extra["target_rope_scaling_not_used"] = dict(scaling)  # the export warns
+            scaling = None
         return cls(
             hidden_size=hidden,
             num_attention_heads=heads,

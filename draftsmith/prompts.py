@@ -41,6 +41,8 @@ SHAREGPT_ROLES = {
     "chatgpt": "assistant",
 }
 BAD_ROWS_LISTED = 5
+# data.system_prompt: what a leading system turn becomes (for templates without a system role)
+SYSTEM_PROMPT = ("keep", "drop", "merge")
 BUNDLED_PATH = Path(__file__).parent / "data" / "prompts.jsonl"
 
 log = logging.getLogger("draftsmith.prompts")
@@ -245,10 +247,15 @@ def load_sources(config: dict) -> Sources:
     """
     data = config["data"]
     specs = data.get("sources") or [{"format": "bundled"}]
-    merged, reports = [], []
+    # x-omit-default: a config without the key (its default) gets the rows as before it
+    mode = data.get("system_prompt", "keep")
+    merged, reports, changed = [], [], 0
     for spec in specs:
         rows, report = read_source(spec)
-        merged.extend(rows)
+        for row in rows:
+            turns = system_turn(row["conversations"], mode)
+            changed += turns is not row["conversations"]
+            merged.append({**row, "conversations": turns})
         reports.append(report)
     heldout_n = int(data["heldout_rows"])
     if heldout_n >= len(merged):
@@ -269,7 +276,22 @@ def load_sources(config: dict) -> Sources:
         "train_rows": len(train),
         "heldout_rows": len(heldout),
     }
+    if mode != "keep":
+        report["system_prompt"] = {"mode": mode, "rows_changed": changed}
     return Sources(train=train, heldout=heldout, report=report)
+
+
+def system_turn(turns: list[dict], mode: str) -> list[dict]:
+    """data.system_prompt: keep a leading system turn, drop it, or merge it into the first user
+    turn ("<system>\n\n<user>"), for chat templates that refuse a system role (Gemma-2)."""
+    if mode not in SYSTEM_PROMPT:
+        raise SourceError(f"data.system_prompt: {mode!r} is not one of {SYSTEM_PROMPT}")
+    if mode == "keep" or not turns or turns[0]["role"] != "system":
+        return turns
+    system, rest = turns[0], list(turns[1:])
+    if mode == "merge":
+        rest[0] = {**rest[0], "content": f"{system['content']}\n\n{rest[0]['content']}"}
+    return rest
 
 
 def heldout_indices(n_rows: int, n_heldout: int) -> list[int]:

@@ -30,10 +30,20 @@ def write_jsonl(path, rows: list[dict]) -> None:
             f.write(json.dumps(row, ensure_ascii=False) + "\n")
 
 
+def refused_rows(target: str, rows: list[dict]) -> tuple[list[dict], list[dict]]:
+    """(rows the target's chat template renders, the refused ones named), before any engine."""
+    from transformers import AutoTokenizer
+
+    from draftsmith.tokens import split_refused
+
+    return split_refused(AutoTokenizer.from_pretrained(target), rows)
+
+
 def main(argv: list[str] | None = None) -> None:
     from draftsmith.common import atomic_write_json, init_logging, merge_run, parse_cfg, versions
     from draftsmith.config import parse_range
     from draftsmith.prompts import SourceError, load_sources, rows_for_range
+    from draftsmith.tokens import log_refused
 
     ap = argparse.ArgumentParser(
         prog="python -m draftsmith.regenerate",
@@ -57,6 +67,10 @@ def main(argv: list[str] | None = None) -> None:
     except SourceError as e:
         raise SystemExit(str(e)) from None
     report = {"range": args.range, "rows": len(rows), "enabled": bool(regen["enabled"])}
+    rows, refused = refused_rows(args.target, rows)
+    if refused:  # rows the chat template refuses (e.g. a system turn): skipped, named, counted
+        log_refused(f"{args.range} ({args.target})", refused)
+        report.update(refused_rows=len(refused), refused=refused[:20])
     if not report["enabled"]:
         try:
             out = copy_answers(rows)

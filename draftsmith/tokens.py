@@ -67,6 +67,55 @@ def render(
     )
 
 
+def template_refusal(tokenizer, turns: list[dict]) -> str | None:
+    """The chat template's own refusal of these turns (its `raise_exception`, e.g. Gemma-2's
+    "System role not supported"), or None when it renders them: the turns as given, and as
+    regeneration asks them (each user turn with the generation prompt, a placeholder answer
+    after it)."""
+    from jinja2.exceptions import TemplateError as JinjaTemplateError
+
+    probe = [t for t in turns if t["role"] != "assistant"]
+    asked = []
+    for turn in probe:
+        asked.append(turn)
+        if turn["role"] == "user":
+            asked.append({"role": "assistant", "content": "..."})
+    try:
+        render(tokenizer, turns)
+        render(tokenizer, asked)
+        render(tokenizer, asked[:-1], add_generation_prompt=True)
+    except JinjaTemplateError as e:
+        return f"the chat template refuses it: {e}"
+    return None
+
+
+def split_refused(tokenizer, rows: list[dict]) -> tuple[list[dict], list[dict]]:
+    """(rows the chat template renders, [{"id", "source", "reason"}] of those it refuses)."""
+    kept, refused = [], []
+    for row in rows:
+        reason = template_refusal(tokenizer, row["conversations"])
+        if reason is None:
+            kept.append(row)
+        else:
+            refused.append({"id": row["id"], "source": row["source"], "reason": reason})
+    return kept, refused
+
+
+def log_refused(where: str, refused: list[dict], listed: int = 5) -> None:
+    """One warning naming the refused rows (source and id) and the template's reason."""
+    if refused:
+        shown = "; ".join(f"{r['source']} row {r['id']}: {r['reason']}" for r in refused[:listed])
+        more = f"; and {len(refused) - listed} more" if len(refused) > listed else ""
+        log.warning(
+            "%s: skipped %d rows the chat template refuses (%s%s); data.system_prompt drop or "
+            "merge removes system turns",
+            where,
+            len(refused),
+            shown,
+            more,
+        )
+
+
 def _relaxed(content: str) -> re.Pattern:
     """The content with any whitespace around the reasoning markers (templates re-space them)."""
     parts = re.split(rf"\s*({re.escape(THINK_OPEN)}|{re.escape(THINK_CLOSE)})\s*", content)
@@ -185,7 +234,11 @@ def tokenize_rows(
         raise ValueError(f"data.overlong must be truncate or drop, got {overlong!r}")
     all_ids, all_mask, offsets, kept = [], [], [0], []
     truncated, dropped, no_mask, unrendered = [], [], [], 0
+    ok, refused = split_refused(tokenizer, rows)
+    ok_ids = {id(row) for row in ok}
     for i, row in enumerate(rows):
+        if id(row) not in ok_ids:
+            continue  # the chat template refuses it (counted in stats["refused"])
         try:
             ids, mask, n = encode_turns(tokenizer, row["conversations"], reasoning, thinking)
             unrendered += n
@@ -220,6 +273,8 @@ def tokenize_rows(
     }
     if reasoning != "verbatim":  # (verbatim: every turn is rendered whole)
         stats["reasoning_not_rendered"] = unrendered
+    if refused:
+        stats["refused"] = refused
     return tensors, stats
 
 
@@ -301,6 +356,7 @@ def main(argv: list[str] | None = None) -> None:
         )
     except TemplateError as e:
         raise SystemExit(f"{args.rows}: {e}") from None
+    log_refused(args.rows, stats.get("refused", []))
     log.info(
         "%s: %d/%d rows, %d tokens, %d masked, %d truncated, %d dropped, %d without loss",
         args.rows,

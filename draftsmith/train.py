@@ -63,7 +63,16 @@ from draftsmith.common import (
     versions,
 )
 from draftsmith.config import execution_defaults
-from draftsmith.export import export_draft, target_embedding, verifier_ref
+from draftsmith.export import (
+    ExportError,
+    export_draft,
+    say_family,
+    serve_gate,
+    target_embedding,
+    target_family,
+    verifier_ref,
+)
+from draftsmith.families import effective_norm_weight
 from draftsmith.finite import check_step
 from draftsmith.hardware import cpu_facts, resolve_precision
 from draftsmith.model import DraftConfig, Eagle3Draft
@@ -146,7 +155,8 @@ def build_draft(cfg: dict, inputs: Inputs, device):
     if cfg["draft"]["init_from_target"]:
         with torch.no_grad():
             draft.lm_head.weight.copy_(inputs.heads["lm_head"][hot])
-            draft.norm.weight.copy_(inputs.heads["norm"])
+            # a Gemma-style target applies its norm as 1 + w; the draft's norm is x * w
+            draft.norm.weight.copy_(effective_norm_weight(inputs.heads["norm"], inputs.target_cfg))
     draft.to(device)
     opt = torch.optim.AdamW(draft.parameters(), lr=cfg["train"]["lr"], weight_decay=0.0)
     return draft, opt
@@ -289,6 +299,11 @@ def train(
     precision, why = resolve_precision(tcfg["precision"], device.type, facts)
     log.info("precision %s (%s)", precision, why)
 
+    # x-omit-default: a config without the key gets warnings only, as before it
+    try:
+        serve_gate(target_dir, cfg["draft"].get("serve_check", "warn"))
+    except ExportError as e:
+        raise SystemExit(str(e)) from None
     inputs = check_inputs(cfg, shard_paths, vocab_path, target_dir, state_root, rank)
     if world > 1:
         torch.distributed.barrier()
@@ -348,14 +363,18 @@ def train(
             "vocab_sha256": sha256_file(vocab_path),
             "target_fingerprint": inputs.fingerprint,
         }
-        finish(draft, provenance, target_dir, out_dir, run_dir, metrics_path)
+        longest = max((end - start for _, start, end in data.rows), default=0)
+        finish(draft, provenance, target_dir, out_dir, run_dir, metrics_path, longest)
     if world > 1:
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()
 
 
-def finish(draft, provenance: dict, target_dir, out_dir, run_dir, metrics_path) -> None:
-    """Export the draft (SGLang layout, atomically) and copy the run's metrics out."""
+def finish(draft, provenance: dict, target_dir, out_dir, run_dir, metrics_path, longest) -> None:
+    """Export the draft (SGLang layout, atomically) and copy the run's metrics out; say what
+    the target family means for it (RoPE not carried, engines that cannot serve it)."""
+    family = target_family(target_dir, draft.config, longest)
+    say_family(out_dir, family)
     export_draft(
         draft.cpu(),
         out_dir,
@@ -363,6 +382,7 @@ def finish(draft, provenance: dict, target_dir, out_dir, run_dir, metrics_path) 
         embed=target_embedding(target_dir),
         verifier=verifier_ref(target_dir),
         num_tokens=provenance["config"]["train"]["ttt_steps"],
+        family=family,
     )
     keep_last_good(out_dir)  # <out>.last-good/: outlives a failed rebuild
     with atomic_path(metrics_path) as tmp:

@@ -24,15 +24,7 @@ rule data_report:
         mem_mb=1000,
         runtime=10,
     params:
-        cfg=json.dumps(
-            {
-                "data": {
-                    k: config["data"][k]
-                    for k in ("sources", "heldout_rows", "max_rows")
-                }
-            },
-            sort_keys=True,
-        ),
+        cfg=cfg_json(data=("sources", "heldout_rows", "max_rows", "system_prompt")),
         bundled=bundled_digest(),
     shell:
         "$DRAFTSMITH_PY_DATA -m draftsmith.prompts --cfg {params.cfg:q} --out {output} > {log} 2>&1"
@@ -62,7 +54,13 @@ rule regenerate:
         cfg=cfg_json(
             "regenerate",
             server_of="regenerate",
-            data=("sources", "heldout_rows", "max_rows", "max_length"),
+            data=(
+                "sources",
+                "heldout_rows",
+                "max_rows",
+                "max_length",
+                "system_prompt",
+            ),
         ),
         bundled=bundled_digest(),
     shell:

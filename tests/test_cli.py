@@ -21,6 +21,7 @@ LIBRARY = {
     "config",
     "convert_common",
     "convert_speculators",
+    "families",
     "finite",
     "gate",
     "hardware",

@@ -72,7 +72,10 @@ def test_defaults_quoted_in_the_docs_are_the_schemas():
             # "the embedded default" names the shipped config, not a key's default value
             if "default" not in line.lower().replace("embedded default", ""):
                 continue
-            for key, value in re.findall(r"`([a-z_]+(?:\.[a-z_]+)?): ([^`]+)`", line):
+            quoted = re.findall(r"`([a-z_]+(?:\.[a-z_]+)?): ([^`]+)`", line)
+            # "`section.key` ... (the default 4)": the value named after the key
+            quoted += re.findall(r"`([a-z_]+\.[a-z_]+)`[^`()]*\(the default ([\w.\-]+)\)", line)
+            for key, value in quoted:
                 section, _, name = key.rpartition(".")
                 if not section:
                     if len(owners.get(name, [])) != 1:

@@ -1,0 +1,238 @@
+"""Target families (issue 21): the final norm's convention, per family of the pinned transformers."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from draftsmith.families import OFFSET_NORM, norm_offset
+
+# family -> a tiny config (hidden 32, 2 layers); each is built by transformers offline
+SMALL = dict(
+    vocab_size=96,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    max_position_embeddings=256,
+)
+FAMILIES = {
+    "llama": {},
+    "qwen2": {},
+    "qwen3": {},
+    "phi3": {"pad_token_id": 0},
+    "mistral": {},
+    "deepseek_v3": dict(
+        kv_lora_rank=8,
+        q_lora_rank=8,
+        qk_rope_head_dim=4,
+        qk_nope_head_dim=4,
+        v_head_dim=8,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_group=1,
+        topk_group=1,
+        moe_intermediate_size=16,
+        first_k_dense_replace=1,
+    ),
+    "gemma": {},
+    "gemma2": {},
+    "gemma3_text": {"sliding_window": 16},
+}
+OFFSET_FAMILIES = {"gemma", "gemma2", "gemma3_text"}
+
+
+def tiny_model(family: str):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(family, **SMALL, **FAMILIES[family])
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).float().eval()
+    with torch.no_grad():  # a norm weight far from both 0 and 1, so a wrong convention shows
+        model.model.norm.weight.copy_(torch.randn(SMALL["hidden_size"]) * 0.5 + 0.3)
+    return model
+
+
+def test_offset_table_is_the_installed_transformers():
+    """OFFSET_NORM == the causal-LM model types whose final norm class computes `1 + w`."""
+    import transformers
+    from transformers.models.auto.configuration_auto import model_type_to_module_name
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    root = Path(transformers.__file__).parent / "models"
+    found = {}
+    for kind in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        mod = model_type_to_module_name(kind)
+        f = root / mod / f"modeling_{mod}.py"
+        if not f.exists():
+            continue
+        src = f.read_text()
+        for name in set(re.findall(r"self\.norm = (\w+)\(\s*(?:self\.)?config\.hidden_size", src)):
+            body = re.search(rf"class {name}\(.*?\n(?=class |\Z)", src, re.S)
+            if body and re.search(r"1(\.0)? \+ self\.weight", body.group(0)):
+                found[kind] = name
+    assert found == {k: v for k, v in OFFSET_NORM.items() if k in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES}
+    assert {"gemma2", "gemma3_text"} <= set(found)
+
+
+def test_convention_read_from_config():
+    assert norm_offset({"model_type": "gemma2"}) == 1.0
+    assert norm_offset({"model_type": "gemma3", "text_config": {"model_type": "gemma3_text"}})
+    assert norm_offset({"architectures": ["Gemma2ForCausalLM"]}) == 1.0
+    assert norm_offset({"model_type": "llama", "architectures": ["GemmaLikeForCausalLM"]}) == 0.0
+    assert norm_offset({"model_type": "qwen3"}) == 0.0
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_initialised_draft_norm_scales_like_the_targets(family):
+    """build_draft with init_from_target: the draft's final norm computes the target's."""
+    from draftsmith.train import build_draft
+
+    model = tiny_model(family)
+    target_cfg = model.config.to_dict()
+    assert (norm_offset(target_cfg) == 1.0) == (family in OFFSET_FAMILIES)
+    vocab = SMALL["vocab_size"]
+    inputs = SimpleNamespace(
+        target_cfg=target_cfg,
+        aux_ids=[0, 0, 1],
+        d2t=torch.zeros(vocab // 2, dtype=torch.long),
+        t2d=torch.arange(vocab) < vocab // 2,
+        heads={
+            "lm_head": model.get_output_embeddings().weight.detach().clone(),
+            "norm": model.model.norm.weight.detach().clone(),
+        },
+    )
+    cfg = {
+        "draft": {"vocab_size": vocab // 2, "init_from_target": True},
+        "train": {"seed": 0, "lr": 1e-3},
+    }
+    draft, _ = build_draft(cfg, inputs, torch.device("cpu"))
+    x = torch.randn(3, 5, SMALL["hidden_size"]) * 4
+    with torch.no_grad():
+        want = model.model.norm(x)
+        got = draft.norm(x)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["gemma2", "llama"])
+def test_converters_apply_the_targets_norm(family, tmp_path):
+    """final_norm + apply_norm (the converters) == the target's own final norm module."""
+    from draftsmith.convert_common import apply_norm, final_norm
+
+    model = tiny_model(family)
+    model.save_pretrained(tmp_path, safe_serialization=True)
+    weight, eps = final_norm(tmp_path)
+    x = torch.randn(4, SMALL["hidden_size"]) * 3
+    with torch.no_grad():
+        want = model.model.norm(x)
+    torch.testing.assert_close(apply_norm(x, weight, eps), want, rtol=1e-5, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------
+# RoPE
+
+
+def test_gemma3_per_layer_type_rope_gives_the_full_attention_theta():
+    """transformers 5 Gemma-3: rope_parameters per layer type; the draft takes full_attention's
+    theta (1e6 by default), not the 1e4 fallback."""
+    from transformers import AutoConfig
+
+    from draftsmith.model import DraftConfig
+
+    hf = AutoConfig.for_model("gemma3_text", **SMALL, sliding_window=16).to_dict()
+    assert hf["rope_parameters"]["full_attention"]["rope_theta"] == 1e6
+    cfg = DraftConfig.from_target_config(hf, 16, [0, 0, 1])
+    assert cfg.rope_theta == 1e6 and cfg.rope_scaling is None
+    assert cfg.extra["target_rope_layer_type"] == "full_attention"
+    linear = {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6}
+    hf["rope_parameters"]["full_attention"] = linear
+    cfg = DraftConfig.from_target_config(hf, 16, [0, 0, 1])
+    assert cfg.rope_scaling == {"rope_type": "linear", "factor": 8.0}  # carried, SGLang has it
+
+
+@pytest.mark.parametrize(
+    "params, kind",
+    [
+        ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096}, "yarn"),
+        ({"rope_type": "longrope", "short_factor": [1.0], "long_factor": [2.0]}, "longrope"),
+        ({"rope_type": "default", "partial_rotary_factor": 0.75}, "default"),
+    ],
+)
+def test_rope_the_draft_cannot_carry_is_recorded_and_warned(params, kind):
+    from draftsmith.families import family_facts
+    from draftsmith.model import DraftConfig
+
+    hf = {**SMALL, "model_type": "deepseek_v3", "rope_parameters": {"rope_theta": 5e4, **params}}
+    cfg = DraftConfig.from_target_config(hf, 16, [0, 0, 1])
+    assert cfg.rope_theta == 5e4 and cfg.rope_scaling is None
+    facts = family_facts(hf, cfg.rope_scaling, 300)
+    [warning] = facts["warnings"]
+    assert f"uses {kind} RoPE" in warning and "at most 300 tokens" in warning
+    assert facts["rope"]["kind"] == kind and facts["rope"]["trained_length"] == 300
+    if kind == "yarn":
+        assert "target_rope_scaling_not_used" in cfg.extra and "context is 4096" in warning
+
+
+def test_rope_the_draft_carries_warns_nothing():
+    from draftsmith.families import family_facts
+    from draftsmith.model import DraftConfig
+
+    llama3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0}
+    llama3 |= {"high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    for params in ({"rope_type": "default"}, llama3):
+        hf = {**SMALL, "model_type": "llama", "rope_parameters": {"rope_theta": 5e5, **params}}
+        cfg = DraftConfig.from_target_config(hf, 16, [0, 0, 1])
+        assert family_facts(hf, cfg.rope_scaling, 300)["warnings"] == []
+
+
+# ---------------------------------------------------------------------------------------------
+# Serving
+
+
+def test_serving_table_names_engine_file_and_reason():
+    from draftsmith.families import serving_findings
+
+    [g2] = serving_findings({"model_type": "gemma2"})
+    assert g2["engine"] == "sglang" and g2["file"].endswith("sglang/srt/models/gemma2.py")
+    assert g2["verdict"] == "refuse" and "set_eagle3_layers_to_capture" in g2["reason"]
+    wrapped = {"model_type": "gemma3", "text_config": {"model_type": "gemma3_text"}}
+    [g3] = serving_findings(wrapped)
+    assert g3["file"].endswith("gemma3_causal.py") and "residual" in g3["reason"]
+    assert serving_findings({"model_type": "llama"}) == []
+
+
+def test_serve_gate_refuses_under_strict_only(tmp_path):
+    from draftsmith.export import ExportError, serve_gate
+
+    (tmp_path / "config.json").write_text('{"model_type": "gemma2"}')
+    serve_gate(tmp_path, "warn")
+    with pytest.raises(ExportError, match=r"(?s)strict.*sglang.*gemma2\.py.*no EAGLE-3 capture"):
+        serve_gate(tmp_path, "strict")
+    (tmp_path / "config.json").write_text('{"model_type": "qwen3"}')
+    serve_gate(tmp_path, "strict")
+
+
+def test_export_check_warns_and_refuses_under_strict(tmp_path, capsys):
+    """The export records the family facts; `export check` prints them; --strict refuses."""
+    from draftsmith.export import export_draft, main, target_family
+    from draftsmith.model import DraftConfig, Eagle3Draft
+
+    (tmp_path / "target").mkdir()
+    (tmp_path / "target" / "config.json").write_text('{"model_type": "gemma2"}')
+    draft = Eagle3Draft(DraftConfig.tiny(vocab_size=64, draft_vocab_size=64))  # identity vocab
+    family = target_family(tmp_path / "target", draft.config, 128)
+    c, out = draft.config, tmp_path / "draft"
+    embed = torch.zeros(c.vocab_size, c.target_hidden_size)
+    verifier = {"name_or_path": "t", "architectures": ["Gemma2ForCausalLM"]}
+    export_draft(draft, out, {}, embed=embed, verifier=verifier, family=family)
+    main(["check", str(out)])
+    err = capsys.readouterr().err
+    assert "warning: sglang (sglang==0.5.23 sglang/srt/models/gemma2.py)" in err
+    with pytest.raises(SystemExit, match="--strict: sglang: .*gemma2.py"):
+        main(["check", str(out), "--strict"])
