@@ -6,8 +6,9 @@ before they sleep. On free cores that is the fastest choice: greedy decoding ran
 spinning than with OMP_WAIT_POLICY=PASSIVE. On cores shared with other work it is the slowest by
 far: a region ends only when its last thread does, that thread is descheduled for a time slice
 whenever another process runs, and the others spin meanwhile, stealing the very cycles it waits
-for. With two busy processes beside a 2-thread job on 2 cores, decoding ran ~15x slower
-spinning than with one passive thread (benchmarks/results/contention_*.md).
+for. With two busy processes beside a 2-thread job on 2 cores, spinning decoding fell to
+0.05-0.29 of its free-core speed and ran 4-7x slower than one passive thread
+(benchmarks/results/contention_*.md).
 
 So a job looks before it leaps. `prepare()` runs when the package is first imported by a job
 (DRAFTSMITH_OMP=auto, which the workflow's shell prefix exports), before torch is imported and

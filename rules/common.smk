@@ -192,7 +192,7 @@ def job_environment():
     DRAFTSMITH_OMP=auto lets each job choose libgomp's wait policy and its thread count for
     the load it starts under (draftsmith/threads.py): spinning on free cores (1.7x faster
     decoding than PASSIVE), PASSIVE and fewer threads on cores busy with other work (where
-    spinning threads stall each other ~15x). A caller's own OMP_WAIT_POLICY wins.
+    spinning threads stall each other, 4-7x). A caller's own OMP_WAIT_POLICY wins.
     """
     env = {
         "DRAFTSMITH_WORKFLOW": workflow.basedir,
