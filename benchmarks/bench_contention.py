@@ -115,9 +115,11 @@ def run_decode(run: Path, env: dict, threads: int, prompts: Path, n: int) -> flo
     return r["tokens"] / r["seconds"], r["threads_used"], r["decision"]
 
 
-def run_train(run: Path, env: dict, threads: int, steps: int, work: Path) -> float:
+def train_job(run: Path, env: dict, threads: int, work: Path, **train) -> tuple[list, str]:
+    """`draftsmith.train` on the run's shards from a fresh state directory, with `train` keys
+    overriding the run's train section: (metrics records, the job's log)."""
     cfg = run_config(run)
-    tcfg = {**cfg["train"], "max_steps": steps, "checkpoint_every": 0, "checkpoint_seconds": 0}
+    tcfg = {**cfg["train"], "checkpoint_every": 0, "checkpoint_seconds": 0, **train}
     sections = {"train": tcfg, "draft": cfg["draft"], "capture": cfg["capture"]}
     state = work / f"state-{time.monotonic_ns()}"
     shards = sorted(str(p) for p in (run / "results" / "hidden").glob("rows_*.safetensors"))
@@ -130,11 +132,21 @@ def run_train(run: Path, env: dict, threads: int, steps: int, work: Path) -> flo
         env=env, capture_output=True, text=True, check=True,
     )  # fmt: skip
     records = [json.loads(ln) for ln in (state / "metrics.jsonl").read_text().splitlines()]
+    return records, res.stderr
+
+
+def timed_rate(records: list[dict]) -> tuple[float, float]:
+    """(tokens/s, seconds per step) of the records after the first two (warm-up)."""
     timed = records[2:]
-    tps = sum(r["tokens"] for r in timed) / sum(r["tokens"] / r["tokens_per_s"] for r in timed)
-    log = res.stderr
+    seconds = sum(r["tokens"] / r["tokens_per_s"] for r in timed)
+    return sum(r["tokens"] for r in timed) / seconds, seconds / len(timed)
+
+
+def run_train(run: Path, env: dict, threads: int, steps: int, work: Path):
+    records, log = train_job(run, env, threads, work, max_steps=steps)
     used = "capped" if "threads capped at" in log else str(threads)
-    return tps, used, next((ln for ln in log.splitlines() if "threads: OpenMP" in ln), None)
+    why = next((ln for ln in log.splitlines() if "threads: OpenMP" in ln), None)
+    return timed_rate(records)[0], used, why
 
 
 def measure(args, prompts: Path) -> list[dict]:

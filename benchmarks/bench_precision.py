@@ -27,7 +27,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
-from bench_contention import run_config  # noqa: E402
+from bench_contention import timed_rate, train_job  # noqa: E402
 
 from draftsmith.common import atomic_write_json, atomic_write_text  # noqa: E402
 from draftsmith.hardware import cpu_facts  # noqa: E402
@@ -40,33 +40,16 @@ AVX2 = {
 
 
 def train_rate(run: Path, env: dict, mode: str, steps: int, work: Path) -> dict:
-    import subprocess
-    import time
-
-    cfg = run_config(run)
-    tcfg = {**cfg["train"], "max_steps": steps, "precision": mode}
-    tcfg.update(checkpoint_every=0, checkpoint_seconds=0)
-    sections = {"train": tcfg, "draft": cfg["draft"], "capture": cfg["capture"]}
-    state = work / f"state-{mode}-{time.monotonic_ns()}"
-    shards = sorted(str(p) for p in (run / "results" / "hidden").glob("rows_*.safetensors"))
-    res = subprocess.run(
-        [sys.executable, "-m", "draftsmith.train", "--cfg", json.dumps(sections), "--shards",
-         *shards, "--vocab", str(run / "results/vocab/vocab.safetensors"), "--target",
-         str(run / "results/target"), "--out", str(state / "draft"), "--metrics",
-         str(state / "metrics.jsonl"), "--state", str(state), "--threads", "2",
-         "--device", "cpu"],
-        env=env, capture_output=True, text=True, check=True,
-    )  # fmt: skip
-    records = [json.loads(ln) for ln in (state / "metrics.jsonl").read_text().splitlines()]
-    timed = records[2:]
-    seconds = sum(r["tokens"] / r["tokens_per_s"] for r in timed)
-    line = next(ln for ln in res.stderr.splitlines() if "INFO precision " in ln)
+    records, log = train_job(run, env, 2, work, max_steps=steps, precision=mode)
+    tps, step_s = timed_rate(records)
+    line = next(ln for ln in log.splitlines() if "INFO precision " in ln)
+    why = line.split("INFO precision ", 1)[1]
     return {
         "mode": mode,
-        "resolved": line.split("INFO precision ", 1)[1].split()[0],
-        "tokens_per_s": sum(r["tokens"] for r in timed) / seconds,
-        "step_s": seconds / len(timed),
-        "why": line.split("INFO precision ", 1)[1],
+        "resolved": why.split()[0],
+        "tokens_per_s": tps,
+        "step_s": step_s,
+        "why": why,
     }
 
 
