@@ -91,9 +91,10 @@ def test_gpu_roles_ask_for_the_gpus_their_jobs_use(tmp_path: Path, tiny_target: 
     for rule in CPU_RULES:
         assert_no_gpus(jobs[rule])
     # validate_env: the cpu role locally, the GPU role on a node with its 8 GPUs
-    assert [j.wildcards for j in jobs["validate_env"]] == ["role=cpu"]
+    # (the stamp's wildcards also carry its content key: role=<role>, envkey=<key>)
+    assert [j.wildcards.split(",")[0] for j in jobs["validate_env"]] == ["role=cpu"]
     [gpu_env] = jobs["validate_env_gpu"]
-    assert (gpu_env.wildcards, gpu_env.gpus()) == ("role=sglang", 8)
+    assert (gpu_env.wildcards.split(",")[0], gpu_env.gpus()) == ("role=sglang", 8)
     # hf on a GPU role uses one device; training train.nproc GPUs on each node
     for rule in ("regenerate", "capture", "bench"):
         assert {j.gpus() for j in jobs[rule]} == {1}, rule
