@@ -46,6 +46,7 @@ import os
 import resource
 import shutil
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -292,10 +293,10 @@ def train(
     progress: Progress | None = None,
 ) -> None:
     tcfg = cfg["train"]
+    facts = cpu_facts()  # before the process group: it queries the CPU (cpuinfo, AMX)
     rank, world = dist_info()
     device = pick_device(device)
     torch.use_deterministic_algorithms(True, warn_only=True)
-    facts = cpu_facts()
     precision, why = resolve_precision(tcfg["precision"], device.type, facts)
     log.info("precision %s (%s)", precision, why)
 
@@ -470,7 +471,15 @@ def main(argv: list[str] | None = None) -> None:
             raise SystemExit(f"--cfg has no {section!r} section")
     cfg["train"] = {**execution_defaults("train"), **cfg["train"]}
     progress = Progress()
-    with stop_promptly("draftsmith.train", lambda sig: log_stop(progress)):
+    # under torchrun (WORLD_SIZE > 1) the elastic agent stops its workers itself, and gloo's
+    # rendezvous must not share the process with a signal wakeup fd (seen hanging)
+    single = int(os.environ.get("WORLD_SIZE", "1")) == 1
+    guard = (
+        stop_promptly("draftsmith.train", lambda sig: log_stop(progress))
+        if single
+        else nullcontext()
+    )
+    with guard:
         set_threads(args.threads)
         bound_cpu_memory()
         train(
