@@ -10,16 +10,9 @@ from pathlib import Path
 
 import pytest
 from test_train import cfg_json, make_inputs, run_train
+from wf import flip_byte
 
 from draftsmith.repair import keep_last_good
-
-
-def flip_byte(path: Path) -> None:
-    with open(path, "r+b") as f:
-        f.seek(path.stat().st_size // 2)
-        byte = f.read(1)
-        f.seek(-1, 1)
-        f.write(bytes([byte[0] ^ 0xFF]))
 
 
 def tree(d: Path) -> dict[str, bytes]:

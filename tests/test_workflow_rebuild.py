@@ -9,20 +9,12 @@ import json
 from pathlib import Path
 
 import pytest
-from wf import snakemake, tiny_config, write_config
+from wf import flip_byte, snakemake, tiny_config, write_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.workflow]
 
 R0, R1 = "rows_000000-000016", "rows_000016-000032"
 TRAINED = ("results/draft", "results/train/metrics.jsonl")
-
-
-def flip_byte(path: Path) -> None:
-    with open(path, "r+b") as f:
-        f.seek(path.stat().st_size // 2)
-        byte = f.read(1)
-        f.seek(-1, 1)
-        f.write(bytes([byte[0] ^ 0xFF]))
 
 
 def test_corrupt_shard_is_refused_then_a_plain_rerun_rebuilds_it_and_training_resumes(

@@ -53,6 +53,15 @@ def with_defaults(cfg: dict) -> dict:
     return out
 
 
+def flip_byte(path: Path) -> None:
+    """Corrupt one byte in the middle of a file in place (its mtime moves)."""
+    with open(path, "r+b") as f:
+        f.seek(path.stat().st_size // 2)
+        byte = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+
 def write_config(workdir: Path, cfg: dict) -> Path:
     workdir.mkdir(parents=True, exist_ok=True)
     path = workdir / "config.yaml"
