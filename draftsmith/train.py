@@ -472,7 +472,7 @@ def main(argv: list[str] | None = None) -> None:
     cfg["train"] = {**execution_defaults("train"), **cfg["train"]}
     progress = Progress()
     # under torchrun (WORLD_SIZE > 1) the elastic agent stops its workers itself, and gloo's
-    # rendezvous must not share the process with a signal wakeup fd (seen hanging)
+    # workers keep Python's default handling (the intermittent gloo hang is not from the watcher)
     single = int(os.environ.get("WORLD_SIZE", "1")) == 1
     guard = (
         stop_promptly("draftsmith.train", lambda sig: log_stop(progress))
