@@ -401,7 +401,7 @@ def main(argv: list[str] | None = None) -> None:
     bench = cfg["bench"]
     skipped: dict[str, dict] = {}
     sets = load_sets(cfg, skipped)
-    sets, screened = screen_sets(sets, skipped, args.target, int(bench["max_new_tokens"]))
+    sets, screened = screen_sets(sets, skipped, args.target, cfg)
     records = read_metrics(args.metrics)
     try:
         bench_sets = engine("bench", bench["backend"])

@@ -30,13 +30,13 @@ def write_jsonl(path, rows: list[dict]) -> None:
             f.write(json.dumps(row, ensure_ascii=False) + "\n")
 
 
-def refused_rows(target: str, rows: list[dict]) -> tuple[list[dict], list[dict]]:
-    """(rows the target's chat template renders, the refused ones named), before any engine."""
-    from transformers import AutoTokenizer
-
+def refused_rows(target: str, rows: list[dict], cfg: dict) -> tuple[list[dict], list[dict]]:
+    """(rows the target's chat template renders, the refused ones named), before any engine
+    generates: the tokenizer as the regenerate engine's role loads it."""
+    from draftsmith.engines import load_tokenizer
     from draftsmith.tokens import split_refused
 
-    return split_refused(AutoTokenizer.from_pretrained(target), rows)
+    return split_refused(load_tokenizer("regenerate", cfg, target), rows)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> None:
     except SourceError as e:
         raise SystemExit(str(e)) from None
     report = {"range": args.range, "rows": len(rows), "enabled": bool(regen["enabled"])}
-    rows, refused = refused_rows(args.target, rows)
+    rows, refused = refused_rows(args.target, rows, cfg)
     if refused:  # rows the chat template refuses (e.g. a system turn): skipped, named, counted
         log_refused(f"{args.range} ({args.target})", refused)
         report.update(refused_rows=len(refused), refused=refused[:20])

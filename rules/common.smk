@@ -242,9 +242,10 @@ def server_cfg(stage):
 
 def cfg_json(*sections, server_of=None, **only):
     """Exactly the config sections a job reads, as JSON (params: precise staleness), plus the
-    server settings of the engine of stage `server_of`; `section=(keys...)` takes only those
-    keys of a section (draftsmith.config.sections_json)."""
-    extra = server_cfg(server_of) if server_of else None
+    server settings of the engine of stage `server_of` (else the target's remote-code
+    permission, when on); `section=(keys...)` takes only those keys of a section
+    (draftsmith.config.sections_json)."""
+    extra = (server_cfg(server_of) or remote_code_cfg()) if server_of else None
     return sections_json(config, sections, extra, NEUTRAL_DEFAULTS, only, RUN_KEYS)
 
 

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import roles
 import torch
+from wf import with_defaults
 
 from draftsmith.engines.sglang_capture import DumpError, ids_crc32, read_dump
 
@@ -172,10 +173,12 @@ def prepare(tiny: Path, work: Path, python: str, aux_ids: list[int]) -> dict:
     link_path_target(tiny, target)
     vocab = json.loads((tiny / "config.json").read_text())["vocab_size"]
     tokens = token_file(work / "rows_000010-000016.safetensors", [37, 5, 120, 64, 1, 90], vocab)
-    cfg = {
-        "capture": {"backend": "hf", "dtype": "bfloat16", "aux_layer_ids": aux_ids},
-        "target": {"dtype": "float32"},
-    }
+    cfg = with_defaults(
+        {
+            "capture": {"backend": "hf", "dtype": "bfloat16", "aux_layer_ids": aux_ids},
+            "target": {"dtype": "float32"},
+        }
+    )
     hf_out = work / "hf" / "rows_000010-000016.safetensors"
     run = subprocess.run(
         [sys.executable, "-m", "draftsmith.capture", "--cfg", json.dumps(cfg), "--tokens",
@@ -204,13 +207,13 @@ def prepare(tiny: Path, work: Path, python: str, aux_ids: list[int]) -> dict:
 
 
 def sglang_capture(setup, out: Path, faults: dict, retries: int = 2, restarts: int = 2):
-    cfg = {
+    cfg = with_defaults({
         "capture": {"backend": "sglang", "role": "sglang-cpu", "dtype": "bfloat16",
                     "aux_layer_ids": setup["ids"], "concurrency": 3, "retries": retries},
         "target": {"dtype": "float32"},
         "sglang": {"tp_size": 1, "extra_args": CPU_SERVER_ARGS, "port": 0,
                    "startup_timeout": 900, "request_timeout": 600, "retries": restarts},
-    }  # fmt: skip
+    })  # fmt: skip
     env = {
         **os.environ,
         "PYTHONPATH": f"{ROOT}:{ROOT / 'tests'}",
@@ -353,12 +356,12 @@ try:
 except ServerError as e:
     print("REFUSED", e)
 """
-    cfg = {
+    cfg = with_defaults({
         "capture": {"backend": "sglang", "role": "sglang-cpu"},
         "target": {"dtype": "float32"},
         "sglang": {"tp_size": 1, "extra_args": CPU_SERVER_ARGS, "port": 0,
                    "startup_timeout": 900, "request_timeout": 600, "retries": 0},
-    }  # fmt: skip
+    })  # fmt: skip
     overlay = json.loads((capture_setup["work"] / "patched.json").read_text())["overlay"]
     run = subprocess.run(
         [capture_setup["python"], "-c", script, json.dumps(cfg), str(capture_setup["target"]),

@@ -26,6 +26,10 @@ today (the schema's backend enums, a role, and for a server engine rules/common.
 The registry imports an engine's module only when a stage asks for it (the Snakefile, which
 imports the package at DAG-build time, never does).
 
+A stage that reads the target's tokenizer in the engine's role asks `load_tokenizer(stage, cfg,
+target)`: an engine whose role needs a preparation first (SGLang's CPU role declares torchvision's
+op schemas) defines `tokenizer(target, cfg, stage)`; the others get transformers' AutoTokenizer.
+
 An engine that computes in the job's own process says so (`IN_PROCESS = True`): its stages then
 run under `draftsmith.stopping.stop_promptly`, so SIGINT/SIGTERM end the job within a second even
 inside a long torch op. A server engine keeps Python's KeyboardInterrupt, whose cleanup stops
@@ -79,6 +83,23 @@ def implements(backend: str) -> list[str]:
     """The stages an engine implements (imports its module)."""
     mod = importlib.import_module(ENGINES[backend])
     return [stage for stage, name in ENTRY_POINTS.items() if hasattr(mod, name)]
+
+
+def load_tokenizer(stage: str, cfg: dict, target):
+    """The target's tokenizer for `stage`, loaded as its engine's role interpreter needs it;
+    `cfg["target"]["trust_remote_code"]` (when the job was given it) allows the target's code."""
+    module = ENGINES.get(cfg[stage]["backend"])
+    own = getattr(importlib.import_module(module), "tokenizer", None) if module else None
+    if own is not None:
+        return own(target, cfg, stage)
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(target), trust_remote_code=trusts_code(cfg))
+
+
+def trusts_code(cfg: dict) -> bool:
+    """Whether the job's config allows the target's own code (its target section, if any)."""
+    return bool(cfg.get("target", {}).get("trust_remote_code", False))
 
 
 def stop_guard(stage: str, backend: str):

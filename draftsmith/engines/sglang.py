@@ -28,16 +28,13 @@ import logging
 import time
 from pathlib import Path
 
+from draftsmith.engines import trusts_code
 from draftsmith.engines.sglang_capture import capture_range  # noqa: F401 (the capture stage)
 from draftsmith.engines.sglang_server import CPU_ROLE, server_spec, settings
 from draftsmith.regenerate_base import new_stats
 from draftsmith.server import Supervisor, http_json, run_requests
 
 log = logging.getLogger("draftsmith.engines.sglang")
-
-
-def trust(cfg: dict) -> bool:
-    return bool(cfg.get("target", {}).get("trust_remote_code", False))
 
 
 def generate(url: str, payload: dict, timeout: float) -> dict:
@@ -66,6 +63,11 @@ def load_tokenizer(target, role: str, trust_remote_code: bool = False):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(target), trust_remote_code=trust_remote_code)
+
+
+def tokenizer(target, cfg: dict, stage: str):
+    """The registry's tokenizer seam (draftsmith.engines.load_tokenizer) for this engine."""
+    return load_tokenizer(target, cfg[stage]["role"], trusts_code(cfg))
 
 
 def _generation_eos(target) -> list[int]:
@@ -181,7 +183,7 @@ def regenerate_rows(conversations, cfg: dict, *, target, threads: int, seed: int
     regen, s = cfg["regenerate"], settings(cfg)
     if float(regen["temperature"]) > 0:
         log.warning("temperature > 0 through SGLang is sampled by the server, not seeded")
-    tokenizer = load_tokenizer(target, regen["role"], trust(cfg))
+    tokenizer = load_tokenizer(target, regen["role"], trusts_code(cfg))
     stops = {end_of_turn_id(tokenizer), *_generation_eos(target)}
     if tokenizer.eos_token_id is not None:
         stops.add(tokenizer.eos_token_id)
@@ -408,7 +410,7 @@ def bench_sets(sets: dict, cfg: dict, *, target, draft, threads: int):
 
     bench, s = cfg["bench"], settings(cfg)
     info = draft_info(draft, target)
-    tokenizer = load_tokenizer(target, bench["role"], trust(cfg))
+    tokenizer = load_tokenizer(target, bench["role"], trusts_code(cfg))
     stops = {tokenizer.convert_tokens_to_ids("<|im_end|>"), *_generation_eos(target)}
     stops = {t for t in stops | {tokenizer.eos_token_id} if isinstance(t, int)}
     stops.discard(tokenizer.unk_token_id)
