@@ -471,8 +471,8 @@ def main(argv: list[str] | None = None) -> None:
             raise SystemExit(f"--cfg has no {section!r} section")
     cfg["train"] = {**execution_defaults("train"), **cfg["train"]}
     progress = Progress()
-    # under torchrun (WORLD_SIZE > 1) the elastic agent stops its workers itself, and gloo's
-    # workers keep Python's default handling (the intermittent gloo hang is not from the watcher)
+    # under torchrun (WORLD_SIZE > 1) the elastic agent stops its workers itself (SIGTERM, whose
+    # default action ends a rank at once)
     single = int(os.environ.get("WORLD_SIZE", "1")) == 1
     guard = (
         stop_promptly("draftsmith.train", lambda sig: log_stop(progress))
@@ -493,10 +493,6 @@ def main(argv: list[str] | None = None) -> None:
             args.device,
             progress,
         )
-
-
-if __name__ == "__main__":
-    main()
 
 
 if __name__ == "__main__":

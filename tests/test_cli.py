@@ -56,6 +56,15 @@ def test_every_module_is_a_command_or_listed_as_a_library():
 
 
 @pytest.mark.parametrize("name", COMMANDS)
+def test_a_command_runs_its_main_once(name):
+    """One `__main__` block per command module: a second one (a merge once left two in train.py)
+    runs the whole job again in the same process, and under torchrun the ranks' second runs
+    deadlocked in gloo."""
+    text = (PACKAGE / f"{name}.py").read_text()
+    assert text.count('if __name__ == "__main__":') == 1, f"draftsmith/{name}.py"
+
+
+@pytest.mark.parametrize("name", COMMANDS)
 def test_help_prints_usage_and_the_modules_own_description(name, capsys):
     module = importlib.import_module(f"draftsmith.{name}")
     with pytest.raises(SystemExit) as e:
