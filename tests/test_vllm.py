@@ -21,6 +21,7 @@ import pytest
 import torch
 from roles import role_python
 from trained import IDS, PROMPTS, assert_same_acceptance, rows, run_bench, train_tiny_project
+from wf import with_defaults
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
@@ -88,7 +89,7 @@ def test_vllm_with_the_old_config_reads_wrong_layers(trained, tmp_path):
         "if __name__ == '__main__':\n"
         "    main()\n"
     )
-    cfg = {**BENCH}
+    cfg = with_defaults({"bench": BENCH})["bench"]
     cfg_sets = json.dumps({"s": rows(PROMPTS)})
     p = subprocess.run(
         [python, "bench_raw.py", json.dumps(cfg), cfg_sets], cwd=trained, capture_output=True,

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
+from wf import with_defaults
 
 ROOT = Path(__file__).resolve().parents[1]
 IDS = [1, 2, 4]  # SGLang numbering; vLLM reads [2, 3, 5]
@@ -126,7 +127,9 @@ def train_tiny_project(root: Path) -> Path:
 
 def run_bench(root: Path, engine: str, draft: str, cfg: dict, python: str | None = None) -> dict:
     """bench_sets of `engine` on PROMPTS, run in `python` (a role interpreter) from `root`:
-    {"res": {"s": figures}, "info": ..., "log": the process's output}."""
+    {"res": {"s": figures}, "info": ..., "log": the process's output}. `cfg` gets the schema's
+    defaults, as the workflow hands a job its sections."""
+    cfg = with_defaults(cfg)
     code = (
         "import json, sys\n"
         "from draftsmith.engines import engine\n"

@@ -98,8 +98,9 @@ def load_tokenizer(stage: str, cfg: dict, target):
 
 
 def trusts_code(cfg: dict) -> bool:
-    """Whether the job's config allows the target's own code (its target section, if any)."""
-    return bool(cfg.get("target", {}).get("trust_remote_code", False))
+    """Whether the job's config allows the target's own code. A job is given a target section
+    (with the key) when it reads the target, or by rules/common.smk only when the key is on."""
+    return "target" in cfg and bool(cfg["target"]["trust_remote_code"])
 
 
 def stop_guard(stage: str, backend: str):
