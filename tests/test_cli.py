@@ -22,6 +22,7 @@ LIBRARY = {
     "convert_common",
     "convert_speculators",
     "families",
+    "fasttok",
     "finite",
     "gate",
     "hardware",
