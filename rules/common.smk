@@ -22,6 +22,7 @@ from draftsmith.config import (
     row_ranges,
     sections_json,
 )  # noqa: E402
+from draftsmith.layerids import setting_problems  # noqa: E402
 from draftsmith.prompts import BUNDLED_PATH, load_sources, source_files  # noqa: E402
 from draftsmith.stopping import forward_stop_signals  # noqa: E402
 from draftsmith.target import TargetError, source_signature  # noqa: E402
@@ -65,6 +66,15 @@ if config["target"]["source"] == "path":
         TARGET_SIGNATURE = source_signature(config["target"]["path"])
     except TargetError as e:
         raise ValueError(f"config: {e}") from None
+    # ids a serving engine would read as other layers than training uses (draftsmith.layerids)
+    bad = setting_problems(
+        json.loads(
+            (Path(config["target"]["path"]).expanduser() / "config.json").read_text()
+        ),
+        config["capture"]["aux_layer_ids"],
+    )
+    if bad:
+        raise ValueError("config: capture.aux_layer_ids:\n  " + "\n  ".join(bad))
     if not list(Path(config["target"]["path"]).expanduser().glob("*.safetensors")):
         print(
             f"warning: target.path {config['target']['path']} has no *.safetensors weights "

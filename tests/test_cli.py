@@ -23,6 +23,7 @@ LIBRARY = {
     "convert_speculators",
     "families",
     "fasttok",
+    "layerids",
     "finite",
     "gate",
     "hardware",
