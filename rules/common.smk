@@ -335,6 +335,34 @@ def capture_vocab_input(wildcards):
     return {}
 
 
+def print_gpu_layout():
+    """Print, at parse time when a role has GPUs, the GPUs each GPU stage's job takes and why
+    (stage_gpus: what the job asks the scheduler for), so `snakemake -n` shows the layout.
+    """
+    roles = gpu_roles()
+    if not roles:
+        return
+    stages = ["regenerate"] if config["regenerate"]["enabled"] else []
+    parts = []
+    for stage in [*stages, "capture", "train", "bench"]:
+        n, role = stage_gpus(stage), role_of(stage)
+        if n == 0:
+            how = "CPU"
+        elif stage == "train":
+            how = f"{n} training process{'es' if n > 1 else ''} per node, train.nproc"
+        elif config[stage].get("backend") == "sglang":
+            how = f"one SGLang server, sglang.tp_size {n}"
+        else:
+            how = "one GPU"
+        parts.append(f"{stage} {n} ({role}: {how})")
+    node = ", ".join(f"envs.{r}.gpus {role_gpus(r)}" for r in roles)
+    print(
+        f"GPU layout, GPUs per job: {'; '.join(parts)}; per node: {node} (jobs whose GPUs "
+        "fill the node run one at a time)",
+        file=sys.stderr,
+    )
+
+
 def print_shard_estimate():
     """Print the shards' disk estimate at parse time (so `snakemake -n` shows it).
 
