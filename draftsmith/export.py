@@ -75,9 +75,10 @@ def target_family(target_dir, cfg: DraftConfig, trained_length: int) -> dict:
     view = layerids.target_view(full)
     facts["layer_ids"] = {"target": view, **layerids.resolve(sglang_config(cfg), view)}
     if not facts["layer_ids"]["sglang_known"]:
+        klass = view["architectures"][0] if view["architectures"] else "(config.json names none)"
         facts["warnings"].append(
-            f"layer ids: class {view['architectures'][:1]} is not in draftsmith.layerids' table "
-            "of SGLang 0.5.23's EAGLE-3 captures: which layers SGLang feeds was not checked"
+            f"layer ids: class {klass} is not in draftsmith.layerids' table of SGLang 0.5.23's "
+            "EAGLE-3 captures: which layers SGLang feeds the draft was not checked"
         )
     return facts
 
