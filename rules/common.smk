@@ -22,6 +22,7 @@ from draftsmith.config import (
     row_ranges,
     sections_json,
 )  # noqa: E402
+from draftsmith.layerids import setting_problems  # noqa: E402
 from draftsmith.prompts import BUNDLED_PATH, load_sources, source_files  # noqa: E402
 from draftsmith.stopping import forward_stop_signals  # noqa: E402
 from draftsmith.target import TargetError, source_signature  # noqa: E402
@@ -65,6 +66,15 @@ if config["target"]["source"] == "path":
         TARGET_SIGNATURE = source_signature(config["target"]["path"])
     except TargetError as e:
         raise ValueError(f"config: {e}") from None
+    # ids a serving engine would read as other layers than training uses (draftsmith.layerids)
+    bad = setting_problems(
+        json.loads(
+            (Path(config["target"]["path"]).expanduser() / "config.json").read_text()
+        ),
+        config["capture"]["aux_layer_ids"],
+    )
+    if bad:
+        raise ValueError("config: capture.aux_layer_ids:\n  " + "\n  ".join(bad))
     if not list(Path(config["target"]["path"]).expanduser().glob("*.safetensors")):
         print(
             f"warning: target.path {config['target']['path']} has no *.safetensors weights "
@@ -323,6 +333,34 @@ def capture_vocab_input(wildcards):
     if mode.get("final") == "topk" and mode.get("topk_vocab") == "draft":
         return {"vocab": "results/vocab/vocab.safetensors"}
     return {}
+
+
+def print_gpu_layout():
+    """Print, at parse time when a role has GPUs, the GPUs each GPU stage's job takes and why
+    (stage_gpus: what the job asks the scheduler for), so `snakemake -n` shows the layout.
+    """
+    roles = gpu_roles()
+    if not roles:
+        return
+    stages = ["regenerate"] if config["regenerate"]["enabled"] else []
+    parts = []
+    for stage in [*stages, "capture", "train", "bench"]:
+        n, role = stage_gpus(stage), role_of(stage)
+        if n == 0:
+            how = "CPU"
+        elif stage == "train":
+            how = f"{n} training process{'es' if n > 1 else ''} per node, train.nproc"
+        elif config[stage].get("backend") == "sglang":
+            how = f"one SGLang server, sglang.tp_size {n}"
+        else:
+            how = "one GPU"
+        parts.append(f"{stage} {n} ({role}: {how})")
+    node = ", ".join(f"envs.{r}.gpus {role_gpus(r)}" for r in roles)
+    print(
+        f"GPU layout, GPUs per job: {'; '.join(parts)}; per node: {node} (jobs whose GPUs "
+        "fill the node run one at a time)",
+        file=sys.stderr,
+    )
 
 
 def print_shard_estimate():

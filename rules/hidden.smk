@@ -1,4 +1,5 @@
-# Hidden-state shards: one capture job per row range, plus the disk estimate.
+# Hidden-state shards: one capture job per row range, plus the disk estimate and the GPU layout
+# printed when the workflow is parsed.
 # Params carry only the `capture` and `target` sections, so a change to train.*, draft.* or
 # bench.* leaves every shard fresh, while new layer ids or a new storage dtype make all stale.
 # A corrupt shard: the train job that refuses it deletes it (draftsmith/repair.py), so the next
@@ -6,6 +7,7 @@
 # the same by hand.
 
 print_shard_estimate()
+print_gpu_layout()
 
 
 rule hidden_plan:

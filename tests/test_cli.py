@@ -22,6 +22,8 @@ LIBRARY = {
     "convert_common",
     "convert_speculators",
     "families",
+    "fasttok",
+    "layerids",
     "finite",
     "gate",
     "hardware",

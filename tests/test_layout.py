@@ -18,15 +18,19 @@ from safetensors.torch import load_file, save_file
 from draftsmith.layout import LayoutError, find_layout, read_pieces
 from draftsmith.tinymodel import wrap_target
 
-IDS = [0, 1, 2]
+# SGLang's DeepSeek model file reads ids as trained only when the first is 1 (draftsmith.layerids),
+# so the export refuses [0, 1, 2]: the tiny DeepSeek-V3 here has 5 layers, ids [1, 2, 3]
+IDS = [1, 2, 3]
 
 
 @pytest.fixture(scope="module")
-def pair(tiny_deepseek_target, tmp_path_factory) -> dict[str, Path]:
-    """The tiny DeepSeek-V3 as it is ("plain") and wrapped as Kimi-K2.5 ships ("kimi")."""
+def pair(tmp_path_factory) -> dict[str, Path]:
+    """A tiny 5-layer DeepSeek-V3 as it is ("plain") and wrapped as Kimi-K2.5 ships ("kimi")."""
     from draftsmith.target import write_meta
+    from draftsmith.tinymodel import make_tiny_target
 
     root = tmp_path_factory.mktemp("layout_pair")
+    tiny_deepseek_target = make_tiny_target(root / "src" / "model", "deepseek_v3", num_layers=5)
     out = {}
     for name in ("plain", "kimi"):
         d = shutil.copytree(tiny_deepseek_target, root / name / "results" / "target")
@@ -129,7 +133,7 @@ def test_hf_capture_of_a_wrapped_target_equals_the_plain_one(pair, tmp_path):
 
     model, _ = load_target(pair["kimi"])
     base, layers = decoder_parts(model)
-    assert len(layers) == 4 and not any("vision" in k for k in model.state_dict())
+    assert len(layers) == 5 and not any("vision" in k for k in model.state_dict())
     g = torch.Generator().manual_seed(0)
     offsets = torch.tensor([0, 9, 25, 31, 48])
     tok = {

@@ -42,11 +42,6 @@ KIMI_CONFIG = {
     },
     "vision_config": {"model_type": "moonvit"},
 }
-KIMI_TEMPLATE = (
-    "{% for m in messages %}<|im_{{ m['role'] }}|>{{ m['role'] }}<|im_middle|>"
-    "{{ m['content'] }}<|im_end|>{% endfor %}"
-    "{% if add_generation_prompt %}<|im_assistant|>assistant<|im_middle|>{% endif %}"
-)
 LLAMA_CONFIG = {
     "architectures": ["LlamaForCausalLM"],
     "model_type": "llama",
@@ -63,19 +58,14 @@ LLAMA_CONFIG = {
 
 
 def kimi_dir(path: Path) -> Path:
+    """Kimi-K2.5's config.json layout with its published values, and a tiny tokenizer laid out
+    as Kimi's (tiktoken rank file, remote-code class, reserved specials; no tokenizer.json)."""
+    from draftsmith.tinymodel import write_tiktoken_tokenizer
+
     path.mkdir()
     (path / "config.json").write_text(json.dumps(KIMI_CONFIG))
-    (path / "tokenizer_config.json").write_text(
-        json.dumps(
-            {
-                "auto_map": {"AutoTokenizer": ["tokenization_kimi.TikTokenTokenizer", None]},
-                "tokenizer_class": "TikTokenTokenizer",
-            }
-        )
-    )
-    (path / "tiktoken.model").write_text("IQ== 0\nIg== 1\n")  # tiktoken's base64 rank format
-    (path / "tokenization_kimi.py").write_text("# remote tokenizer code (not run by a dry run)\n")
-    (path / "chat_template.jinja").write_text(KIMI_TEMPLATE)
+    write_tiktoken_tokenizer(path)
+    assert not (path / "tokenizer.json").exists()
     return path
 
 
@@ -97,27 +87,66 @@ def llama_dir(path: Path) -> Path:
         ("llama31-8b-sglang.yaml", llama_dir, 4 * 4096 * 2 + 9, "auto"),
     ],
 )
-def test_preset_dry_run_prints_disk_estimate(tmp_path, preset, make, bytes_per_token, ids):
+def test_preset_dry_run_prints_plan_disk_estimate_and_gpu_layout(
+    tmp_path, preset, make, bytes_per_token, ids
+):
     target = make(tmp_path / "model")
     assert not list(target.glob("*.safetensors"))
     preset_cfg = yaml.safe_load((ROOT / "config" / preset).read_text())
     assert preset_cfg["capture"]["backend"] == "sglang"
     assert preset_cfg["capture"]["aux_layer_ids"] == ids
     assert preset_cfg["draft"]["vocab_size"] == 32000 and preset_cfg["data"]["max_length"] == 2048
-    over = tmp_path / "target.yaml"
-    over.write_text(yaml.safe_dump({"target": {**preset_cfg["target"], "path": str(target)}}))
-    work = tmp_path / "work"
-    work.mkdir()
-    proc = subprocess.run(
-        [sys.executable, "-m", "snakemake", "-n", "-s", str(ROOT / "Snakefile"),
-         "--directory", str(work), "--configfile", str(ROOT / "config" / preset), str(over)],
-        capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+    proc = dry_run(tmp_path, preset, {"target": {**preset_cfg["target"], "path": str(target)}})
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-3000:]
     line = next(ln for ln in out.splitlines() if "hidden-state shards (upper bound" in ln)
     assert f"x {bytes_per_token} B/token" in line or f"x {bytes_per_token + 1} B/token" in line
-    assert "rule patch_sglang" in out and "rule capture" in out
+    # the plan: every stage's jobs, the capture on the patched SGLang
+    for rule in ("target_model", "regenerate", "tokenize", "capture", "train", "bench"):
+        assert f"rule {rule}" in out, rule
+    assert "rule patch_sglang" in out
+    layout = next(ln for ln in out.splitlines() if ln.startswith("GPU layout"))
+    n = preset_cfg["sglang"]["tp_size"]
+    assert n == preset_cfg["train"]["nproc"] == preset_cfg["envs"]["sglang"]["gpus"]
+    server = f"(sglang: one SGLang server, sglang.tp_size {n})"
+    procs = "8 training processes" if n == 8 else "1 training process"
+    assert layout == (
+        f"GPU layout, GPUs per job: regenerate {n} {server}; capture {n} {server}; train {n} "
+        f"(sglang: {procs} per node, train.nproc); bench {n} {server}; per node: "
+        f"envs.sglang.gpus {n} (jobs whose GPUs fill the node run one at a time)"
+    )
+
+
+def dry_run(tmp_path: Path, preset: str, override: dict) -> subprocess.CompletedProcess:
+    over = tmp_path / "override.yaml"
+    over.write_text(yaml.safe_dump(override))
+    work = tmp_path / "work"
+    work.mkdir(exist_ok=True)
+    return subprocess.run(
+        [sys.executable, "-m", "snakemake", "-n", "-s", str(ROOT / "Snakefile"),
+         "--directory", str(work), "--configfile", str(ROOT / "config" / preset), str(over)],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.workflow
+def test_kimi_dry_run_refuses_ids_sglang_reads_as_other_layers(tmp_path):
+    """[2, 30, 58] (vLLM's numbering of the preset's layers, a likely slip) would make SGLang's
+    DeepSeek model file capture the inputs of layers 2, 30, 58 while training stores 3, 31, 59:
+    refused when the workflow is parsed, before anything runs."""
+    preset_cfg = yaml.safe_load((ROOT / "config" / "kimi-k25-sglang.yaml").read_text())
+    target = kimi_dir(tmp_path / "model")
+    override = {
+        "target": {**preset_cfg["target"], "path": str(target)},
+        "capture": {**preset_cfg["capture"], "aux_layer_ids": [2, 30, 58]},
+    }
+    proc = dry_run(tmp_path, "kimi-k25-sglang.yaml", override)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert "capture.aux_layer_ids:" in out and "deepseek_v2.py" in out, out[-3000:]
+    assert "KimiK25ForConditionalGeneration -> DeepseekV3ForCausalLM" in out
+    assert "use capture.aux_layer_ids [1, 30, 58]" in out
 
 
 def _leaves(d: dict, prefix: str = "") -> set[str]:
