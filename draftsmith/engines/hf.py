@@ -7,7 +7,9 @@
   (SGLang "output of decoder layer i" = transformers `output_hidden_states[i + 1]`) and the base
   model's `last_hidden_state` as the post-norm state, so neither every layer's states nor the
   logits are materialized. Rows are right-padded without an attention mask: attention is causal,
-  so a real token never sees a pad.
+  so a real token never sees a pad. The padded length is rounded up to a multiple of
+  `PAD_MULTIPLE`, which makes a row's states bit-identical whichever rows share its batch (see
+  `pad_rows`).
 - bench: chain speculative decoding with the draft (`draftsmith.specdec`) against plain greedy
   decoding, both timed in this process, batch size 1.
 
@@ -243,9 +245,24 @@ def decoder_parts(model) -> tuple[torch.nn.Module, torch.nn.ModuleList]:
     return found
 
 
-def pad_rows(input_ids: torch.Tensor, offsets: list[int], rows: list[int]) -> torch.Tensor:
-    """[B, L] right-padded token ids (pad id 0: padded positions are never stored)."""
+# Batch invariance of the capture. Causal attention keeps pads out of a real token's states, but
+# torch's CPU kernels are not invariant to the padded length: the SDPA flash kernel reduces
+# (softmax max/sum, P @ V) over the key block with 16-lane vectors and a scalar tail, and a GEMM
+# with M < 4 rows takes another path; a row captured alone then differed from the same row in a
+# batch by up to 2e-6 (float32) and one bf16 ulp (measured on a Xeon, torch 2.13). Padded to a
+# multiple of 16, the extra keys are exact zeros inside full vectors and every GEMM has M >= 16,
+# and the states are bit-identical alone and batched, float32 and bfloat16, rows of 1 to 770
+# tokens (tests/test_capture_batching.py). GPU kernels are not covered by that measurement.
+PAD_MULTIPLE = 16
+
+
+def pad_rows(
+    input_ids: torch.Tensor, offsets: list[int], rows: list[int], multiple: int = PAD_MULTIPLE
+) -> torch.Tensor:
+    """[B, L] right-padded token ids, L the longest row rounded up to `multiple` (pad id 0:
+    padded positions are never stored)."""
     longest = max(offsets[r + 1] - offsets[r] for r in rows)
+    longest = -(-longest // multiple) * multiple
     batch = torch.zeros(len(rows), longest, dtype=torch.long)
     for b, r in enumerate(rows):
         a, e = offsets[r], offsets[r + 1]
