@@ -159,10 +159,18 @@ def table_rows(report: dict) -> list[list[str]]:
             f"{r['baseline_tokens_per_s']:.1f}",
             speedup_cell(r),
             f"{r['pass_cost']:.2f}",
-            f"{r['identical_outputs']}/{r['prompts']}",
+            identical_cell(r),
         ]
         for name, r in report["sets"].items()
     ]
+
+
+def identical_cell(r: dict) -> str:
+    """Outputs equal to the baseline's; n/a when sampled (bench.temperature > 0: the outputs are
+    equal in distribution, not token for token)."""
+    if r["identical_outputs"] is None:
+        return "n/a (sampled)"
+    return f"{r['identical_outputs']}/{r['prompts']}"
 
 
 def speedup_cell(r: dict) -> str:
