@@ -217,3 +217,36 @@ def test_end_to_end_first_tokens_match_the_target(target, monkeypatch):
     monkeypatch.setattr(sampling, "accept_mask", lambda px, qx, u: torch.ones_like(u, dtype=bool))
     pairs, _ = first_two(model, draft, tokenizer, ids, temperature, top_p, 100)
     assert p_value(pairs) < ALPHA
+
+
+def test_bench_cli_samples_reproducibly(target, tiny_target, tmp_path):
+    """bench.temperature > 0 through the bench CLI: speculative sampling against plain sampling,
+    tau counted as at 0, no token-for-token comparison, and the same seed the same outputs."""
+    import json
+
+    from test_specdec import _bench_inputs
+
+    from draftsmith import bench
+
+    model, _ = target
+    outputs = []
+    for run in ("a", "b"):
+        argv, out = _bench_inputs(tmp_path / run, tiny_target, model, num_heldout=2)
+        i = argv.index("--cfg") + 1
+        cfg = json.loads(argv[i])
+        cfg["bench"].update(smoke=True, humaneval_size=0, temperature=0.8, top_p=0.9, seed=5)
+        argv[i] = json.dumps(cfg)
+        bench.main(argv)
+        report = json.loads((out / "report.json").read_text())
+        held = report["sets"]["heldout"]
+        outputs.append([p["output_ids"] for p in held["per_prompt"]])
+    assert outputs[0] == outputs[1]
+    assert report["sampling"] == {"temperature": 0.8, "top_p": 0.9, "seed": 5}
+    assert held["identical_outputs"] is None and held["differing_outputs"] == []
+    assert sum(held["accept_len_hist"]) == held["verify_passes"] > 0
+    assert held["tau"] == pytest.approx(
+        (held["generated_tokens"] - held["prompts"]) / held["verify_passes"]
+    )
+    assert "speculative sampling at temperature 0.8, top-p 0.9" in report["method"]
+    md = (out / "report.md").read_text()
+    assert "| tok/s sampling |" in md and "n/a (sampled)" in md
