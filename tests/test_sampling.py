@@ -236,7 +236,7 @@ def test_bench_cli_samples_reproducibly(target, tiny_target, tmp_path):
         cfg = json.loads(argv[i])
         cfg["bench"].update(smoke=True, humaneval_size=0, temperature=0.8, top_p=0.9, seed=5)
         argv[i] = json.dumps(cfg)
-        bench.main(argv)
+        bench.main([*argv, "--captions", str(out / "captions")])
         report = json.loads((out / "report.json").read_text())
         held = report["sets"]["heldout"]
         outputs.append([p["output_ids"] for p in held["per_prompt"]])
@@ -250,3 +250,5 @@ def test_bench_cli_samples_reproducibly(target, tiny_target, tmp_path):
     assert "speculative sampling at temperature 0.8, top-p 0.9" in report["method"]
     md = (out / "report.md").read_text()
     assert "| tok/s sampling |" in md and "n/a (sampled)" in md
+    caption = (out / "captions" / "acceptance.rst").read_text()
+    assert "speculative sampling at temperature 0.8, top-p 0.9" in caption
