@@ -247,13 +247,15 @@ def decoder_parts(model) -> tuple[torch.nn.Module, torch.nn.ModuleList]:
 
 
 # Batch invariance of the capture. Causal attention keeps pads out of a real token's states, but
-# torch's CPU kernels are not invariant to the padded length: the SDPA flash kernel reduces
-# (softmax max/sum, P @ V) over the key block with 16-lane vectors and a scalar tail, and a GEMM
-# with M < 4 rows takes another path; a row captured alone then differed from the same row in a
-# batch by up to 2e-6 (float32) and one bf16 ulp (measured on a Xeon, torch 2.13). Padded to a
-# multiple of 16, the extra keys are exact zeros inside full vectors and every GEMM has M >= 16,
-# and the states are bit-identical alone and batched, float32 and bfloat16, rows of 1 to 770
-# tokens (tests/test_capture_batching.py). GPU kernels are not covered by that measurement.
+# torch's CPU kernels are not invariant to the padded length. Measured (Xeon, torch 2.13): causal
+# SDPA over a prefix gives the same bits as over the full length only when the prefix is a
+# multiple of 16 tokens (the AVX-512 float32 vector width), and a float32 GEMM of 1 or 2 rows
+# rounds differently from a larger one; so a row captured alone differed from the same row in a
+# batch by up to 2e-6 (float32) and one bf16 ulp. Padded to a multiple of 16, the states are
+# bit-identical alone and batched, float32 and bfloat16, rows of 1 to 770 tokens
+# (tests/test_capture_batching.py). GPU kernels are not covered by that measurement, nor are a
+# mixture-of-experts target's expert GEMMs, whose row counts are the tokens routed to each
+# expert: in float32 they differ by an ulp or two (pinned by the same test file).
 PAD_MULTIPLE = 16
 
 
