@@ -211,11 +211,11 @@ def test_end_to_end_first_tokens_match_the_target(target, monkeypatch):
         counts = torch.bincount(pairs[:, 0] * vocab + pairs[:, 1], minlength=vocab * vocab)
         return chi_square_p(counts, joint.flatten())
 
-    pairs, accepted = first_two(model, draft, tokenizer, ids, temperature, top_p, 200)
+    pairs, accepted = first_two(model, draft, tokenizer, ids, temperature, top_p, 150)
     assert 0 < sum(accepted) < len(accepted)  # both paths taken
     assert p_value(pairs) > ALPHA
     monkeypatch.setattr(sampling, "accept_mask", lambda px, qx, u: torch.ones_like(u, dtype=bool))
-    pairs, _ = first_two(model, draft, tokenizer, ids, temperature, top_p, 100)
+    pairs, _ = first_two(model, draft, tokenizer, ids, temperature, top_p, 60)
     assert p_value(pairs) < ALPHA
 
 
