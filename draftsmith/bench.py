@@ -6,7 +6,8 @@ by the draft and with plain greedy decoding of the target. `hf` runs both in thi
 (`draftsmith.specdec`); `sglang` serves the target once without and once with EAGLE-3 and reads
 SGLang's own counters. Both sides are timed with the warm-up excluded, so the speedup is a ratio
 measured in one run on one machine, and their outputs are compared token for token (greedy
-verification is lossless). This module loads the sets, gates, and writes the report and plots.
+verification is lossless). With bench.temperature > 0 (hf only) both sides sample: speculative
+sampling against plain sampling, equal in distribution, not token for token. This module loads the sets, gates, and writes the report and plots.
 
 The sanity gate (`draftsmith.gate`): a set whose tau is under `bench.tau_floor`, or exactly 1.0, fails the rule with
 the list of likely causes. Nothing is written then: a broken draft never yields a report that
@@ -146,6 +147,13 @@ TABLE_HEAD = (
 )
 
 
+def table_head(report: dict) -> tuple[str, ...]:
+    """TABLE_HEAD, its baseline named "sampling" where the run sampled (bench.temperature > 0)."""
+    if not report.get("sampling"):
+        return TABLE_HEAD
+    return tuple(h.replace("greedy", "sampling") for h in TABLE_HEAD)
+
+
 def table_rows(report: dict) -> list[list[str]]:
     """The summary table, one row per set (shared by report.md and summary.html)."""
     return [
@@ -159,10 +167,18 @@ def table_rows(report: dict) -> list[list[str]]:
             f"{r['baseline_tokens_per_s']:.1f}",
             speedup_cell(r),
             f"{r['pass_cost']:.2f}",
-            f"{r['identical_outputs']}/{r['prompts']}",
+            identical_cell(r),
         ]
         for name, r in report["sets"].items()
     ]
+
+
+def identical_cell(r: dict) -> str:
+    """Outputs equal to the baseline's; n/a when sampled (bench.temperature > 0: the outputs are
+    equal in distribution, not token for token)."""
+    if r["identical_outputs"] is None:
+        return "n/a (sampled)"
+    return f"{r['identical_outputs']}/{r['prompts']}"
 
 
 def speedup_cell(r: dict) -> str:
@@ -232,8 +248,8 @@ def render_md(report: dict, *plots: Path) -> str:
     if gate_line(report):
         lines += [f"**{gate_line(report)}**", ""]
     lines += [text["method"], ""]
-    lines.append("| " + " | ".join(TABLE_HEAD) + " |")
-    lines.append("|" + "---|" * len(TABLE_HEAD))
+    lines.append("| " + " | ".join(table_head(report)) + " |")
+    lines.append("|" + "---|" * len(table_head(report)))
     lines += ["| " + " | ".join(row) + " |" for row in table_rows(report)]
     lines += [
         "",
@@ -258,7 +274,7 @@ def render_html(report: dict, *plots: Path) -> str:
     import html
 
     text = {k: html.escape(v) for k, v in text_blocks(report).items()}
-    head = "".join(f"<th>{html.escape(h)}</th>" for h in TABLE_HEAD)
+    head = "".join(f"<th>{html.escape(h)}</th>" for h in table_head(report))
     body = "".join(
         "<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>"
         for row in table_rows(report)
@@ -399,6 +415,12 @@ def main(argv: list[str] | None = None) -> None:
 
     matplotlib.use("Agg")
     bench = cfg["bench"]
+    # x-omit-default: absent at 0; the Snakefile refuses the same (config.check_config)
+    if float(bench.get("temperature", 0)) > 0 and bench["backend"] != "hf":
+        raise SystemExit(
+            f"bench.temperature {bench['temperature']}: the {bench['backend']} engine "
+            "benchmarks greedy only; sampling runs in the hf engine"
+        )
     skipped: dict[str, dict] = {}
     sets = load_sets(cfg, skipped)
     sets, screened = screen_sets(sets, skipped, args.target, cfg)

@@ -192,6 +192,17 @@ def check_config(config: dict) -> None:
             f"data.heldout_rows = {data['heldout_rows']}: the benchmark can only use rows held "
             f"out of training; raise data.heldout_rows or lower bench.heldout_size"
         )
+    if bench["temperature"] > 0 and bench["backend"] != "hf":
+        raise ConfigError(
+            f"config: bench.temperature = {bench['temperature']} samples, which only the hf "
+            f"engine benchmarks so far; the {bench['backend']} engine benchmarks greedy: set "
+            "bench.temperature 0 or bench.backend hf"
+        )
+    if bench["top_p"] < 1 and bench["temperature"] == 0:
+        raise ConfigError(
+            f"config: bench.top_p = {bench['top_p']} applies to sampling, but bench.temperature "
+            "is 0 (greedy): set bench.temperature > 0 or leave bench.top_p at 1"
+        )
     regen = config["regenerate"]
     if regen["backend"] != "hf" and regen["dtype"] != "float32":
         raise ConfigError(

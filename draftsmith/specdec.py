@@ -18,6 +18,12 @@ Greedy verification makes the output identical to plain greedy decoding of the t
 suite checks it token for token). `greedy_generate` is that baseline, with the same KV-cache
 forward, for the speedup figure.
 
+With a `Sampler` (bench.temperature > 0, draftsmith.sampling) the same loop samples: the prefill's
+token from the target's distribution, the proposals from the draft's (zero outside its
+vocabulary), and verification is speculative sampling's rejection rule, so the output is
+distributed as plain sampling of the target (`greedy_generate` with the sampler is that
+baseline). Without one, nothing changes: the greedy path is the argmax path above.
+
 Counting (the acceptance contract, docs/contracts.md): one verification pass emits `accepted + 1` tokens
 (fewer when the output hits `max_new_tokens` or a stop token). tau = tokens emitted by
 verification passes / verification passes. The first token comes from the prefill, which is not a
@@ -32,6 +38,7 @@ from dataclasses import dataclass, field
 import torch
 
 from draftsmith.model import KVCache
+from draftsmith.sampling import Sampler
 
 
 @dataclass
@@ -167,9 +174,17 @@ def _done(out: list[int], stops: set[int], max_new: int) -> bool:
     return len(out) >= max_new or (bool(out) and out[-1] in stops)
 
 
+def _next(logits: torch.Tensor, sampler: Sampler | None) -> int:
+    """The target's next token from its logits [V]: argmax, or a sample with `sampler`."""
+    return int(logits.argmax()) if sampler is None else sampler.sample(sampler.probs(logits))
+
+
 @torch.inference_mode()
-def greedy_generate(model, ids: list[int], max_new: int, stops: set[int]) -> list[int]:
-    """Plain greedy decoding with a KV cache, one target forward per token (the baseline)."""
+def greedy_generate(
+    model, ids: list[int], max_new: int, stops: set[int], sampler: Sampler | None = None
+) -> list[int]:
+    """Plain decoding with a KV cache, one target forward per token (the baseline): greedy, or
+    sampled with `sampler`."""
     from transformers import DynamicCache
 
     device = model.device
@@ -178,7 +193,7 @@ def greedy_generate(model, ids: list[int], max_new: int, stops: set[int]) -> lis
     out: list[int] = []
     while True:
         logits, _ = target_forward(model, x, cache, None, last_only=True)
-        out.append(int(logits[-1].argmax()))
+        out.append(_next(logits[-1], sampler))
         if _done(out, stops, max_new):
             return out
         x = torch.tensor([[out[-1]]], device=device)
@@ -201,6 +216,7 @@ class DraftRunner:
         self.cache = KVCache()
         self.positions = 0
         self.last_hidden: torch.Tensor | None = None  # [1, 1, H] at position positions - 1
+        self._target_ids: torch.Tensor | None = None  # target id of each draft id (sampling)
 
     def _pos(self, start: int, n: int) -> torch.Tensor:
         return torch.arange(start, start + n, device=self.cache_device).unsqueeze(0)
@@ -235,12 +251,39 @@ class DraftRunner:
             props.append(self._token(hidden))
         return props
 
+    def propose_sampled(self, k: int, sampler: Sampler) -> tuple[list[int], torch.Tensor]:
+        """k chain proposals, each drawn from the draft's distribution q (after the sampler's
+        temperature and top-p); returns them and q [k, V] over the target vocabulary."""
+        vocab = int(self.draft.t2d.shape[0])
+        if self._target_ids is None:
+            draft_ids = torch.arange(self.draft.d2t.shape[0], device=self.cache_device)
+            self._target_ids = self.draft.draft_to_target(draft_ids)
+        hidden, props, qs = self.last_hidden, [], []
+        for j in range(k):
+            if j:
+                emb = self.embed(torch.tensor([[props[-1]]], device=self.cache_device))
+                pos = self._pos(self.positions + j - 1, 1)
+                hidden = self.draft.step(emb, hidden, pos, self.cache)
+            logits = self.draft.logits(hidden)[0, -1]
+            tok, q = sampler.draft_pick(logits, self._target_ids, vocab)
+            props.append(tok)
+            qs.append(q)
+        return props, torch.stack(qs)
+
 
 @torch.inference_mode()
 def speculative_generate(
-    model, draft, ids: list[int], max_new: int, stops: set[int], num_steps: int, aux_ids: list[int]
+    model,
+    draft,
+    ids: list[int],
+    max_new: int,
+    stops: set[int],
+    num_steps: int,
+    aux_ids: list[int],
+    sampler: Sampler | None = None,
 ) -> Trace:
-    """Chain speculative decoding (greedy verification, lossless); returns the trace."""
+    """Chain speculative decoding (greedy verification, lossless; speculative sampling with
+    `sampler`); returns the trace."""
     from transformers import DynamicCache
 
     if num_steps < 1:
@@ -250,18 +293,24 @@ def speculative_generate(
     cache = DynamicCache()
     logits, aux = target_forward(model, torch.tensor([ids], device=device), cache, aux_ids, True)
     out = trace.tokens
-    out.append(int(logits[-1].argmax()))
+    out.append(_next(logits[-1], sampler))
     runner = DraftRunner(draft, model.get_input_embeddings(), aux_ids)
     runner.extend(ids[1:] + [out[-1]], aux)
     while not _done(out, stops, max_new):
-        props = runner.propose(num_steps)
+        if sampler is None:
+            props = runner.propose(num_steps)
+        else:
+            props, q = runner.propose_sampled(num_steps, sampler)
         verify = torch.tensor([[out[-1]] + props], device=device)
         logits, aux = target_forward(model, verify, cache, aux_ids, last_only=False)
-        best = logits.argmax(dim=-1).tolist()  # best[j] is the target's token after verify[j]
-        a = 0
-        while a < num_steps and props[a] == best[a]:
-            a += 1
-        new = props[:a] + [best[a]]
+        if sampler is None:
+            best = logits.argmax(dim=-1).tolist()  # best[j]: the target's token after verify[j]
+            a = 0
+            while a < num_steps and props[a] == best[a]:
+                a += 1
+            new = props[:a] + [best[a]]
+        else:
+            a, new = sampler.verify(logits, q, props)
         cache.crop(-(num_steps - a))  # keep [last token, accepted proposals]
         trace.accepted.append(a)
         trace.emitted.append(_append(out, new, stops, max_new))

@@ -34,6 +34,7 @@ LIBRARY = {
     "ports",
     "regenerate_base",
     "repair",
+    "sampling",
     "server",
     "shard_writer",
     "stopping",

@@ -232,3 +232,32 @@ def test_params_leave_out_neutral_defaults_and_other_modes_storage_keys():
     }
     only = json.loads(sections_json(cfg, [], only={"data": ("max_length",)}))
     assert only == {"data": {"max_length": 512}}
+
+
+def test_bench_sampling_keys_at_default_change_no_params(tiny_target: Path):
+    """bench.temperature, top_p and seed (x-omit-default): at their defaults the bench job's
+    params are those of a config without them (greedy benchmarks stay fresh); set away, they
+    are in them."""
+    from draftsmith.config import neutral_defaults, sections_json
+
+    schema = yaml.safe_load((ROOT / "schemas" / "config.schema.yaml").read_text())
+    neutral = neutral_defaults(schema)
+    assert neutral["bench"] == {"temperature": 0, "top_p": 1.0, "seed": 0}
+    cfg = with_defaults(tiny_config(tiny_target))
+    before = {**cfg, "bench": {k: v for k, v in cfg["bench"].items() if k not in neutral["bench"]}}
+    sections = ["bench", "data", "target"]
+    assert sections_json(cfg, sections, neutral=neutral) == sections_json(
+        before, sections, neutral=neutral
+    )
+    hot = with_defaults(tiny_config(tiny_target, bench={"temperature": 0.7, "top_p": 0.9}))
+    out = json.loads(sections_json(hot, sections, neutral=neutral))["bench"]
+    assert out["temperature"] == 0.7 and out["top_p"] == 0.9 and "seed" not in out
+
+
+def test_bench_sampling_keys_fail_at_parse_time_where_they_cannot_apply(tiny_target: Path):
+    check_config(with_defaults(tiny_config(tiny_target, bench={"temperature": 0.7})))
+    hot = {"temperature": 0.7, "backend": "sglang", "role": "sglang-cpu"}
+    with pytest.raises(ConfigError, match=r"bench.temperature = 0.7 .* sglang engine"):
+        check_config(with_defaults(tiny_config(tiny_target, bench=hot)))
+    with pytest.raises(ConfigError, match=r"bench.top_p = 0.9 .*bench.temperature is 0"):
+        check_config(with_defaults(tiny_config(tiny_target, bench={"top_p": 0.9})))

@@ -7,9 +7,12 @@
   (SGLang "output of decoder layer i" = transformers `output_hidden_states[i + 1]`) and the base
   model's `last_hidden_state` as the post-norm state, so neither every layer's states nor the
   logits are materialized. Rows are right-padded without an attention mask: attention is causal,
-  so a real token never sees a pad.
+  so a real token never sees a pad. The padded length is rounded up to a multiple of
+  `PAD_MULTIPLE`, which makes a row's states bit-identical whichever rows share its batch (see
+  `pad_rows`).
 - bench: chain speculative decoding with the draft (`draftsmith.specdec`) against plain greedy
-  decoding, both timed in this process, batch size 1.
+  decoding (or speculative sampling against plain sampling), in `draftsmith.engines.hf_bench`;
+  `bench_sets` and `load_models` are re-exported here.
 
 Works on CPU or one GPU (the device torch sees).
 """
@@ -24,8 +27,8 @@ import torch
 from tqdm import tqdm
 
 from draftsmith.capture_base import CaptureError, plan_batches
+from draftsmith.engines.hf_bench import bench_sets, load_models  # the bench stage (re-exported)
 from draftsmith.hardware import announce
-from draftsmith.load import LoadMeter
 from draftsmith.regenerate_base import new_stats
 from draftsmith.shard_writer import ShardWriter
 from draftsmith.storage import Storage
@@ -243,9 +246,26 @@ def decoder_parts(model) -> tuple[torch.nn.Module, torch.nn.ModuleList]:
     return found
 
 
-def pad_rows(input_ids: torch.Tensor, offsets: list[int], rows: list[int]) -> torch.Tensor:
-    """[B, L] right-padded token ids (pad id 0: padded positions are never stored)."""
+# Batch invariance of the capture. Causal attention keeps pads out of a real token's states, but
+# torch's CPU kernels are not invariant to the padded length. Measured (Xeon, torch 2.13): causal
+# SDPA over a prefix gives the same bits as over the full length only when the prefix is a
+# multiple of 16 tokens (the AVX-512 float32 vector width), and a float32 GEMM of 1 or 2 rows
+# rounds differently from a larger one; so a row captured alone differed from the same row in a
+# batch by up to 2e-6 (float32) and one bf16 ulp. Padded to a multiple of 16, the states are
+# bit-identical alone and batched, float32 and bfloat16, rows of 1 to 770 tokens
+# (tests/test_capture_batching.py). GPU kernels are not covered by that measurement, nor are a
+# mixture-of-experts target's expert GEMMs, whose row counts are the tokens routed to each
+# expert: in float32 they differ by an ulp or two (pinned by the same test file).
+PAD_MULTIPLE = 16
+
+
+def pad_rows(
+    input_ids: torch.Tensor, offsets: list[int], rows: list[int], multiple: int = PAD_MULTIPLE
+) -> torch.Tensor:
+    """[B, L] right-padded token ids, L the longest row rounded up to `multiple` (pad id 0:
+    padded positions are never stored)."""
     longest = max(offsets[r + 1] - offsets[r] for r in rows)
+    longest = -(-longest // multiple) * multiple
     batch = torch.zeros(len(rows), longest, dtype=torch.long)
     for b, r in enumerate(rows):
         a, e = offsets[r], offsets[r + 1]
@@ -350,179 +370,4 @@ def capture_range(
     )
 
 
-# ---------------------------------------------------------------- bench
-
-
-def _sync(device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def run_set(model, tokenizer, draft, rows, bench: dict, aux_ids: list[int]) -> dict:
-    """Speculative and baseline generation of every row; acceptance and timing figures."""
-    from draftsmith.prompts import prompt_turns
-    from draftsmith.specdec import (
-        greedy_generate,
-        prompt_ids,
-        speculative_generate,
-        stop_ids,
-        summarize,
-    )
-
-    stops = stop_ids(model, tokenizer)
-    k, max_new = bench["num_steps"], bench["max_new_tokens"]
-    traces, seconds, base_tokens, identical, first_diff = [], {"spec": 0.0, "base": 0.0}, 0, 0, []
-    meter = LoadMeter()  # other processes' CPU use while each side was timed
-    for i, row in enumerate(tqdm(rows, desc="prompts", unit="prompt")):
-        ids = prompt_ids(tokenizer, prompt_turns(row))
-        runs = {
-            "spec": lambda ids=ids: speculative_generate(
-                model, draft, ids, max_new, stops, k, aux_ids
-            ),
-            "base": lambda ids=ids: greedy_generate(model, ids, max_new, stops),
-        }
-        results = {}
-        # alternate the order so drift (thermal, caches) does not favour one side
-        for name in ("spec", "base") if i % 2 == 0 else ("base", "spec"):
-            _sync(model.device)
-            t0 = time.perf_counter()
-            with meter.phase(name):
-                results[name] = runs[name]()
-                _sync(model.device)
-            seconds[name] += time.perf_counter() - t0
-        trace, base = results["spec"], results["base"]
-        traces.append(trace)
-        base_tokens += len(base)
-        if trace.tokens == base:
-            identical += 1
-        else:
-            pairs = zip(trace.tokens, base, strict=False)
-            at = next(
-                (j for j, (a, b) in enumerate(pairs) if a != b), min(len(base), len(trace.tokens))
-            )
-            first_diff.append({"id": row["id"], "first_difference_at": at})
-    out = summarize(traces)
-    out["per_prompt"] = [
-        {
-            "id": row["id"],
-            "output_ids": t.tokens,
-            "verify_passes": t.passes,
-            "accept_len_hist": [t.accepted.count(a) for a in range(k + 1)],
-        }
-        for row, t in zip(rows, traces, strict=True)
-    ]
-    spec_tps = out["generated_tokens"] / seconds["spec"]
-    base_tps = base_tokens / seconds["base"]
-    out.update(
-        spec_seconds=seconds["spec"],
-        baseline_seconds=seconds["base"],
-        baseline_tokens=base_tokens,
-        spec_tokens_per_s=spec_tps,
-        baseline_tokens_per_s=base_tps,
-        speedup=spec_tps / base_tps,
-        # one speculative pass (chain + verify), in greedy steps: speedup = tau_sglang / this
-        pass_cost=(seconds["spec"] / out["verify_passes"]) * base_tps,
-        identical_outputs=identical,
-        differing_outputs=first_diff,
-        mean_prompt_tokens=sum(t.prompt_len for t in traces) / len(traces),
-        load=meter.summary(),
-    )
-    if first_diff:
-        log.warning(
-            "%d of %d outputs differ from greedy decoding (numerics of batched vs one-token "
-            "forwards in %s): %s",
-            len(first_diff),
-            len(rows),
-            model.dtype,
-            first_diff[:3],
-        )
-    return out
-
-
-def warm_up(model, tokenizer, draft, row, bench: dict, aux_ids: list[int]) -> None:
-    """One untimed pass of both paths (allocator, kernels, lazy init)."""
-    from draftsmith.prompts import prompt_turns
-    from draftsmith.specdec import greedy_generate, prompt_ids, speculative_generate, stop_ids
-
-    ids = prompt_ids(tokenizer, prompt_turns(row))
-    stops = stop_ids(model, tokenizer)
-    n = min(bench["max_new_tokens"], 16)
-    speculative_generate(model, draft, ids, n, stops, bench["num_steps"], aux_ids)
-    greedy_generate(model, ids, n, stops)
-
-
-def load_models(target_dir: Path, draft_dir: Path, cfg: dict, device: str):
-    """(target, tokenizer, draft), the draft checked against the target it must serve."""
-    from draftsmith.config import aux_layer_ids
-    from draftsmith.export import ExportError, load_export
-    from draftsmith.target import TargetError, load_target
-
-    dtype = getattr(torch, cfg["target"].get("dtype", "float32"))
-    try:
-        model, tokenizer = load_target(target_dir, dtype=dtype, device=device)
-        draft = load_export(draft_dir).to(device=device, dtype=dtype)
-    except (ExportError, TargetError) as e:
-        raise SystemExit(str(e)) from None
-    tc, dc = model.config, draft.config
-    try:
-        aux_layer_ids(dc.aux_layer_ids, tc.num_hidden_layers)
-    except ValueError as e:
-        raise SystemExit(f"{draft_dir}/config.json: {e}") from None
-    if (dc.vocab_size, dc.target_hidden_size) != (tc.vocab_size, tc.hidden_size):
-        raise SystemExit(
-            f"{draft_dir}/config.json: the draft expects a target with vocab {dc.vocab_size} and "
-            f"hidden size {dc.target_hidden_size}, {target_dir} has {tc.vocab_size} and "
-            f"{tc.hidden_size}: the draft was trained for another target"
-        )
-    return model, tokenizer, draft
-
-
-def method_text(bench: dict, device: str, threads: int) -> str:
-    return (
-        f"Chain speculative decoding, {bench['num_steps']} draft tokens per verification "
-        f"pass (top-k 1), greedy verification, at most {bench['max_new_tokens']} new tokens "
-        f"per prompt, batch size 1, on {device} ({threads} threads), transformers in-process "
-        "(hf engine). tau = tokens emitted by verification passes / verification passes (the "
-        "prefill's token excluded; the SGLang count includes it). Speedup = tokens/s with "
-        "speculation / tokens/s of plain greedy decoding with KV cache, both measured in this "
-        "run, warm-up excluded. Pass cost = wall time of one speculative pass (draft chain and "
-        "verification, prefill amortised) in greedy decoding steps: speedup = tau (SGLang "
-        "count) / pass cost exactly."
-    )
-
-
-def bench_sets(sets: dict, cfg: dict, *, target, draft, threads: int):
-    """The bench stage: speculative and greedy generation of every set, in this process."""
-    from draftsmith.common import set_threads
-
-    bench = cfg["bench"]
-    if bench["topk"] != 1:
-        raise SystemExit(f"bench.topk {bench['topk']}: the hf engine decodes chains (top-k 1)")
-    if bench["concurrency"] != 1:
-        raise SystemExit(
-            f"bench.concurrency {bench['concurrency']}: the hf engine runs batch size 1"
-        )
-    set_threads(threads)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    model, tokenizer, drafter = load_models(Path(target), Path(draft), cfg, device)
-    aux_ids = list(drafter.config.aux_layer_ids)
-    log.info("aux ids %s; device %s", aux_ids, device)
-    cpu = announce(
-        log, "bench timing", str(model.dtype).removeprefix("torch."), "target.dtype", device
-    )
-    warm_up(model, tokenizer, drafter, next(iter(sets.values()))[0], bench, aux_ids)
-    results = {
-        name: run_set(model, tokenizer, drafter, rows, bench, aux_ids)
-        for name, rows in sets.items()
-    }
-    n_threads = torch.get_num_threads()
-    info = {
-        "backend": "hf",
-        "device": device,
-        "threads": n_threads,
-        "aux_layer_ids": aux_ids,
-        "draft_vocab_size": drafter.config.draft_vocab_size,
-        "method": method_text(bench, device, n_threads),
-        "cpu": cpu,
-    }
-    return results, info
+__all__ = ["HFGenerator", "bench_sets", "capture_range", "load_models", "regenerate_rows"]

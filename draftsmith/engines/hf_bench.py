@@ -1,0 +1,236 @@
+"""The `hf` engine's bench stage: chain speculative decoding with the draft (`draftsmith.specdec`)
+against plain greedy decoding of the target, both timed in this process, batch size 1; with
+bench.temperature > 0, speculative sampling against plain sampling (`draftsmith.sampling`).
+
+`draftsmith.engines.hf` re-exports `bench_sets` (the registry's entry point) and `load_models`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from draftsmith.hardware import announce
+from draftsmith.load import LoadMeter
+
+log = logging.getLogger("draftsmith.engines.hf")
+
+
+def _sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def run_set(model, tokenizer, draft, rows, bench: dict, aux_ids: list[int]) -> dict:
+    """Speculative and baseline generation of every row; acceptance and timing figures."""
+    from draftsmith.prompts import prompt_turns
+    from draftsmith.specdec import (
+        greedy_generate,
+        prompt_ids,
+        speculative_generate,
+        stop_ids,
+        summarize,
+    )
+
+    stops = stop_ids(model, tokenizer)
+    k, max_new = bench["num_steps"], bench["max_new_tokens"]
+    sampled = sampling(bench)
+    traces, seconds, base_tokens, identical, first_diff = [], {"spec": 0.0, "base": 0.0}, 0, 0, []
+    meter = LoadMeter()  # other processes' CPU use while each side was timed
+    for i, row in enumerate(tqdm(rows, desc="prompts", unit="prompt")):
+        ids = prompt_ids(tokenizer, prompt_turns(row))
+        # prompt i samples with seed + i on both sides (None: greedy)
+        sp, bs = (sampler(bench, i, model.device) for _ in range(2))
+        runs = {
+            "spec": lambda ids=ids, sp=sp: speculative_generate(
+                model, draft, ids, max_new, stops, k, aux_ids, sp
+            ),
+            "base": lambda ids=ids, bs=bs: greedy_generate(model, ids, max_new, stops, bs),
+        }
+        results = {}
+        # alternate the order so drift (thermal, caches) does not favour one side
+        for name in ("spec", "base") if i % 2 == 0 else ("base", "spec"):
+            _sync(model.device)
+            t0 = time.perf_counter()
+            with meter.phase(name):
+                results[name] = runs[name]()
+                _sync(model.device)
+            seconds[name] += time.perf_counter() - t0
+        trace, base = results["spec"], results["base"]
+        traces.append(trace)
+        base_tokens += len(base)
+        if sampled:
+            pass  # sampled outputs are compared in distribution (tests/test_sampling.py)
+        elif trace.tokens == base:
+            identical += 1
+        else:
+            pairs = zip(trace.tokens, base, strict=False)
+            at = next(
+                (j for j, (a, b) in enumerate(pairs) if a != b), min(len(base), len(trace.tokens))
+            )
+            first_diff.append({"id": row["id"], "first_difference_at": at})
+    out = summarize(traces)
+    out["per_prompt"] = [
+        {
+            "id": row["id"],
+            "output_ids": t.tokens,
+            "verify_passes": t.passes,
+            "accept_len_hist": [t.accepted.count(a) for a in range(k + 1)],
+        }
+        for row, t in zip(rows, traces, strict=True)
+    ]
+    spec_tps = out["generated_tokens"] / seconds["spec"]
+    base_tps = base_tokens / seconds["base"]
+    out.update(
+        spec_seconds=seconds["spec"],
+        baseline_seconds=seconds["base"],
+        baseline_tokens=base_tokens,
+        spec_tokens_per_s=spec_tps,
+        baseline_tokens_per_s=base_tps,
+        speedup=spec_tps / base_tps,
+        # one speculative pass (chain + verify), in greedy steps: speedup = tau_sglang / this
+        pass_cost=(seconds["spec"] / out["verify_passes"]) * base_tps,
+        identical_outputs=None if sampled else identical,  # None: sampled, not comparable
+        differing_outputs=first_diff,
+        mean_prompt_tokens=sum(t.prompt_len for t in traces) / len(traces),
+        load=meter.summary(),
+    )
+    if first_diff:
+        log.warning(
+            "%d of %d outputs differ from greedy decoding (numerics of batched vs one-token "
+            "forwards in %s): %s",
+            len(first_diff),
+            len(rows),
+            model.dtype,
+            first_diff[:3],
+        )
+    return out
+
+
+def sampling(bench: dict) -> dict | None:
+    """{temperature, top_p, seed} when the benchmark samples (bench.temperature > 0), else None.
+
+    x-omit-default keys: absent from the job's config at their defaults."""
+    temperature = float(bench.get("temperature", 0))
+    if temperature <= 0:
+        return None
+    return {
+        "temperature": temperature,
+        "top_p": float(bench.get("top_p", 1.0)),
+        "seed": int(bench.get("seed", 0)),
+    }
+
+
+def sampler(bench: dict, index: int, device):
+    """The Sampler of prompt `index` (seeded bench.seed + index), or None when greedy."""
+    from draftsmith.sampling import Sampler
+
+    s = sampling(bench)
+    return (
+        None if s is None else Sampler.make(s["temperature"], s["top_p"], s["seed"] + index, device)
+    )
+
+
+def warm_up(model, tokenizer, draft, row, bench: dict, aux_ids: list[int]) -> None:
+    """One untimed pass of both paths (allocator, kernels, lazy init)."""
+    from draftsmith.prompts import prompt_turns
+    from draftsmith.specdec import greedy_generate, prompt_ids, speculative_generate, stop_ids
+
+    ids = prompt_ids(tokenizer, prompt_turns(row))
+    stops = stop_ids(model, tokenizer)
+    n = min(bench["max_new_tokens"], 16)
+    sp, bs = (sampler(bench, 0, model.device) for _ in range(2))
+    speculative_generate(model, draft, ids, n, stops, bench["num_steps"], aux_ids, sp)
+    greedy_generate(model, ids, n, stops, bs)
+
+
+def load_models(target_dir: Path, draft_dir: Path, cfg: dict, device: str):
+    """(target, tokenizer, draft), the draft checked against the target it must serve."""
+    from draftsmith.config import aux_layer_ids
+    from draftsmith.export import ExportError, load_export
+    from draftsmith.target import TargetError, load_target
+
+    dtype = getattr(torch, cfg["target"].get("dtype", "float32"))
+    try:
+        model, tokenizer = load_target(target_dir, dtype=dtype, device=device)
+        draft = load_export(draft_dir).to(device=device, dtype=dtype)
+    except (ExportError, TargetError) as e:
+        raise SystemExit(str(e)) from None
+    tc, dc = model.config, draft.config
+    try:
+        aux_layer_ids(dc.aux_layer_ids, tc.num_hidden_layers)
+    except ValueError as e:
+        raise SystemExit(f"{draft_dir}/config.json: {e}") from None
+    if (dc.vocab_size, dc.target_hidden_size) != (tc.vocab_size, tc.hidden_size):
+        raise SystemExit(
+            f"{draft_dir}/config.json: the draft expects a target with vocab {dc.vocab_size} and "
+            f"hidden size {dc.target_hidden_size}, {target_dir} has {tc.vocab_size} and "
+            f"{tc.hidden_size}: the draft was trained for another target"
+        )
+    return model, tokenizer, draft
+
+
+def method_text(bench: dict, device: str, threads: int) -> str:
+    s = sampling(bench)
+    verify, base, step = "greedy verification", "greedy decoding", "greedy decoding"
+    if s is not None:
+        verify = (
+            f"speculative sampling at temperature {s['temperature']:g}, top-p {s['top_p']:g} "
+            "(a proposal accepted with probability min(1, p/q), else the residual max(0, p - q) "
+            f"sampled; seed {s['seed']} + prompt index)"
+        )
+        base, step = "sampling (same temperature and top-p)", "sampling"
+    return (
+        f"Chain speculative decoding, {bench['num_steps']} draft tokens per verification "
+        f"pass (top-k 1), {verify}, at most {bench['max_new_tokens']} new tokens "
+        f"per prompt, batch size 1, on {device} ({threads} threads), transformers in-process "
+        "(hf engine). tau = tokens emitted by verification passes / verification passes (the "
+        "prefill's token excluded; the SGLang count includes it). Speedup = tokens/s with "
+        f"speculation / tokens/s of plain {base} with KV cache, both measured in this "
+        "run, warm-up excluded. Pass cost = wall time of one speculative pass (draft chain and "
+        f"verification, prefill amortised) in {step} steps: speedup = tau (SGLang count) / "
+        "pass cost exactly."
+    )
+
+
+def bench_sets(sets: dict, cfg: dict, *, target, draft, threads: int):
+    """The bench stage: speculative and greedy generation of every set, in this process."""
+    from draftsmith.common import set_threads
+
+    bench = cfg["bench"]
+    if bench["topk"] != 1:
+        raise SystemExit(f"bench.topk {bench['topk']}: the hf engine decodes chains (top-k 1)")
+    if bench["concurrency"] != 1:
+        raise SystemExit(
+            f"bench.concurrency {bench['concurrency']}: the hf engine runs batch size 1"
+        )
+    set_threads(threads)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model, tokenizer, drafter = load_models(Path(target), Path(draft), cfg, device)
+    aux_ids = list(drafter.config.aux_layer_ids)
+    log.info("aux ids %s; device %s", aux_ids, device)
+    cpu = announce(
+        log, "bench timing", str(model.dtype).removeprefix("torch."), "target.dtype", device
+    )
+    warm_up(model, tokenizer, drafter, next(iter(sets.values()))[0], bench, aux_ids)
+    results = {
+        name: run_set(model, tokenizer, drafter, rows, bench, aux_ids)
+        for name, rows in sets.items()
+    }
+    n_threads = torch.get_num_threads()
+    info = {
+        "backend": "hf",
+        "device": device,
+        "threads": n_threads,
+        "aux_layer_ids": aux_ids,
+        "draft_vocab_size": drafter.config.draft_vocab_size,
+        "method": method_text(bench, device, n_threads),
+        "cpu": cpu,
+    }
+    if sampling(bench) is not None:
+        info["sampling"] = sampling(bench)
+    return results, info
