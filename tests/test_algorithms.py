@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from draftsmith import algorithms
@@ -43,3 +44,184 @@ def test_the_default_algorithm_stales_nothing():
     )
     assert algorithms.of_config({"draft": draft}).NAME == "eagle3"
     assert algorithms.of_config(other).NAME == "eagle3.1"
+
+
+# ---------------------------------------------------------------------------------------------
+# The draft model: fc_norm and norm_output
+
+
+def tiny(algorithm: str, seed: int = 0):
+    from draftsmith.model import DraftConfig, Eagle3Draft
+
+    torch.manual_seed(seed)
+    cfg = DraftConfig.tiny()
+    cfg.algorithm = algorithm
+    draft = Eagle3Draft(cfg)
+    with torch.no_grad():  # non-trivial norms so that where they apply matters
+        for name, p in draft.named_parameters():
+            if "norm" in name:  # fc_norm.{i}.weight too
+                p.uniform_(0.5, 1.5)
+    hot = torch.sort(torch.randperm(cfg.vocab_size)[: cfg.draft_vocab_size]).values
+    t2d = torch.zeros(cfg.vocab_size, dtype=torch.bool)
+    t2d[hot] = True
+    draft.set_vocab(hot - torch.arange(cfg.draft_vocab_size), t2d)
+    return draft.eval()
+
+
+def test_eagle3_draft_is_unchanged_and_eagle31_adds_fc_norm():
+    from draftsmith.model import DraftConfig, Eagle3Draft
+
+    plain, new = tiny("eagle3"), tiny("eagle3.1")
+    extra = set(new.state_dict()) - set(plain.state_dict())
+    assert extra == {"fc_norm.0.weight", "fc_norm.1.weight", "fc_norm.2.weight"}
+    assert "algorithm" not in plain.config.to_dict()  # the default's provenance as before
+    assert new.config.to_dict()["algorithm"] == "eagle3.1"
+    assert DraftConfig.from_dict(new.config.to_dict()) == new.config
+    torch.manual_seed(0)
+    fresh = Eagle3Draft(new.config)
+    assert all(torch.equal(n.weight, torch.ones(64)) for n in fresh.fc_norm)  # ones at start
+    with pytest.raises(algorithms.AlgorithmError):
+        DraftConfig(**{**plain.config.to_dict(), "algorithm": "eagle4"})
+    # same seed, same parameters: eagle3's draw order is not disturbed by the new module
+    torch.manual_seed(0)
+    a = Eagle3Draft(plain.config)
+    torch.manual_seed(0)
+    b = Eagle3Draft(DraftConfig.from_dict(plain.config.to_dict()))
+    assert all(torch.equal(a.state_dict()[k], b.state_dict()[k]) for k in a.state_dict())
+
+
+@torch.no_grad()
+def test_fc_norm_and_norm_output_are_where_the_engines_put_them():
+    """project = fc(cat(fc_norm_i(chunk_i))); the state fed back is norm(out) for eagle3.1,
+    out for eagle3 (the engines' llama_eagle3.py: `aux = to_logits if norm_output else to_aux`)."""
+    draft = tiny("eagle3.1")
+    c = draft.config
+    g = torch.Generator().manual_seed(1)
+    aux = torch.randn(2, 5, c.num_aux * c.target_hidden_size, generator=g)
+    parts = aux.chunk(3, dim=-1)
+
+    def rms(x, w):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + c.rms_norm_eps) * w
+
+    normed = torch.cat([rms(x, n.weight) for x, n in zip(parts, draft.fc_norm, strict=True)], -1)
+    torch.testing.assert_close(draft.project(aux), normed @ draft.fc.weight.T)
+    out = torch.randn(2, 5, c.hidden_size, generator=g)
+    torch.testing.assert_close(draft.feedback(out), rms(out, draft.norm.weight))
+    assert torch.equal(tiny("eagle3").feedback(out), out)
+
+
+@pytest.mark.parametrize("algorithm", ["eagle3", "eagle3.1"])
+@torch.no_grad()
+def test_ttt_steps_equal_the_decoders_chain(algorithm):
+    """Train what is served: the TTT unroll (TTTCache, step j fed `feedback` of step j-1) at the
+    last position equals the in-process decoder's chain (KVCache: extend, then one token per
+    step), step by step, for both algorithms."""
+    from draftsmith.model import KVCache, TTTCache, block_causal_mask
+
+    draft = tiny(algorithm, seed=2)
+    c = draft.config
+    g = torch.Generator().manual_seed(3)
+    t, steps = 7, 3
+    aux = torch.randn(1, t, c.num_aux * c.target_hidden_size, generator=g)
+    emb = torch.randn(1, t + steps, c.hidden_size, generator=g)  # embeds of tokens 1..t+steps
+    cache = TTTCache(block_causal_mask(torch.zeros(1, t, dtype=torch.long)))
+    hidden, ttt = draft.project(aux), []
+    for j in range(steps):
+        out = draft.step(emb[:, j : j + t], hidden, torch.arange(j, j + t)[None], cache)
+        ttt.append(draft.logits(out[:, -1]))
+        hidden = draft.feedback(out)
+    kv = KVCache()
+    out = draft.step(emb[:, :t], draft.project(aux), torch.arange(t)[None], kv)[:, -1:]
+    chain = [draft.logits(out[:, -1])]
+    for j in range(1, steps):
+        pos = torch.tensor([[t - 1 + j]])
+        out = draft.step(emb[:, t - 1 + j : t + j], draft.feedback(out), pos, kv)
+        chain.append(draft.logits(out[:, -1]))
+    for j in range(steps):
+        torch.testing.assert_close(ttt[j], chain[j], rtol=1e-5, atol=1e-5)
+    if algorithm == "eagle3.1":  # and the pre-norm chain would differ past step 0
+        out = draft.step(emb[:, :t], draft.project(aux), torch.arange(t)[None])
+        wrong = draft.step(emb[:, 1 : t + 1], out, torch.arange(1, t + 1)[None])
+        assert not torch.allclose(draft.logits(wrong[:, -1]), chain[1], atol=1e-3)
+
+
+# ---------------------------------------------------------------------------------------------
+# Export and its contract check
+
+
+VERIFIER = {"name_or_path": "results/target", "architectures": ["LlamaForCausalLM"]}
+
+
+def export(draft, out: Path) -> Path:
+    from draftsmith.export import export_draft
+
+    c = draft.config
+    embed = torch.randn(c.vocab_size, c.target_hidden_size)
+    export_draft(draft, out, {}, embed=embed, verifier=VERIFIER)
+    return out
+
+
+@torch.no_grad()
+def test_eagle31_export_round_trip(tmp_path):
+    from safetensors.torch import load_file
+
+    from draftsmith.export import check_export, load_export
+
+    draft = tiny("eagle3.1", seed=4)
+    out = export(draft, tmp_path / "draft")
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["fc_norm"] is True and cfg["norm_output"] is True
+    assert cfg["architectures"] == ["LlamaForCausalLMEagle3"]
+    assert cfg["norm_before_residual"] is False
+    names = set(load_file(str(out / "model.safetensors")))
+    assert {f"fc_norm.{i}.weight" for i in range(3)} <= names
+    assert not (out / "speculators").exists()  # its format would drop fc_norm / norm_output
+    check_export(out)
+    back = load_export(out)
+    assert back.config.algorithm == "eagle3.1"
+    for k, v in draft.state_dict().items():
+        assert torch.equal(back.state_dict()[k], v), k
+    prov = json.loads((out / "draftsmith_draft.json").read_text())
+    assert prov["draft_config"]["algorithm"] == "eagle3.1"
+
+
+def test_export_check_per_algorithm(tmp_path):
+    """eagle3.1's fc_norm tensors pass; eagle3 still refuses them (and every unknown tensor);
+    a half-switched config, a foreign switch, a missing norm or a speculators copy are refused."""
+    from safetensors.torch import load_file, save_file
+
+    from draftsmith.export import ExportError, check_export, main
+
+    new = export(tiny("eagle3.1", seed=5), tmp_path / "new")
+    plain = export(tiny("eagle3", seed=5), tmp_path / "plain")
+    main(["check", str(new)])
+    w31 = load_file(str(new / "model.safetensors"))
+    c31 = json.loads((new / "config.json").read_text())
+    w3 = load_file(str(plain / "model.safetensors"))
+    c3 = json.loads((plain / "config.json").read_text())
+
+    def variant(name, tensors, cfg):
+        d = tmp_path / name
+        d.mkdir()
+        save_file(tensors, str(d / "model.safetensors"))
+        (d / "config.json").write_text(json.dumps(cfg))
+        return d
+
+    with pytest.raises(ExportError, match=r"fc_norm.0.weight \[64\]: SGLang's loader would skip"):
+        check_export(variant("eagle3_with_fc_norm", w31, c3))
+    with pytest.raises(ExportError, match="model.fc_norm.1.weight is not"):
+        check_export(variant("no_norms", w3, c31))
+    half = {k: v for k, v in c31.items() if k != "norm_output"}
+    with pytest.raises(ExportError, match="norm_output is None: an EAGLE-3.1 draft needs"):
+        check_export(variant("half", w31, half))
+    with pytest.raises(ExportError, match="norm_before_fc"):
+        check_export(variant("foreign", w31, {**c31, "norm_before_fc": True}))
+    with pytest.raises(ExportError, match="use_aux_norm"):
+        check_export(variant("legacy", w31, {**c31, "use_aux_norm": True}))
+    shaped = {**w31, "fc_norm.2.weight": torch.ones(63)}
+    with pytest.raises(ExportError, match=r"fc_norm.2.weight is \[63\]"):
+        check_export(variant("shaped", shaped, c31))
+    spec = variant("with_spec", w31, c31)
+    (spec / "speculators").mkdir()
+    with pytest.raises(ExportError, match="has no speculators copy"):
+        check_export(spec)
