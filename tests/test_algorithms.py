@@ -225,3 +225,59 @@ def test_export_check_per_algorithm(tmp_path):
     (spec / "speculators").mkdir()
     with pytest.raises(ExportError, match="has no speculators copy"):
         check_export(spec)
+
+
+# ---------------------------------------------------------------------------------------------
+# The workflow
+
+
+def train_command(*config: str) -> str:
+    """The train job's shell command in `snakemake -n -p` of the embedded default (plus
+    `--config` overrides)."""
+    import subprocess
+    import sys
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as work:
+        cmd = [sys.executable, "-m", "snakemake", "-n", "-p", "-s", str(ROOT / "Snakefile")]
+        cmd += ["--directory", work, "--configfile", str(ROOT / "config.yaml")]
+        proc = subprocess.run(
+            [*cmd, *(("--config", *config) if config else ()), "--", "results/draft"],
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
+            timeout=300,
+        )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-3000:]
+    lines = [ln for ln in out.splitlines() if "-m draftsmith.launch" in ln]
+    assert len(lines) == 1, out[-3000:]
+    return lines[0]
+
+
+@pytest.mark.workflow
+def test_workflow_plans_eagle31_and_the_default_value_changes_no_command():
+    default = train_command()
+    assert "algorithm" not in default
+    assert train_command('draft={"algorithm": "eagle3"}') == default
+    new = train_command('draft={"algorithm": "eagle3.1"}')
+    assert '"algorithm": "eagle3.1"' in new and new != default
+
+
+@pytest.mark.workflow
+def test_workflow_refuses_an_unknown_algorithm(tmp_path):
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "snakemake", "-n", "-s", str(ROOT / "Snakefile")]
+        + ["--directory", str(tmp_path), "--configfile", str(ROOT / "config.yaml")]
+        + ["--config", 'draft={"algorithm": "eagle4"}'],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert "'eagle4' is not one of ['eagle3', 'eagle3.1']" in out, out[-2000:]
