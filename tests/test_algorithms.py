@@ -4,6 +4,7 @@ default's params unchanged, and what each algorithm adds to the draft and its ex
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -145,6 +146,41 @@ def test_ttt_steps_equal_the_decoders_chain(algorithm):
         assert not torch.allclose(draft.logits(wrong[:, -1]), chain[1], atol=1e-3)
 
 
+@torch.no_grad()
+def test_the_decoders_proposals_follow_the_algorithms_feedback():
+    """draftsmith.specdec.DraftRunner (the hf engine's draft side) proposes, for eagle3.1, the
+    argmax chain fed the post-norm state, recomputed here without a KV cache from the whole
+    sequence at every step; the pre-norm reading gives other proposals."""
+    from draftsmith.specdec import DraftRunner
+
+    draft = tiny("eagle3.1", seed=8)
+    c = draft.config
+    embed = torch.nn.Embedding(c.vocab_size, c.hidden_size)
+    g = torch.Generator().manual_seed(9)
+    t, k = 6, 5
+    aux = torch.randn(t, c.num_aux * c.target_hidden_size, generator=g) * 3
+    tokens = torch.randint(0, c.vocab_size, (t,), generator=g).tolist()
+    runner = DraftRunner(draft, embed, [1, 2, 3])
+    runner.extend(tokens, aux)
+    props = runner.propose(k)
+
+    def chain(feed) -> list[int]:
+        """Each step recomputed from scratch: the states of every earlier step are the keys."""
+        ids, first, outs, out = list(tokens), draft.project(aux[None]), [], []
+        for j in range(k):
+            # positions < t are fed fc(aux); position t - 1 + i + 1 the previous output, fed back
+            hidden = torch.cat([first, *[feed(h) for h in outs]], 1)
+            full = draft.step(embed(torch.tensor([ids])), hidden, torch.arange(t + j)[None])
+            outs = [full[:, t - 1 + i : t + i] for i in range(j + 1)]
+            tok = int(draft.draft_to_target(draft.logits(full[0, -1]).argmax()))
+            out.append(tok)
+            ids.append(tok)
+        return out
+
+    assert props == chain(draft.feedback)
+    assert props != chain(lambda h: h)
+
+
 # ---------------------------------------------------------------------------------------------
 # Export and its contract check
 
@@ -225,6 +261,35 @@ def test_export_check_per_algorithm(tmp_path):
     (spec / "speculators").mkdir()
     with pytest.raises(ExportError, match="has no speculators copy"):
         check_export(spec)
+
+
+def test_training_an_eagle31_draft(tmp_path):
+    """The train CLI with draft.algorithm eagle3.1 trains the per-aux norms and exports a draft
+    the contract check accepts as eagle3.1."""
+    from safetensors.torch import load_file
+    from test_train import TRAIN, make_inputs, read_metrics, train_args
+
+    from draftsmith.export import check_export
+    from draftsmith.train import main
+
+    inputs = make_inputs(tmp_path / "in", n_shards=1, rows=8)
+    cfg = {
+        "train": {**TRAIN, "max_steps": 4, "epochs": 1, "checkpoint_every": 0},
+        "draft": {"vocab_size": 48, "init_from_target": True, "algorithm": "eagle3.1"},
+        "capture": {"aux_layer_ids": "auto"},
+    }
+    torch.set_num_threads(1)
+    main(train_args(inputs, tmp_path / "run", json.dumps(cfg)))
+    draft = tmp_path / "run" / "draft"
+    check_export(draft)
+    config = json.loads((draft / "config.json").read_text())
+    assert config["fc_norm"] is True and config["norm_output"] is True
+    weights = load_file(str(draft / "model.safetensors"))
+    for i in range(3):  # trained away from their initial ones
+        assert not torch.equal(weights[f"fc_norm.{i}.weight"], torch.ones(32)), i
+    metrics = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    assert metrics and all(math.isfinite(m["loss"]) for m in metrics)
+    assert not (draft / "speculators").exists()
 
 
 # ---------------------------------------------------------------------------------------------
