@@ -21,6 +21,10 @@ SGLang 0.5.23's `LlamaForCausalLMEagle3.load_weights` silently skips names it do
 gate/up -> gate_up_proj, then the name or `model.<name>` must be a parameter) against the
 parameter shapes that the config implies, and refuses anything unconsumed, missing or misshaped.
 
+What differs per draft algorithm (draftsmith.algorithms: the config keys and tensors it adds,
+what it refuses, whether a speculators copy is written) comes from the algorithm's module; the
+algorithm of an exported config.json is told from its keys (`algorithms.of_export`).
+
 CLI: `python -m draftsmith.export check results/draft`.
 """
 
@@ -39,7 +43,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from draftsmith import layerids
+from draftsmith import algorithms, layerids
 from draftsmith.common import atomic_write_json, fsync_dir
 from draftsmith.families import family_facts, serving_findings
 from draftsmith.finite import metrics_problem, nonfinite_tensors
@@ -115,7 +119,8 @@ def say_family(where, facts: dict) -> None:
 
 
 def sglang_config(cfg: DraftConfig) -> dict:
-    """The draft's config.json (Llama fields + EAGLE-3 keys) in SGLang's contract."""
+    """The draft's config.json (Llama fields + EAGLE-3 keys + its algorithm's keys) in
+    SGLang's contract."""
     return {
         "architectures": [ARCH],
         "model_type": "llama",
@@ -144,6 +149,7 @@ def sglang_config(cfg: DraftConfig) -> dict:
         # vLLM's reading of the same layers (it looks here before eagle_config); SGLang ignores it
         "eagle_aux_hidden_state_layer_ids": vllm_layer_ids(cfg.aux_layer_ids),
         "norm_before_residual": False,
+        **algorithms.get(cfg.algorithm).export_keys(cfg),
     }
 
 
@@ -177,6 +183,7 @@ def config_from_sglang(c: dict) -> DraftConfig:
         rope_scaling=c.get("rope_scaling"),
         max_position_embeddings=c.get("max_position_embeddings", 8192),
         hidden_act=c.get("hidden_act", "silu"),
+        algorithm=algorithms.of_export(c).NAME,
     )
 
 
@@ -219,7 +226,7 @@ def config_problems(c: dict) -> list[str]:
         )
     if c.get("norm_before_residual", False) is not False:
         out.append("config.json norm_before_residual must be false (SGLang/EAGLE-3 layer)")
-    return out
+    return out + algorithms.export_problems(c)
 
 
 def sglang_params(c: dict) -> dict[str, tuple]:
@@ -243,6 +250,7 @@ def sglang_params(c: dict) -> dict[str, tuple]:
         p + "hidden_norm.weight": (h,),
         "model.norm.weight": (h,),
         "lm_head.weight": (c["draft_vocab_size"], h),
+        **algorithms.of_export(c).extra_params(c),
     }
 
 
@@ -351,7 +359,13 @@ def check_export(out_dir: str | os.PathLike, metrics: str | os.PathLike | None =
         view = (family.get("layer_ids") or {}).get("target")
         problems = layerids.problems(c, view) if view else []
     if not problems and (out / "speculators").exists():
-        problems = speculators_problems(out / "speculators", c)
+        if algorithms.of_export(c).SPECULATORS:
+            problems = speculators_problems(out / "speculators", c)
+        else:
+            problems = [
+                f"{out / 'speculators'}: a {algorithms.of_export(c).NAME} draft has no "
+                "speculators copy (vLLM's speculators format would drop its keys)"
+            ]
     if not problems:
         for w in (w_path, out / "speculators" / WEIGHTS):
             problems += [f"{w}: {b}" for b in (nonfinite_tensors(w) if w.is_file() else [])]
@@ -456,17 +470,18 @@ def export_draft(
         save_file(state, str(stage / WEIGHTS), metadata={"format": "pt"})
         atomic_write_json(stage / "config.json", sglang_config(cfg))
         spec = stage / "speculators"
-        spec.mkdir()
-        renamed = {k.replace("midlayer.", "layers.0."): v for k, v in state.items()}
-        renamed["embed_tokens.weight"] = embed.detach().to("cpu").contiguous()
-        save_file(renamed, str(spec / WEIGHTS), metadata={"format": "pt"})
-        atomic_write_json(spec / "config.json", speculators_config(cfg, verifier, num_tokens))
+        if algorithms.get(cfg.algorithm).SPECULATORS:
+            spec.mkdir()
+            renamed = {k.replace("midlayer.", "layers.0."): v for k, v in state.items()}
+            renamed["embed_tokens.weight"] = embed.detach().to("cpu").contiguous()
+            save_file(renamed, str(spec / WEIGHTS), metadata={"format": "pt"})
+            atomic_write_json(spec / "config.json", speculators_config(cfg, verifier, num_tokens))
         facts = {"target_family": family} if family is not None else {}
         atomic_write_json(
             stage / PROVENANCE, {**provenance, "draft_config": cfg.to_dict(), **facts}
         )
         check_export(stage)
-        for p in [*stage.iterdir(), *spec.iterdir()]:
+        for p in [*stage.iterdir(), *(spec.iterdir() if spec.is_dir() else ())]:
             if p.is_file():
                 with open(p, "rb") as f:
                     os.fsync(f.fileno())
@@ -563,7 +578,8 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(
             f"{args.draft_dir}: --strict: " + "; ".join(serving_problems(family["serving"]))
         )
-    print(f"{args.draft_dir}: OK (SGLang {ARCH} contract)")
+    name = algorithms.of_export(json.loads((Path(args.draft_dir) / "config.json").read_text())).NAME
+    print(f"{args.draft_dir}: OK (SGLang {ARCH} contract, {name})")
 
 
 if __name__ == "__main__":

@@ -14,6 +14,11 @@ Reference: `sglang/srt/models/llama_eagle3.py` of the pinned sglang==0.5.23 whee
 (`hidden_states_to_aux` of its fused final norm). The input embedding is the target's, frozen,
 and lives outside this module (it is never saved): callers pass `input_embeds`.
 
+EAGLE-3.1 (`DraftConfig.algorithm` "eagle3.1", draftsmith.algorithms) switches on two pieces
+both engines read from the exported config.json: `fc_norm`, one RMSNorm per aux state before
+fc (`project`), and `norm_output`, the post-norm state `norm(out)` fed back instead of `out`
+(`feedback`). Callers chain steps with `hidden = draft.feedback(out)`.
+
 Attention goes through a cache object with one method, `attend(q, k, v)`:
 `KVCache` for incremental decoding and `TTTCache` for training-time test, whose visibility
 rule (`ttt_visibility`) is spelled out as an explicit mask for tests.
@@ -30,6 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from draftsmith import algorithms
 from draftsmith.families import DRAFT_ROPE as SUPPORTED_ROPE
 from draftsmith.families import target_rope
 
@@ -51,6 +57,7 @@ class DraftConfig:
     max_position_embeddings: int = 8192
     hidden_act: str = "silu"
     extra: dict = field(default_factory=dict)  # provenance only (e.g. dropped rope scaling)
+    algorithm: str = algorithms.DEFAULT  # draft.algorithm: which switches `flags` turns on
 
     def __post_init__(self):
         if self.hidden_act != "silu":
@@ -68,6 +75,7 @@ class DraftConfig:
             raise ValueError(
                 f"draft_vocab_size {self.draft_vocab_size} must be in [1, {self.vocab_size}]"
             )
+        algorithms.get(self.algorithm)  # an unknown name is refused here
         if self.rope_scaling is not None:
             kind = _rope_type(self.rope_scaling)
             if kind not in SUPPORTED_ROPE:
@@ -77,8 +85,23 @@ class DraftConfig:
     def num_aux(self) -> int:
         return len(self.aux_layer_ids)
 
+    @property
+    def fc_norm(self) -> bool:
+        """One RMSNorm per aux state before fc (EAGLE-3.1)."""
+        return bool(algorithms.get(self.algorithm).DRAFT.get("fc_norm"))
+
+    @property
+    def norm_output(self) -> bool:
+        """The post-norm output is fed back between draft steps (EAGLE-3.1)."""
+        return bool(algorithms.get(self.algorithm).DRAFT.get("norm_output"))
+
     def to_dict(self) -> dict:
-        return asdict(self)
+        """The fields; `algorithm` only when not the default (the default's provenance is the
+        one written before the field existed)."""
+        out = asdict(self)
+        if out["algorithm"] == algorithms.DEFAULT:
+            del out["algorithm"]
+        return out
 
     @classmethod
     def from_dict(cls, d: dict) -> DraftConfig:
@@ -435,6 +458,10 @@ class Eagle3Draft(nn.Module):
         super().__init__()
         self.config = cfg
         self.fc = nn.Linear(cfg.num_aux * cfg.target_hidden_size, cfg.hidden_size, bias=False)
+        if cfg.fc_norm:  # EAGLE-3.1: checkpoint names fc_norm.{i}.weight, ones at start
+            self.fc_norm = nn.ModuleList(
+                RMSNorm(cfg.target_hidden_size, cfg.rms_norm_eps) for _ in range(cfg.num_aux)
+            )
         self.midlayer = MidLayer(cfg)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
@@ -455,15 +482,24 @@ class Eagle3Draft(nn.Module):
         self.t2d.copy_(t2d.bool())
 
     def project(self, aux: torch.Tensor) -> torch.Tensor:
-        """Target aux states [B,T,3*H_t] (SGLang layer-id order) -> step-0 hidden [B,T,H]."""
+        """Target aux states [B,T,3*H_t] (SGLang layer-id order) -> step-0 hidden [B,T,H].
+        With fc_norm each aux state is RMS-normed by its own norm first."""
+        if self.config.fc_norm:
+            chunks = aux.chunk(self.config.num_aux, dim=-1)
+            aux = torch.cat([norm(c) for norm, c in zip(self.fc_norm, chunks, strict=True)], dim=-1)
         return self.fc(aux)
 
     def step(self, input_embeds, hidden, position_ids, kv_cache=None) -> torch.Tensor:
         """One draft step. input_embeds: target embedding of the token after each position;
-        hidden: project(aux) at step 0, else the previous step's output. Returns the pre-norm
-        output [B,T,H], which is both the next step's `hidden` and the input of `logits`."""
+        hidden: project(aux) at step 0, else `feedback` of the previous step's output. Returns
+        the pre-norm output [B,T,H], the input of `logits` and of `feedback`."""
         cache = CausalAttention() if kv_cache is None else kv_cache
         return self.midlayer(input_embeds, hidden, position_ids, cache)
+
+    def feedback(self, out: torch.Tensor) -> torch.Tensor:
+        """The next draft step's `hidden` from this step's output: `out` itself (EAGLE-3), or
+        with norm_output the final norm of it, the state lm_head reads (EAGLE-3.1)."""
+        return self.norm(out) if self.config.norm_output else out
 
     def logits(self, hidden_out: torch.Tensor) -> torch.Tensor:
         """[..., H] -> draft-vocab logits [..., K] (final norm, then lm_head)."""

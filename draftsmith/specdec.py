@@ -8,7 +8,8 @@ The engine is what SGLang's EAGLE worker does with top-k 1, in plain PyTorch at 
 2. The draft extends its own KV cache over the positions whose target features are known: at
    position p its input is `(embed(token[p + 1]), fc(aux[p]))`, so the output at the last position
    predicts the token after the one the target just produced.
-3. The draft proposes `num_steps` tokens autoregressively from its own (pre-norm) hidden states.
+3. The draft proposes `num_steps` tokens autoregressively from its own hidden states
+   (pre-norm; post-norm for EAGLE-3.1, `Eagle3Draft.feedback`).
 4. The target verifies `[last token, proposals...]` in one forward; the longest prefix of proposals
    equal to the target's argmax is accepted, plus the target's token at the first disagreement
    (the correction). Both caches are cropped back to the accepted positions and the draft is
@@ -247,7 +248,8 @@ class DraftRunner:
         props = [self._token(hidden)]
         for j in range(k - 1):
             emb = self.embed(torch.tensor([[props[-1]]], device=self.cache_device))
-            hidden = self.draft.step(emb, hidden, self._pos(self.positions + j, 1), self.cache)
+            fed = self.draft.feedback(hidden)  # the pre-norm output, or its norm (EAGLE-3.1)
+            hidden = self.draft.step(emb, fed, self._pos(self.positions + j, 1), self.cache)
             props.append(self._token(hidden))
         return props
 

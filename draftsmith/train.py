@@ -53,6 +53,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from draftsmith import algorithms
 from draftsmith.checkpoint import latest_checkpoint, load_checkpoint, reset_metrics, save_checkpoint
 from draftsmith.common import (
     atomic_path,
@@ -150,6 +151,7 @@ def build_draft(cfg: dict, inputs: Inputs, device):
     dcfg = DraftConfig.from_target_config(
         inputs.target_cfg, cfg["draft"]["vocab_size"], inputs.aux_ids
     )
+    dcfg.algorithm = algorithms.of_config(cfg).NAME  # draft.algorithm (x-omit-default)
     torch.manual_seed(cfg["train"]["seed"])
     draft = Eagle3Draft(dcfg)
     draft.set_vocab(inputs.d2t, inputs.t2d)

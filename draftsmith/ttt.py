@@ -257,7 +257,7 @@ class TTTObjective(nn.Module):
             src = idx[kept] + j + 1  # the teacher at t + j + 1 (same row, so same pack)
             ce.append(soft_cross_entropy(teacher[src], target_p[src], rest[src], logq))
             correct.append((logq.argmax(-1) == target_top[src]).sum().float())
-            hidden = out
+            hidden = self.draft.feedback(out)  # what the engines feed the next draft step
         return torch.stack(ce), torch.stack(correct)
 
 

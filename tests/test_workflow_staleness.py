@@ -234,3 +234,13 @@ def test_only_configured_ranges_are_targets(built: Path, target, message):
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0
     assert message in out and f"{R0}, {R1}" in out, out[-3000:]
+
+
+def test_draft_algorithm_at_its_default_reruns_nothing(project: Path, tiny_target: Path):
+    """draft.algorithm written at its default reruns nothing (x-omit-default); eagle3.1 reruns
+    exactly the draft's training and the benchmark that reads the draft."""
+    cfg = tiny_config(tiny_target)
+    set_config(project, tiny_config(tiny_target, draft={**cfg["draft"], "algorithm": "eagle3"}))
+    assert stale(project) == {}
+    set_config(project, tiny_config(tiny_target, draft={**cfg["draft"], "algorithm": "eagle3.1"}))
+    assert stale(project) == {"train": 1, "bench": 1}

@@ -1,0 +1,42 @@
+"""EAGLE-3.1: the EAGLE-3 draft plus two switches both engines read from config.json.
+
+- `fc_norm: true`: one RMSNorm (target hidden width, initialised to ones) on each aux state
+  before they are concatenated into fc; tensors `fc_norm.{i}.weight`, one per aux layer.
+- `norm_output: true`: the state fed back as the next draft step's hidden state is the output
+  after the final norm (the one lm_head reads), not the pre-norm output. Training feeds the
+  same state back between its TTT steps, so the draft is trained as it is served.
+
+Same architecture name as EAGLE-3 (`LlamaForCausalLMEagle3`). `norm_before_residual` stays
+off (SGLang does not implement it). vLLM's speculators-format translation of an "eagle3"
+config does not carry these two keys over, so no speculators copy is written: vLLM is given
+the draft directory itself (config.json + model.safetensors).
+"""
+
+from __future__ import annotations
+
+NAME = "eagle3.1"
+DRAFT = {"fc_norm": True, "norm_output": True}
+SPECULATORS = False
+
+
+def _n_aux(c: dict) -> int:
+    return len((c.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids") or [])
+
+
+def export_keys(cfg) -> dict:
+    return {"fc_norm": True, "norm_output": True}
+
+
+def extra_params(c: dict) -> dict[str, tuple]:
+    """SGLang's `model.fc_norm.{i}.weight`, one [target_hidden] norm per aux state."""
+    width = c.get("target_hidden_size", c.get("hidden_size"))
+    return {f"model.fc_norm.{i}.weight": (width,) for i in range(_n_aux(c))}
+
+
+def config_problems(c: dict) -> list[str]:
+    return [
+        f"config.json {k} is {c.get(k)!r}: an EAGLE-3.1 draft needs {k} true (the engines "
+        "would serve another layer than the one trained)"
+        for k in ("fc_norm", "norm_output")
+        if c.get(k) is not True
+    ]
