@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_capture import random_tokens
 
 from draftsmith.capture_base import plan_batches
 from draftsmith.engines.hf import PAD_MULTIPLE, capture_shard, forward_states, pad_rows
@@ -29,17 +30,6 @@ def load(path, dtype):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
-
-
-def random_tokens(vocab: int, lengths: list[int], seed: int = 0) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    total = sum(lengths)
-    offsets = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
-    return {
-        "input_ids": torch.randint(0, vocab, (total,), generator=g),
-        "loss_mask": (torch.rand(total, generator=g) > 0.4).to(torch.uint8),
-        "row_offsets": offsets,
-    }
 
 
 def capture(model, tok, path, dtype, batch_tokens, storage=None, draft_ids=None, ids=IDS) -> dict:
