@@ -52,21 +52,10 @@ def test_the_default_algorithm_stales_nothing():
 
 
 def tiny(algorithm: str, seed: int = 0):
-    from draftsmith.model import DraftConfig, Eagle3Draft
+    """test_model's random tiny draft, of `algorithm`."""
+    from test_model import tiny_draft
 
-    torch.manual_seed(seed)
-    cfg = DraftConfig.tiny()
-    cfg.algorithm = algorithm
-    draft = Eagle3Draft(cfg)
-    with torch.no_grad():  # non-trivial norms so that where they apply matters
-        for name, p in draft.named_parameters():
-            if "norm" in name:  # fc_norm.{i}.weight too
-                p.uniform_(0.5, 1.5)
-    hot = torch.sort(torch.randperm(cfg.vocab_size)[: cfg.draft_vocab_size]).values
-    t2d = torch.zeros(cfg.vocab_size, dtype=torch.bool)
-    t2d[hot] = True
-    draft.set_vocab(hot - torch.arange(cfg.draft_vocab_size), t2d)
-    return draft.eval()
+    return tiny_draft(seed, algorithm)
 
 
 def test_eagle3_draft_is_unchanged_and_eagle31_adds_fc_norm():

@@ -38,13 +38,14 @@ SMOLLM2 = {  # results/target/config.json of the embedded default (transformers 
 }
 
 
-def tiny_draft(seed: int = 0, **kw) -> Eagle3Draft:
+def tiny_draft(seed: int = 0, algorithm: str = "eagle3", **kw) -> Eagle3Draft:
     torch.manual_seed(seed)
     cfg = DraftConfig.tiny(**kw)
+    cfg.algorithm = algorithm
     draft = Eagle3Draft(cfg)
     with torch.no_grad():  # non-trivial norms so their placement matters
         for name, p in draft.named_parameters():
-            if name.endswith("norm.weight"):
+            if "norm" in name:  # every *norm.weight, and eagle3.1's fc_norm.{i}.weight
                 p.uniform_(0.5, 1.5)
     hot = torch.sort(torch.randperm(cfg.vocab_size)[: cfg.draft_vocab_size]).values
     t2d = torch.zeros(cfg.vocab_size, dtype=torch.bool)
