@@ -30,7 +30,7 @@ from wf import ROOT, snakemake, write_config
 
 from draftsmith.server import server_processes
 
-pytestmark = [pytest.mark.slow, pytest.mark.sglang, pytest.mark.workflow]
+pytestmark = [pytest.mark.slow, pytest.mark.sglang, pytest.mark.workflow, pytest.mark.extended]
 
 RANGE = "rows_000000-000064"  # the workflow's one range
 PART = "rows_000000-000016"  # what the kill tests regenerate (its rows are RANGE's first 16)

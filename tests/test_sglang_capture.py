@@ -260,6 +260,7 @@ def test_sglang_shard_equals_hf_despite_bad_dump_and_killed_server(capture_setup
 
 @pytest.mark.slow
 @pytest.mark.sglang
+@pytest.mark.extended
 def test_persistently_wrong_dump_fails_naming_the_row(capture_setup):
     out = capture_setup["work"] / "bad" / "rows_000010-000016.safetensors"
     run = sglang_capture(capture_setup, out, {"bad_dump": {"row": 3, "times": 99}}, retries=1)
@@ -336,6 +337,7 @@ c.update(moe_layer_freq=1, scoring_func="sigmoid", topk_method="noaux_tc")  # De
 
 @pytest.mark.slow
 @pytest.mark.sglang
+@pytest.mark.extended
 def test_dump_server_refuses_radix_cache_and_chunked_prefill(capture_setup, tmp_path):
     """A dump server that could prefill a prompt in part (radix cache on, chunked prefill on)
     does not start: the scheduler fails with the reasons, the supervisor reports them."""

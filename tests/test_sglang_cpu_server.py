@@ -156,6 +156,7 @@ def test_validate_env_proves_the_compatibility_layer_is_active(python):
     assert any("import failed" in p for p in problems), problems
 
 
+@pytest.mark.extended  # four server starts, about 6 minutes on 2 cores
 def test_eagle3_output_equals_plain_greedy_topk_1_2_4(python, target, tmp_path):
     plain = serve(python, target)
     assert all(len(r["output_ids"]) == NEW_TOKENS for r in plain)

@@ -77,12 +77,20 @@ def metrics(path: Path) -> list[tuple]:
     return [(r["step"], r["loss"], r["acc_per_pos"]) for r in rows]
 
 
-@pytest.fixture()
-def captured(tmp_path: Path, tiny_target: Path) -> Path:
-    """A tiny project with everything up to the shards built."""
-    work = tmp_path / "run"
+@pytest.fixture(scope="module")
+def captured_once(tmp_path_factory, tiny_target: Path) -> Path:
+    """A tiny project with everything up to the shards built (about 100 s: built once)."""
+    work = tmp_path_factory.mktemp("stop") / "run"
     write_config(work, tiny_config(tiny_target, train=TRAIN))
     snakemake(work, "--cores", "2", "results/vocab/vocab.safetensors", "--", "hidden")
+    return work
+
+
+@pytest.fixture()
+def captured(captured_once: Path, tmp_path: Path) -> Path:
+    """A copy of that project for one test (copytree keeps the files' times: nothing stale)."""
+    work = tmp_path / "run"
+    shutil.copytree(captured_once, work, symlinks=True)
     return work
 
 
