@@ -43,9 +43,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from draftsmith import algorithms, layerids
+from draftsmith import algorithms, layerids, serving
 from draftsmith.common import atomic_write_json, fsync_dir
-from draftsmith.families import family_facts, serving_findings
+from draftsmith.families import family_facts
 from draftsmith.finite import metrics_problem, nonfinite_tensors
 from draftsmith.layout import LayoutError, read_pieces
 from draftsmith.model import DraftConfig, Eagle3Draft
@@ -87,10 +87,6 @@ def target_family(target_dir, cfg: DraftConfig, trained_length: int) -> dict:
     return facts
 
 
-def serving_problems(findings: list[dict]) -> list[str]:
-    return [f"{f['engine']}: {f['file']}: {f['reason']}" for f in findings]
-
-
 def serve_gate(target_dir, mode: str, ids: list[int] | None = None) -> None:
     """draft.serve_check strict: refuse, before training, a target an engine of the pinned
     wheels cannot serve an EAGLE-3 draft for (or serves with other aux states). Aux layer ids
@@ -104,7 +100,7 @@ def serve_gate(target_dir, mode: str, ids: list[int] | None = None) -> None:
                 f"{target_dir}: a pinned engine would feed the draft other layers than "
                 "training uses:\n  " + "\n  ".join(bad)
             )
-    problems = serving_problems(serving_findings(full))
+    problems = serving.problems(serving.findings(full))
     if problems and mode == "strict":
         raise ExportError(
             f"{target_dir}: draft.serve_check is strict and a pinned engine cannot serve this "
@@ -574,10 +570,9 @@ def main(argv: list[str] | None = None) -> None:
     family = json.loads(prov.read_text()).get("target_family") if prov.is_file() else None
     for w in (family or {}).get("warnings", []):
         print(f"{args.draft_dir}: warning: {w}", file=sys.stderr)
-    if args.strict and family and family["serving"]:
-        raise SystemExit(
-            f"{args.draft_dir}: --strict: " + "; ".join(serving_problems(family["serving"]))
-        )
+    bad = serving.problems((family or {}).get("serving", []))
+    if args.strict and bad:
+        raise SystemExit(f"{args.draft_dir}: --strict: " + "; ".join(bad))
     name = algorithms.of_export(json.loads((Path(args.draft_dir) / "config.json").read_text())).NAME
     print(f"{args.draft_dir}: OK (SGLang {ARCH} contract, {name})")
 

@@ -1,4 +1,6 @@
-"""What differs between target families, in one place: the final norm's weight convention.
+"""What differs between target families, in one place: the final norm's weight convention, the
+RoPE the draft mirrors, and the facts the export records about the family (with which engine can
+serve its draft: draftsmith.serving).
 
 Gemma-style RMSNorm multiplies by `1 + w` (the stored weight is centred on 0), where Llama's
 multiplies by `w`. The draft (SGLang's `LlamaForCausalLMEagle3`, `draftsmith.model.RMSNorm`)
@@ -126,52 +128,21 @@ def rope_note(rope: dict, draft_scaling: dict | None, trained_length: int) -> st
     )
 
 
-# ---------------------------------------------------------------------------------------------
-# Serving: which engine can serve an EAGLE-3 draft for which target, from the pinned wheels
-
-# (engine, model_type) -> (the wheel's model file, verdict, reason). "refuse": the engine cannot
-# serve the draft; "mismatch": it serves it with aux states other than the ones trained on.
-SERVING = {
-    ("sglang", "gemma2"): (
-        "sglang==0.5.23 sglang/srt/models/gemma2.py",
-        "refuse",
-        "Gemma2ForCausalLM has no EAGLE-3 capture (no set_eagle3_layers_to_capture): SGLang "
-        "cannot serve an EAGLE-3 draft for a Gemma-2 target",
-    ),
-    ("sglang", "gemma3_text"): (
-        "sglang==0.5.23 sglang/srt/models/gemma3_causal.py",
-        "mismatch",
-        "Gemma3ForCausalLM captures each layer's input without the residual it carries "
-        "separately (code reading), not the residual stream the draft is trained on: "
-        "acceptance served there may be lower than the benchmark's",
-    ),
-}
-SERVING[("sglang", "gemma3")] = SERVING[("sglang", "gemma3_text")]
-
-
-def serving_findings(cfg: dict) -> list[dict]:
-    """[{"engine", "file", "verdict", "reason"}] the table knows for this target config."""
-    out = []
-    for kind in dict.fromkeys(model_types(cfg)):
-        for (engine, model_type), (where, verdict, reason) in SERVING.items():
-            if model_type == kind and not any(f["engine"] == engine for f in out):
-                out.append({"engine": engine, "file": where, "verdict": verdict, "reason": reason})
-    return out
-
-
 def family_facts(cfg: dict, draft_scaling: dict | None, trained_length: int) -> dict:
     """What the export records about the target family (provenance `target_family`) and the
-    warnings it prints: norm convention, RoPE, serving per engine."""
+    warnings it prints: norm convention, RoPE, serving per engine (draftsmith.serving)."""
+    from draftsmith import serving
+
     rope = target_rope(cfg)
     note = rope_note(rope, draft_scaling, trained_length)
-    serving = serving_findings(cfg)
+    found = serving.findings(cfg)
     warnings = [f"RoPE: {note}"] if note else []
-    warnings += [f"{f['engine']} ({f['file']}): {f['reason']}" for f in serving]
+    warnings += serving.warnings(found)
     return {
         "model_types": model_types(cfg),
         "architectures": architectures(cfg),
         "norm": norm_convention(cfg),
         "rope": {**rope, "draft_scaling": draft_scaling, "trained_length": trained_length},
-        "serving": serving,
+        "serving": found,
         "warnings": warnings,
     }

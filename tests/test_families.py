@@ -192,53 +192,6 @@ def test_rope_the_draft_carries_warns_nothing():
 
 
 # ---------------------------------------------------------------------------------------------
-# Serving
-
-
-def test_serving_table_names_engine_file_and_reason():
-    from draftsmith.families import serving_findings
-
-    [g2] = serving_findings({"model_type": "gemma2"})
-    assert g2["engine"] == "sglang" and g2["file"].endswith("sglang/srt/models/gemma2.py")
-    assert g2["verdict"] == "refuse" and "set_eagle3_layers_to_capture" in g2["reason"]
-    wrapped = {"model_type": "gemma3", "text_config": {"model_type": "gemma3_text"}}
-    [g3] = serving_findings(wrapped)
-    assert g3["file"].endswith("gemma3_causal.py") and "residual" in g3["reason"]
-    assert serving_findings({"model_type": "llama"}) == []
-
-
-def test_serve_gate_refuses_under_strict_only(tmp_path):
-    from draftsmith.export import ExportError, serve_gate
-
-    (tmp_path / "config.json").write_text('{"model_type": "gemma2"}')
-    serve_gate(tmp_path, "warn")
-    with pytest.raises(ExportError, match=r"(?s)strict.*sglang.*gemma2\.py.*no EAGLE-3 capture"):
-        serve_gate(tmp_path, "strict")
-    (tmp_path / "config.json").write_text('{"model_type": "qwen3"}')
-    serve_gate(tmp_path, "strict")
-
-
-def test_export_check_warns_and_refuses_under_strict(tmp_path, capsys):
-    """The export records the family facts; `export check` prints them; --strict refuses."""
-    from draftsmith.export import export_draft, main, target_family
-    from draftsmith.model import DraftConfig, Eagle3Draft
-
-    (tmp_path / "target").mkdir()
-    (tmp_path / "target" / "config.json").write_text('{"model_type": "gemma2"}')
-    draft = Eagle3Draft(DraftConfig.tiny(vocab_size=64, draft_vocab_size=64))  # identity vocab
-    family = target_family(tmp_path / "target", draft.config, 128)
-    c, out = draft.config, tmp_path / "draft"
-    embed = torch.zeros(c.vocab_size, c.target_hidden_size)
-    verifier = {"name_or_path": "t", "architectures": ["Gemma2ForCausalLM"]}
-    export_draft(draft, out, {}, embed=embed, verifier=verifier, family=family)
-    main(["check", str(out)])
-    err = capsys.readouterr().err
-    assert "warning: sglang (sglang==0.5.23 sglang/srt/models/gemma2.py)" in err
-    with pytest.raises(SystemExit, match="--strict: sglang: .*gemma2.py"):
-        main(["check", str(out), "--strict"])
-
-
-# ---------------------------------------------------------------------------------------------
 # Training: a Gemma-style target's draft learns like a Llama one's at the same settings
 
 
