@@ -78,7 +78,8 @@ def target_family(target_dir, cfg: DraftConfig, trained_length: int) -> dict:
     facts = family_facts(full, cfg.rope_scaling, trained_length)
     view = layerids.target_view(full)
     facts["layer_ids"] = {"target": view, **layerids.resolve(sglang_config(cfg), view)}
-    if not facts["layer_ids"]["sglang_known"]:
+    refused = {f["engine"] for f in facts["serving"] if f["verdict"] == "refuse"}
+    if not facts["layer_ids"]["sglang_known"] and "sglang" not in refused:
         klass = view["architectures"][0] if view["architectures"] else "(config.json names none)"
         facts["warnings"].append(
             f"layer ids: class {klass} is not in draftsmith.layerids' table of SGLang 0.5.23's "

@@ -175,3 +175,30 @@ def test_vllm_table_matches_the_pinned_wheel():
         assert f'"{klass}": ("{name[:-3]}", "{klass}")' in registry, (klass, file)
         assert supports_eagle3(models, name, klass) == (capture != "none"), klass
         check_evidence(site, evidence)
+
+
+def test_bench_report_carries_the_family_warnings(tmp_path):
+    """The bench report (report.md, summary.html) lists the export's family warnings right
+    under its title (and the gate line), where the user reads the result."""
+    from draftsmith.bench import family_warnings, render_html, render_md
+
+    out = export_for(tmp_path, GEMMA2)
+    warnings = family_warnings(out)
+    assert [w.split(" ")[0] for w in warnings] == ["sglang", "vllm"]
+    report = {
+        "family_warnings": warnings,
+        "method": "Method.",
+        "sets": {},
+        "training": {"steps": 1, "final_loss": 1.0, "final_acc_per_pos": [0.5]},
+        "target_fingerprint": "0" * 64,
+        "draft_fingerprint": {},
+        "aux_layer_ids": [0, 1, 2],
+        "draft_vocab_size": 64,
+        "versions": {},
+    }
+    lines = render_md(report).splitlines()
+    assert lines[2].startswith("**Before serving")
+    assert lines[4] == f"- {warnings[0]}" and lines[5] == f"- {warnings[1]}"
+    assert "gemma2.py" in render_html(report)
+    assert family_warnings(tmp_path) == []  # no provenance: an older draft
+    assert "Before serving" not in render_md({**report, "family_warnings": []})
