@@ -29,7 +29,12 @@ SG = "sglang/srt/models/"
 VL = "vllm/model_executor/models/"
 
 # evidence shared by several classes
-SG_BOUNDARY = ("sglang/srt/layers/layer_boundary/stage.py", "capture(value + previous, owned=True)")
+# SGLang's layer boundary captures the residual stream at a layer's input: `capture=` (the
+# embeddings, or the sum completed before the norm) and `capture_gathered=` (the residual after
+# the add + norm)
+STAGE = "sglang/srt/layers/layer_boundary/stage.py"
+SG_BOUNDARY = ((STAGE, "capture(value + previous, owned=True)"), (STAGE, "value = stream.residual"))
+SG_GATHERED = ((STAGE, "residual_value = stream.residual"),)
 SG_LLAMA = (SG + "llama.py", "capture_output=aux_hidden_states.capture")
 VL_MIXIN = (
     VL + "interfaces.py",
@@ -42,26 +47,57 @@ VL_REFUSES = ("vllm/v1/worker/gpu_model_runner.py", "Model does not support EAGL
 
 # (engine, class) -> (model file, capture, evidence)
 TABLE: dict[tuple[str, str], tuple[str, str, tuple[tuple[str, str], ...]]] = {
-    ("sglang", "LlamaForCausalLM"): (SG + "llama.py", "stream", (SG_LLAMA, SG_BOUNDARY)),
-    ("sglang", "Phi3ForCausalLM"): (SG + "llama.py", "stream", (SG_LLAMA, SG_BOUNDARY)),
-    ("sglang", "MistralForCausalLM"): (SG + "mistral.py", "stream", (SG_LLAMA, SG_BOUNDARY)),
+    ("sglang", "LlamaForCausalLM"): (SG + "llama.py", "stream", (SG_LLAMA, *SG_BOUNDARY)),
+    ("sglang", "Phi3ForCausalLM"): (SG + "llama.py", "stream", (SG_LLAMA, *SG_BOUNDARY)),
+    ("sglang", "MistralForCausalLM"): (SG + "mistral.py", "stream", (SG_LLAMA, *SG_BOUNDARY)),
     ("sglang", "Qwen2ForCausalLM"): (
         SG + "qwen2.py",
         "stream",
-        ((SG + "qwen2.py", "capture_output=aux_hidden_states.capture"), SG_BOUNDARY),
+        ((SG + "qwen2.py", "capture_output=aux_hidden_states.capture"), *SG_BOUNDARY),
     ),
     ("sglang", "Qwen3ForCausalLM"): (
         SG + "qwen3.py",
         "stream",
-        ((SG + "qwen3.py", "capture_output=aux_hidden_states.capture"), SG_BOUNDARY),
+        ((SG + "qwen3.py", "capture_output=aux_hidden_states.capture"), *SG_BOUNDARY),
     ),
     ("sglang", "DeepseekV2ForCausalLM"): (
         SG + "deepseek_v2.py",
         "stream",
+        ((SG + "deepseek_v2.py", "captured_last_layer_outputs=aux_hidden_states"), *SG_GATHERED),
+    ),
+    ("sglang", "Qwen2MoeForCausalLM"): (
+        SG + "qwen2_moe.py",
+        "stream",
+        ((SG + "qwen2_moe.py", "captured_last_layer_outputs=aux_hidden_states"), *SG_GATHERED),
+    ),
+    ("sglang", "Qwen3MoeForCausalLM"): (
+        SG + "qwen3_moe.py",
+        "stream",
         (
-            (SG + "deepseek_v2.py", "captured_last_layer_outputs=aux_hidden_states"),
-            ("sglang/srt/layers/layer_boundary/stage.py", "capture_gathered.capture("),
+            (SG + "qwen3_moe.py", "class Qwen3MoeModel(Qwen2MoeModel):"),
+            (SG + "qwen2_moe.py", "captured_last_layer_outputs=aux_hidden_states"),
+            *SG_GATHERED,
         ),
+    ),
+    ("sglang", "MiniMaxM2ForCausalLM"): (
+        SG + "minimax_m2.py",
+        "stream",
+        ((SG + "minimax_m2.py", "captured_last_layer_outputs=aux_hidden_states"), *SG_GATHERED),
+    ),
+    ("sglang", "GptOssForCausalLM"): (
+        SG + "gpt_oss.py",
+        "stream",
+        ((SG + "gpt_oss.py", "capture_output=aux_hidden_states.capture"), *SG_BOUNDARY),
+    ),
+    ("sglang", "Llama4ForCausalLM"): (
+        SG + "llama4.py",
+        "stream",
+        ((SG + "llama4.py", "capture_output=aux_hidden_states.capture"), *SG_BOUNDARY),
+    ),
+    ("sglang", "Glm4MoeForCausalLM"): (
+        SG + "glm4_moe.py",
+        "stream",
+        ((SG + "glm4_moe.py", "capture_output=aux_hidden_states.capture"), *SG_BOUNDARY),
     ),
     ("sglang", "GemmaForCausalLM"): (SG + "gemma.py", "none", ()),
     ("sglang", "Gemma2ForCausalLM"): (SG + "gemma2.py", "none", ()),
@@ -101,6 +137,42 @@ TABLE: dict[tuple[str, str], tuple[str, str, tuple[tuple[str, str], ...]]] = {
         "stream",
         ((VL + "kimi_k25.py", 'architectures=["DeepseekV2ForCausalLM"]'), VL_DEEPSEEK),
     ),
+    ("vllm", "Qwen2MoeForCausalLM"): (VL + "qwen2_moe.py", "none", (VL_REFUSES,)),
+    ("vllm", "Qwen3MoeForCausalLM"): (
+        VL + "qwen3_moe.py",
+        "stream",
+        (
+            (VL + "qwen3_moe.py", "aux_hidden_states, layer_idx + 1, hidden_states, residual"),
+            VL_MIXIN,
+        ),
+    ),
+    ("vllm", "MiniMaxM2ForCausalLM"): (
+        VL + "minimax_m2.py",
+        "stream",
+        ((VL + "minimax_m2.py", "aux_hidden_states, idx + 1, hidden_states, residual"), VL_MIXIN),
+    ),
+    ("vllm", "GptOssForCausalLM"): (
+        VL + "gpt_oss.py",
+        "stream",
+        (
+            (
+                VL + "gpt_oss.py",
+                "self._maybe_add_hidden_state(aux_hidden_states, i + 1, x, residual)",
+            ),
+            VL_MIXIN,
+        ),
+    ),
+    ("vllm", "Llama4ForCausalLM"): (
+        VL + "llama4.py",
+        "stream",
+        ((VL + "llama4.py", "class Llama4Model(LlamaModel):"), VL_LLAMA, VL_MIXIN),
+    ),
+    ("vllm", "Llama4ForConditionalGeneration"): (
+        VL + "mllama4.py",
+        "stream",
+        ((VL + "mllama4.py", "model_class=Llama4ForCausalLM,"), VL_LLAMA, VL_MIXIN),
+    ),
+    ("vllm", "Glm4MoeForCausalLM"): (VL + "glm4_moe.py", "none", (VL_REFUSES,)),
     ("vllm", "GemmaForCausalLM"): (VL + "gemma.py", "none", (VL_REFUSES,)),
     ("vllm", "Gemma2ForCausalLM"): (VL + "gemma2.py", "none", (VL_REFUSES,)),
     ("vllm", "Gemma3ForCausalLM"): (VL + "gemma3.py", "none", (VL_REFUSES,)),

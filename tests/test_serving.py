@@ -27,6 +27,10 @@ SERVED = {
     "mistral": {"architectures": ["MistralForCausalLM"]},
     "deepseek_v3": {"architectures": ["DeepseekV3ForCausalLM"]},
     "kimi_k25": {"architectures": ["KimiK25ForConditionalGeneration"]},
+    "qwen3_moe": {"architectures": ["Qwen3MoeForCausalLM"]},
+    "gpt_oss": {"architectures": ["GptOssForCausalLM"]},
+    "minimax_m2": {"architectures": ["MiniMaxM2ForCausalLM"]},
+    "llama4": {"architectures": ["Llama4ForConditionalGeneration"]},  # SGLang: its LM's class
 }
 
 
@@ -61,6 +65,13 @@ def test_gemma3_sglang_captures_without_the_residual():
     assert vl["verdict"] == "refuse" and vl["file"].endswith("models/gemma3_mm.py")
     assert verdicts({"model_type": "gemma3_text"}) == {"sglang": "mismatch", "vllm": "refuse"}
     assert [p.split(":")[0] for p in serving.problems([sg, vl])] == ["sglang", "vllm"]
+
+
+@pytest.mark.parametrize("klass", ["Qwen2MoeForCausalLM", "Glm4MoeForCausalLM"])
+def test_moe_classes_vllm_cannot_serve(klass):
+    sg, vl = serving.findings({"architectures": [klass]})
+    assert sg["verdict"] == "serves" and vl["verdict"] == "refuse"
+    assert [p.split(":")[0] for p in serving.problems([sg, vl])] == ["vllm"]
 
 
 def test_classes_not_in_the_table_are_reported_unchecked():
@@ -153,6 +164,12 @@ def test_sglang_table_matches_the_pinned_wheel():
     # Gemma-3's capture appends the branch output while the layer returns the residual apart
     text = (models / "gemma3_causal.py").read_text()
     assert "aux_hidden_states.append(hidden_states + residual" not in text
+    # the EAGLE-3 model files that append a bare hidden_states: Gemma-3's (in its layer loop)
+    # and Gemma-4's (after the loop, the last layer's completed output); any other is new
+    files = {f.name: f.read_text() for f in models.glob("*.py")}
+    eagle3 = {n: t for n, t in files.items() if "set_eagle3_layers_to_capture" in t}
+    bare = {n for n, t in eagle3.items() if "aux_hidden_states.append(hidden_states)\n" in t}
+    assert bare == {"gemma3_causal.py", "gemma4_causal.py"}
 
 
 def supports_eagle3(models, file: str, klass: str) -> bool:
