@@ -128,20 +128,45 @@ def rope_note(rope: dict, draft_scaling: dict | None, trained_length: int) -> st
     )
 
 
+def logit_softcap(cfg: dict) -> float | None:
+    """The target's final logit soft-capping (Gemma-2: logits = c * tanh(logits / c), c = 30),
+    from its text config; None when it has none."""
+    text = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else cfg
+    cap = text.get("final_logit_softcapping")
+    return float(cap) if cap else None
+
+
+def softcap_note(cap: float | None) -> str | None:
+    """What a user must know when the target soft-caps its logits: the teacher the draft is
+    trained on (the stored post-norm states through the lm_head) does not."""
+    if not cap:
+        return None
+    return (
+        f"the target soft-caps its logits (final_logit_softcapping {cap:g}: c * tanh(z / c)); "
+        "the teacher the draft was trained on is the uncapped lm_head output, so its soft "
+        "targets are sharper than the target's distribution (same argmax: greedy acceptance "
+        "is unaffected, sampled acceptance may be lower)"
+    )
+
+
 def family_facts(cfg: dict, draft_scaling: dict | None, trained_length: int) -> dict:
     """What the export records about the target family (provenance `target_family`) and the
-    warnings it prints: norm convention, RoPE, serving per engine (draftsmith.serving)."""
+    warnings it prints: norm convention, logit soft-capping, RoPE, serving per engine
+    (draftsmith.serving)."""
     from draftsmith import serving
 
     rope = target_rope(cfg)
     note = rope_note(rope, draft_scaling, trained_length)
     found = serving.findings(cfg)
+    cap = logit_softcap(cfg)
     warnings = [f"RoPE: {note}"] if note else []
+    warnings += [f"logits: {softcap_note(cap)}"] if cap else []
     warnings += serving.warnings(found)
     return {
         "model_types": model_types(cfg),
         "architectures": architectures(cfg),
         "norm": norm_convention(cfg),
+        "logit_softcap": cap,
         "rope": {**rope, "draft_scaling": draft_scaling, "trained_length": trained_length},
         "serving": found,
         "warnings": warnings,

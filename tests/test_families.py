@@ -269,3 +269,21 @@ def test_gemma_targets_train_like_a_llama_one(family, llama_drop, tmp_path):
     assert llama_drop > 0.15
     assert drop > 0.6 * llama_drop, (family, metrics[0]["loss"], metrics[-1]["loss"])
     assert metrics[-1]["acc_per_pos"][0] > metrics[0]["acc_per_pos"][0]
+
+
+def test_logit_softcap_is_recorded_and_warned():
+    """Gemma-2 soft-caps its logits (30 by default); the teacher does not: recorded, warned."""
+    from transformers import AutoConfig
+
+    from draftsmith.families import family_facts, logit_softcap
+
+    gemma2 = AutoConfig.for_model("gemma2", **SMALL).to_dict()
+    assert logit_softcap(gemma2) == 30.0
+    assert logit_softcap(AutoConfig.for_model("gemma3_text", **SMALL).to_dict()) is None
+    assert logit_softcap({"text_config": {"final_logit_softcapping": 20.0}}) == 20.0
+    facts = family_facts(gemma2, None, 300)
+    assert facts["logit_softcap"] == 30.0
+    [note] = [w for w in facts["warnings"] if w.startswith("logits: ")]
+    assert "final_logit_softcapping 30" in note and "greedy acceptance is unaffected" in note
+    llama = AutoConfig.for_model("llama", **SMALL).to_dict()
+    assert family_facts(llama, None, 300)["logit_softcap"] is None
