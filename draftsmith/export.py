@@ -76,6 +76,8 @@ def target_family(target_dir, cfg: DraftConfig, trained_length: int) -> dict:
     from the target's whole config.json (a multimodal wrapper's own model type included)."""
     full = json.loads((Path(target_dir) / "config.json").read_text())
     facts = family_facts(full, cfg.rope_scaling, trained_length)
+    facts["serving"] = serving.findings(full)
+    facts["warnings"] += serving.warnings(facts["serving"])
     view = layerids.target_view(full)
     facts["layer_ids"] = {"target": view, **layerids.resolve(sglang_config(cfg), view)}
     refused = {f["engine"] for f in facts["serving"] if f["verdict"] == "refuse"}

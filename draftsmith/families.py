@@ -151,23 +151,18 @@ def softcap_note(cap: float | None) -> str | None:
 
 def family_facts(cfg: dict, draft_scaling: dict | None, trained_length: int) -> dict:
     """What the export records about the target family (provenance `target_family`) and the
-    warnings it prints: norm convention, logit soft-capping, RoPE, serving per engine
-    (draftsmith.serving)."""
-    from draftsmith import serving
-
+    warnings it prints: norm convention, logit soft-capping, RoPE (the export adds serving per
+    engine, draftsmith.serving)."""
     rope = target_rope(cfg)
     note = rope_note(rope, draft_scaling, trained_length)
-    found = serving.findings(cfg)
     cap = logit_softcap(cfg)
     warnings = [f"RoPE: {note}"] if note else []
     warnings += [f"logits: {softcap_note(cap)}"] if cap else []
-    warnings += serving.warnings(found)
     return {
         "model_types": model_types(cfg),
         "architectures": architectures(cfg),
         "norm": norm_convention(cfg),
         "logit_softcap": cap,
         "rope": {**rope, "draft_scaling": draft_scaling, "trained_length": trained_length},
-        "serving": found,
         "warnings": warnings,
     }
