@@ -247,6 +247,8 @@ def render_md(report: dict, *plots: Path) -> str:
     lines = ["# draftsmith benchmark", ""]
     if gate_line(report):
         lines += [f"**{gate_line(report)}**", ""]
+    if report.get("family_warnings"):
+        lines += [f"**{FAMILY_HEAD}**", "", *(f"- {w}" for w in report["family_warnings"]), ""]
     lines += [text["method"], ""]
     lines.append("| " + " | ".join(table_head(report)) + " |")
     lines.append("|" + "---|" * len(table_head(report)))
@@ -266,6 +268,19 @@ def render_md(report: dict, *plots: Path) -> str:
         "",
     ]
     return "\n".join(lines)
+
+
+FAMILY_HEAD = "Before serving (the export's warnings about the target family):"
+
+
+def family_html(report: dict) -> str:
+    import html
+
+    warnings = report.get("family_warnings") or []
+    if not warnings:
+        return ""
+    items = "".join(f"<li>{html.escape(w)}</li>" for w in warnings)
+    return f"<p><strong>{html.escape(FAMILY_HEAD)}</strong></p><ul>{items}</ul>"
 
 
 def render_html(report: dict, *plots: Path) -> str:
@@ -293,6 +308,7 @@ def render_html(report: dict, *plots: Path) -> str:
         f"<!doctype html><html><head><meta charset='utf-8'><title>draftsmith benchmark</title>"
         f"<style>{style}</style></head><body><h1>draftsmith benchmark</h1>"
         + (f"<p><strong>{html.escape(gate_line(report))}</strong></p>" if gate_line(report) else "")
+        + family_html(report)
         + f"<p>{text['method']}</p><table><tr>{head}</tr>{body}</table>"
         f"<p>Accepted-length histogram (passes accepting 0, 1, ... proposals): {text['hist']}.</p>"
         f"<p>{text['load']}</p><p>{text['training']}</p>{images}<p><small>{text['provenance']}</small></p>"
@@ -463,6 +479,7 @@ def main(argv: list[str] | None = None) -> None:
         "env_stamp": json.loads(args.env_stamp.read_text()),
         "versions": versions(),
         "training": {**training_summary(records), "precision": draft_precision(args.draft)},
+        "family_warnings": family_warnings(args.draft),
         "set_ids": {name: [r["id"] for r in rows] for name, rows in sets.items()},
         "input": screened,
     }
@@ -487,6 +504,17 @@ def training_config(draft_dir: Path) -> dict:
     path = Path(draft_dir) / PROVENANCE
     cfg = json.loads(path.read_text()).get("config", {}) if path.is_file() else {}
     return {k: cfg[k] for k in ("train", "draft", "capture") if k in cfg}
+
+
+def family_warnings(draft_dir: Path) -> list[str]:
+    """The export's warnings about the target family, from the draft's provenance: RoPE the
+    draft does not carry, engines that cannot serve it as trained or were not checked
+    (draftsmith.families, draftsmith.serving); [] for an older draft."""
+    from draftsmith.export import PROVENANCE
+
+    path = Path(draft_dir) / PROVENANCE
+    family = json.loads(path.read_text()).get("target_family") if path.is_file() else None
+    return list((family or {}).get("warnings", []))
 
 
 def draft_precision(draft_dir: Path) -> dict | None:

@@ -35,6 +35,7 @@ LIBRARY = {
     "regenerate_base",
     "repair",
     "sampling",
+    "serving",
     "server",
     "shard_writer",
     "stopping",
