@@ -19,10 +19,12 @@ from draftsmith.offline import (
     judge,
     rates_of,
     split_rows,
+    target_top1,
     tau_estimate,
     text,
 )
 from draftsmith.specdec import DraftRunner
+from draftsmith.storage import Storage
 
 
 def test_tau_estimate_is_one_plus_the_sum_of_reach_products():
@@ -238,3 +240,37 @@ def test_training_writes_the_estimate_from_rows_it_did_not_train_on(tmp_path):
     full = run_train(inputs, tmp_path / "all", cfg_json(epochs=1))
     assert sum(shards) < sum(r["tokens"] for r in full)
     assert not math.isnan(est["tau_est_by_k"][-1])
+
+
+def test_the_targets_argmax_reads_the_same_from_every_storage_mode(tmp_path):
+    """states, trained, top-k over the target and over the draft vocabulary: the same argmax
+    ids (or -1 outside the draft vocabulary) and the same known positions, row by row."""
+    from draftsmith.convert import recode
+    from draftsmith.shards import open_shard
+    from draftsmith.traindata import target_tensors
+    from draftsmith.vocab import load_vocab
+
+    inputs = make_inputs(tmp_path / "in", n_shards=1)
+    lm_head = target_tensors(inputs["target"])["lm_head"]
+    d2t, t2d = load_vocab(inputs["vocab"])
+    src = inputs["shards"][0]
+    modes = {
+        "trained": Storage(final="trained"),
+        "topk": Storage(final="topk", topk=4),
+        "topk_draft": Storage(final="topk", topk=4, topk_vocab="draft"),
+    }
+    shards = {"states": open_shard(src)}
+    for name, st in modes.items():
+        recode(src, tmp_path / name / src.name, st, inputs["target"], "cpu", inputs["vocab"])
+        shards[name] = open_shard(tmp_path / name / src.name)
+    offsets = shards["states"].row_offsets.tolist()
+    outside = 0
+    for a, b in zip(offsets[:-1], offsets[1:], strict=True):
+        want_top, want_known = target_top1(shards["states"], a, b, lm_head, t2d, d2t)
+        assert want_known.any()
+        outside += int((want_known & (want_top < 0)).sum())
+        for name in modes:
+            top, known = target_top1(shards[name], a, b, lm_head, t2d, d2t)
+            assert torch.equal(known, want_known), name
+            assert torch.equal(top, want_top), name
+    assert outside > 0  # the data has argmaxes outside the draft vocabulary: -1 is exercised
