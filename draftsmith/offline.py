@@ -228,6 +228,18 @@ def write(path: Path, report: dict) -> None:
     log.info("offline acceptance estimate -> %s: tau_est %s", path, report.get("tau_est_by_k"))
 
 
+def for_run(cfg: dict, draft: Eagle3Draft, inputs, rows: list, path: Path) -> None:
+    """The trainer's call: estimate on the held-out rows (K = train.ttt_steps) and write it;
+    without held-out rows, a file that says why there is no estimate."""
+    if not rows:
+        write(path, not_computed("train.eval_rows is 0: no rows were held out of training"))
+        return
+    device = next(draft.parameters()).device
+    embed = inputs.heads["embed"].to(device)
+    steps = int(cfg["train"]["ttt_steps"])
+    write(path, estimate(draft, embed, inputs.heads["lm_head"], inputs.shards, rows, steps))
+
+
 # ---------------------------------------------------------------- in the benchmark report
 
 
@@ -275,18 +287,6 @@ def text(cmp: dict | None) -> str:
         f"training rows, greedy): tau_est {cmp['tau_est']:.3f}, accept rate by step {rates}; "
         f"measured tau, gap = measured - estimated: {gaps}{note}."
     )
-
-
-def for_run(cfg: dict, draft: Eagle3Draft, inputs, rows: list, path: Path) -> None:
-    """The trainer's call: estimate on the held-out rows (K = train.ttt_steps) and write it;
-    without held-out rows, a file that says why there is no estimate."""
-    if not rows:
-        write(path, not_computed("train.eval_rows is 0: no rows were held out of training"))
-        return
-    device = next(draft.parameters()).device
-    embed = inputs.heads["embed"].to(device)
-    steps = int(cfg["train"]["ttt_steps"])
-    write(path, estimate(draft, embed, inputs.heads["lm_head"], inputs.shards, rows, steps))
 
 
 def bench_entry(path: Path | None, sets: dict, bench: dict) -> dict | None:
