@@ -45,6 +45,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import time
 from pathlib import Path
 
 import torch
@@ -234,10 +235,12 @@ def for_run(cfg: dict, draft: Eagle3Draft, inputs, rows: list, path: Path) -> No
     if not rows:
         write(path, not_computed("train.eval_rows is 0: no rows were held out of training"))
         return
+    t0 = time.perf_counter()
     device = next(draft.parameters()).device
     embed = inputs.heads["embed"].to(device)
     steps = int(cfg["train"]["ttt_steps"])
-    write(path, estimate(draft, embed, inputs.heads["lm_head"], inputs.shards, rows, steps))
+    found = estimate(draft, embed, inputs.heads["lm_head"], inputs.shards, rows, steps)
+    write(path, {**found, "seconds": round(time.perf_counter() - t0, 2)})
 
 
 # ---------------------------------------------------------------- in the benchmark report
