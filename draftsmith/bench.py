@@ -43,6 +43,8 @@ from draftsmith.common import (
     versions,
 )
 from draftsmith.gate import GateError, check_gate, gate, gate_line  # noqa: F401 (re-exported)
+from draftsmith.offline import bench_entry as offline_estimate
+from draftsmith.offline import text as offline_text
 
 log = logging.getLogger("draftsmith.bench")
 
@@ -225,6 +227,7 @@ def text_blocks(report: dict) -> dict[str, str]:
         "method": report["method"],
         "hist": "; ".join(f"{n}: {r['accept_len_hist']}" for n, r in report["sets"].items()),
         "load": load_text(report),
+        "offline": offline_text(report.get("offline_estimate")),
         "training": (
             f"Training: {tr['steps']} steps{precision_text(tr.get('precision'))}, final loss "
             f"{tr['final_loss']:.3f}, per-position "
@@ -254,6 +257,8 @@ def render_md(report: dict, *plots: Path) -> str:
     lines.append("|" + "---|" * len(table_head(report)))
     lines += ["| " + " | ".join(row) + " |" for row in table_rows(report)]
     lines += [
+        "",
+        text["offline"],
         "",
         *([input_line(report["input"]), ""] if "input" in report else []),
         f"Accepted-length histogram (passes accepting 0, 1, ... proposals): {text['hist']}.",
@@ -309,7 +314,7 @@ def render_html(report: dict, *plots: Path) -> str:
         f"<style>{style}</style></head><body><h1>draftsmith benchmark</h1>"
         + (f"<p><strong>{html.escape(gate_line(report))}</strong></p>" if gate_line(report) else "")
         + family_html(report)
-        + f"<p>{text['method']}</p><table><tr>{head}</tr>{body}</table>"
+        + f"<p>{text['method']}</p><table><tr>{head}</tr>{body}</table><p>{text['offline']}</p>"
         f"<p>Accepted-length histogram (passes accepting 0, 1, ... proposals): {text['hist']}.</p>"
         f"<p>{text['load']}</p><p>{text['training']}</p>{images}<p><small>{text['provenance']}</small></p>"
         "</body></html>\n"
@@ -410,6 +415,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--target", required=True, type=Path, help="results/target")
     ap.add_argument("--metrics", required=True, type=Path, help="results/train/metrics.jsonl")
     ap.add_argument("--env-stamp", required=True, type=Path, help="results/env/<role>.json")
+    ap.add_argument("--offline", type=Path, help="results/train/offline_acceptance.json")
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--run", default="", help="run settings JSON (default: $DRAFTSMITH_RUN)")
     for name in ("report-json", "report-md", "summary-html", "acceptance", "hist", "training"):
@@ -482,6 +488,7 @@ def main(argv: list[str] | None = None) -> None:
         "family_warnings": family_warnings(args.draft),
         "set_ids": {name: [r["id"] for r in rows] for name, rows in sets.items()},
         "input": screened,
+        "offline_estimate": offline_estimate(args.offline, results, bench),
     }
     plot_acceptance(results, args.acceptance)
     plot_hist(results, args.hist)

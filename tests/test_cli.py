@@ -31,6 +31,7 @@ LIBRARY = {
     "lifeline",
     "load",
     "model",
+    "offline",
     "ports",
     "regenerate_base",
     "repair",
