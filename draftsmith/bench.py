@@ -43,6 +43,8 @@ from draftsmith.common import (
     versions,
 )
 from draftsmith.gate import GateError, check_gate, gate, gate_line  # noqa: F401 (re-exported)
+from draftsmith.offline import bench_entry as offline_estimate
+from draftsmith.offline import text as offline_text
 
 log = logging.getLogger("draftsmith.bench")
 
@@ -225,6 +227,7 @@ def text_blocks(report: dict) -> dict[str, str]:
         "method": report["method"],
         "hist": "; ".join(f"{n}: {r['accept_len_hist']}" for n, r in report["sets"].items()),
         "load": load_text(report),
+        "offline": offline_text(report.get("offline_estimate")),
         "training": (
             f"Training: {tr['steps']} steps{precision_text(tr.get('precision'))}, final loss "
             f"{tr['final_loss']:.3f}, per-position "
@@ -247,11 +250,15 @@ def render_md(report: dict, *plots: Path) -> str:
     lines = ["# draftsmith benchmark", ""]
     if gate_line(report):
         lines += [f"**{gate_line(report)}**", ""]
+    if report.get("family_warnings"):
+        lines += [f"**{FAMILY_HEAD}**", "", *(f"- {w}" for w in report["family_warnings"]), ""]
     lines += [text["method"], ""]
     lines.append("| " + " | ".join(table_head(report)) + " |")
     lines.append("|" + "---|" * len(table_head(report)))
     lines += ["| " + " | ".join(row) + " |" for row in table_rows(report)]
     lines += [
+        "",
+        text["offline"],
         "",
         *([input_line(report["input"]), ""] if "input" in report else []),
         f"Accepted-length histogram (passes accepting 0, 1, ... proposals): {text['hist']}.",
@@ -266,6 +273,19 @@ def render_md(report: dict, *plots: Path) -> str:
         "",
     ]
     return "\n".join(lines)
+
+
+FAMILY_HEAD = "Before serving (the export's warnings about the target family):"
+
+
+def family_html(report: dict) -> str:
+    import html
+
+    warnings = report.get("family_warnings") or []
+    if not warnings:
+        return ""
+    items = "".join(f"<li>{html.escape(w)}</li>" for w in warnings)
+    return f"<p><strong>{html.escape(FAMILY_HEAD)}</strong></p><ul>{items}</ul>"
 
 
 def render_html(report: dict, *plots: Path) -> str:
@@ -293,7 +313,8 @@ def render_html(report: dict, *plots: Path) -> str:
         f"<!doctype html><html><head><meta charset='utf-8'><title>draftsmith benchmark</title>"
         f"<style>{style}</style></head><body><h1>draftsmith benchmark</h1>"
         + (f"<p><strong>{html.escape(gate_line(report))}</strong></p>" if gate_line(report) else "")
-        + f"<p>{text['method']}</p><table><tr>{head}</tr>{body}</table>"
+        + family_html(report)
+        + f"<p>{text['method']}</p><table><tr>{head}</tr>{body}</table><p>{text['offline']}</p>"
         f"<p>Accepted-length histogram (passes accepting 0, 1, ... proposals): {text['hist']}.</p>"
         f"<p>{text['load']}</p><p>{text['training']}</p>{images}<p><small>{text['provenance']}</small></p>"
         "</body></html>\n"
@@ -394,6 +415,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--target", required=True, type=Path, help="results/target")
     ap.add_argument("--metrics", required=True, type=Path, help="results/train/metrics.jsonl")
     ap.add_argument("--env-stamp", required=True, type=Path, help="results/env/<role>.json")
+    ap.add_argument("--offline", type=Path, help="results/train/offline_acceptance.json")
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--run", default="", help="run settings JSON (default: $DRAFTSMITH_RUN)")
     for name in ("report-json", "report-md", "summary-html", "acceptance", "hist", "training"):
@@ -463,8 +485,10 @@ def main(argv: list[str] | None = None) -> None:
         "env_stamp": json.loads(args.env_stamp.read_text()),
         "versions": versions(),
         "training": {**training_summary(records), "precision": draft_precision(args.draft)},
+        "family_warnings": family_warnings(args.draft),
         "set_ids": {name: [r["id"] for r in rows] for name, rows in sets.items()},
         "input": screened,
+        "offline_estimate": offline_estimate(args.offline, results, bench),
     }
     plot_acceptance(results, args.acceptance)
     plot_hist(results, args.hist)
@@ -487,6 +511,17 @@ def training_config(draft_dir: Path) -> dict:
     path = Path(draft_dir) / PROVENANCE
     cfg = json.loads(path.read_text()).get("config", {}) if path.is_file() else {}
     return {k: cfg[k] for k in ("train", "draft", "capture") if k in cfg}
+
+
+def family_warnings(draft_dir: Path) -> list[str]:
+    """The export's warnings about the target family, from the draft's provenance: RoPE the
+    draft does not carry, engines that cannot serve it as trained or were not checked
+    (draftsmith.families, draftsmith.serving); [] for an older draft."""
+    from draftsmith.export import PROVENANCE
+
+    path = Path(draft_dir) / PROVENANCE
+    family = json.loads(path.read_text()).get("target_family") if path.is_file() else None
+    return list((family or {}).get("warnings", []))
 
 
 def draft_precision(draft_dir: Path) -> dict | None:

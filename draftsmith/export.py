@@ -43,9 +43,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from draftsmith import algorithms, layerids
+from draftsmith import algorithms, layerids, serving
 from draftsmith.common import atomic_write_json, fsync_dir
-from draftsmith.families import family_facts, serving_findings
+from draftsmith.families import family_facts
 from draftsmith.finite import metrics_problem, nonfinite_tensors
 from draftsmith.layout import LayoutError, read_pieces
 from draftsmith.model import DraftConfig, Eagle3Draft
@@ -76,19 +76,18 @@ def target_family(target_dir, cfg: DraftConfig, trained_length: int) -> dict:
     from the target's whole config.json (a multimodal wrapper's own model type included)."""
     full = json.loads((Path(target_dir) / "config.json").read_text())
     facts = family_facts(full, cfg.rope_scaling, trained_length)
+    facts["serving"] = serving.findings(full)
+    facts["warnings"] += serving.warnings(facts["serving"])
     view = layerids.target_view(full)
     facts["layer_ids"] = {"target": view, **layerids.resolve(sglang_config(cfg), view)}
-    if not facts["layer_ids"]["sglang_known"]:
+    refused = {f["engine"] for f in facts["serving"] if f["verdict"] == "refuse"}
+    if not facts["layer_ids"]["sglang_known"] and "sglang" not in refused:
         klass = view["architectures"][0] if view["architectures"] else "(config.json names none)"
         facts["warnings"].append(
             f"layer ids: class {klass} is not in draftsmith.layerids' table of SGLang 0.5.23's "
             "EAGLE-3 captures: which layers SGLang feeds the draft was not checked"
         )
     return facts
-
-
-def serving_problems(findings: list[dict]) -> list[str]:
-    return [f"{f['engine']}: {f['file']}: {f['reason']}" for f in findings]
 
 
 def serve_gate(target_dir, mode: str, ids: list[int] | None = None) -> None:
@@ -104,7 +103,7 @@ def serve_gate(target_dir, mode: str, ids: list[int] | None = None) -> None:
                 f"{target_dir}: a pinned engine would feed the draft other layers than "
                 "training uses:\n  " + "\n  ".join(bad)
             )
-    problems = serving_problems(serving_findings(full))
+    problems = serving.problems(serving.findings(full))
     if problems and mode == "strict":
         raise ExportError(
             f"{target_dir}: draft.serve_check is strict and a pinned engine cannot serve this "
@@ -574,10 +573,9 @@ def main(argv: list[str] | None = None) -> None:
     family = json.loads(prov.read_text()).get("target_family") if prov.is_file() else None
     for w in (family or {}).get("warnings", []):
         print(f"{args.draft_dir}: warning: {w}", file=sys.stderr)
-    if args.strict and family and family["serving"]:
-        raise SystemExit(
-            f"{args.draft_dir}: --strict: " + "; ".join(serving_problems(family["serving"]))
-        )
+    bad = serving.problems((family or {}).get("serving", []))
+    if args.strict and bad:
+        raise SystemExit(f"{args.draft_dir}: --strict: " + "; ".join(bad))
     name = algorithms.of_export(json.loads((Path(args.draft_dir) / "config.json").read_text())).NAME
     print(f"{args.draft_dir}: OK (SGLang {ARCH} contract, {name})")
 

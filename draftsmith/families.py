@@ -1,4 +1,6 @@
-"""What differs between target families, in one place: the final norm's weight convention.
+"""What differs between target families, in one place: the final norm's weight convention, the
+RoPE the draft mirrors, and the facts the export records about the family (with which engine can
+serve its draft: draftsmith.serving).
 
 Gemma-style RMSNorm multiplies by `1 + w` (the stored weight is centred on 0), where Llama's
 multiplies by `w`. The draft (SGLang's `LlamaForCausalLMEagle3`, `draftsmith.model.RMSNorm`)
@@ -126,52 +128,41 @@ def rope_note(rope: dict, draft_scaling: dict | None, trained_length: int) -> st
     )
 
 
-# ---------------------------------------------------------------------------------------------
-# Serving: which engine can serve an EAGLE-3 draft for which target, from the pinned wheels
-
-# (engine, model_type) -> (the wheel's model file, verdict, reason). "refuse": the engine cannot
-# serve the draft; "mismatch": it serves it with aux states other than the ones trained on.
-SERVING = {
-    ("sglang", "gemma2"): (
-        "sglang==0.5.23 sglang/srt/models/gemma2.py",
-        "refuse",
-        "Gemma2ForCausalLM has no EAGLE-3 capture (no set_eagle3_layers_to_capture): SGLang "
-        "cannot serve an EAGLE-3 draft for a Gemma-2 target",
-    ),
-    ("sglang", "gemma3_text"): (
-        "sglang==0.5.23 sglang/srt/models/gemma3_causal.py",
-        "mismatch",
-        "Gemma3ForCausalLM captures each layer's input without the residual it carries "
-        "separately (code reading), not the residual stream the draft is trained on: "
-        "acceptance served there may be lower than the benchmark's",
-    ),
-}
-SERVING[("sglang", "gemma3")] = SERVING[("sglang", "gemma3_text")]
+def logit_softcap(cfg: dict) -> float | None:
+    """The target's final logit soft-capping (Gemma-2: logits = c * tanh(logits / c), c = 30),
+    from its text config; None when it has none."""
+    text = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else cfg
+    cap = text.get("final_logit_softcapping")
+    return float(cap) if cap else None
 
 
-def serving_findings(cfg: dict) -> list[dict]:
-    """[{"engine", "file", "verdict", "reason"}] the table knows for this target config."""
-    out = []
-    for kind in dict.fromkeys(model_types(cfg)):
-        for (engine, model_type), (where, verdict, reason) in SERVING.items():
-            if model_type == kind and not any(f["engine"] == engine for f in out):
-                out.append({"engine": engine, "file": where, "verdict": verdict, "reason": reason})
-    return out
+def softcap_note(cap: float | None) -> str | None:
+    """What a user must know when the target soft-caps its logits: the teacher the draft is
+    trained on (the stored post-norm states through the lm_head) does not."""
+    if not cap:
+        return None
+    return (
+        f"the target soft-caps its logits (final_logit_softcapping {cap:g}: c * tanh(z / c)); "
+        "the teacher the draft was trained on is the uncapped lm_head output, so its soft "
+        "targets are sharper than the target's distribution (same argmax: greedy acceptance "
+        "is unaffected, sampled acceptance may be lower)"
+    )
 
 
 def family_facts(cfg: dict, draft_scaling: dict | None, trained_length: int) -> dict:
     """What the export records about the target family (provenance `target_family`) and the
-    warnings it prints: norm convention, RoPE, serving per engine."""
+    warnings it prints: norm convention, logit soft-capping, RoPE (the export adds serving per
+    engine, draftsmith.serving)."""
     rope = target_rope(cfg)
     note = rope_note(rope, draft_scaling, trained_length)
-    serving = serving_findings(cfg)
+    cap = logit_softcap(cfg)
     warnings = [f"RoPE: {note}"] if note else []
-    warnings += [f"{f['engine']} ({f['file']}): {f['reason']}" for f in serving]
+    warnings += [f"logits: {softcap_note(cap)}"] if cap else []
     return {
         "model_types": model_types(cfg),
         "architectures": architectures(cfg),
         "norm": norm_convention(cfg),
+        "logit_softcap": cap,
         "rope": {**rope, "draft_scaling": draft_scaling, "trained_length": trained_length},
-        "serving": serving,
         "warnings": warnings,
     }

@@ -79,6 +79,7 @@ from draftsmith.finite import check_step
 from draftsmith.hardware import cpu_facts, resolve_precision
 from draftsmith.layout import text_config
 from draftsmith.model import DraftConfig, Eagle3Draft
+from draftsmith.offline import for_run as offline_estimate
 from draftsmith.repair import keep_last_good
 from draftsmith.stopping import stop_promptly
 from draftsmith.traindata import (  # noqa: F401 (target_tensors, run_key: public here too)
@@ -300,6 +301,7 @@ def train(
     state_root: Path,
     device: str | None = None,
     progress: Progress | None = None,
+    offline_path: Path | None = None,
 ) -> None:
     tcfg = cfg["train"]
     facts = cpu_facts()  # before the process group: it queries the CPU (cpuinfo, AMX)
@@ -374,6 +376,8 @@ def train(
             "target_fingerprint": inputs.fingerprint,
         }
         longest = max((end - start for _, start, end in data.rows), default=0)
+        if offline_path is not None:  # on the train.eval_rows rows (draftsmith.offline)
+            offline_estimate(cfg, draft, inputs, data.eval_rows, offline_path)
         finish(draft, provenance, target_dir, out_dir, run_dir, metrics_path, longest)
     if world > 1:
         torch.distributed.barrier()
@@ -469,6 +473,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--target", required=True, type=Path)
     ap.add_argument("--out", required=True, type=Path, help="the exported draft directory")
     ap.add_argument("--metrics", required=True, type=Path)
+    ap.add_argument("--offline", type=Path, help="results/train/offline_acceptance.json")
     ap.add_argument("--state", type=Path, default=Path("state/train"))
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda when available")
@@ -501,6 +506,7 @@ def main(argv: list[str] | None = None) -> None:
             args.state,
             args.device,
             progress,
+            args.offline,
         )
 
 

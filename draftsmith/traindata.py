@@ -5,7 +5,8 @@ vocabulary and the shards, checks the shards' layer ids and target against the c
 proves each shard's sha256 against its manifest (cached per file). `prepare_run` computes the
 teacher flags once per run directory and the data plan: every row of every shard, shuffled per
 epoch with a seeded generator, packed first-fit into `batch_tokens // longest_row` packs of
-`longest_row` tokens; one batch is one optimizer step. `run_key` names the run directory from
+`longest_row` tokens; one batch is one optimizer step (rows held out by `train.eval_rows`,
+draftsmith.offline, are not in it). `run_key` names the run directory from
 everything that changes the result. `row_tensors` is what the step reads of one row.
 """
 
@@ -24,6 +25,7 @@ from tqdm import tqdm
 from draftsmith.common import atomic_path, remove_stale_temps, sha256_file
 from draftsmith.config import aux_layer_ids
 from draftsmith.layout import LayoutError, read_pieces, text_config
+from draftsmith.offline import split_rows
 from draftsmith.repair import discard_refused_shards
 from draftsmith.shards import ShardError, open_shard, verify_cached
 from draftsmith.storage import StorageError, check_draft_vocab
@@ -148,6 +150,7 @@ class Data:
     pack_len: int
     total: int
     all_positions: bool
+    eval_rows: list[tuple[int, int, int]]  # held out of training (train.eval_rows)
 
 
 def check_inputs(
@@ -206,10 +209,12 @@ def prepare_run(
         for s, sh in enumerate(inputs.shards)
         for a, b in zip(sh.row_offsets[:-1].tolist(), sh.row_offsets[1:].tolist(), strict=True)
     ]
+    # x-omit-default: absent at 0 (every row trains, as before the key existed)
+    rows, held = split_rows(rows, int(tcfg.get("eval_rows", 0)))
     plans, pack_len = plan_epochs([b - a for _, a, b in rows], tcfg)
     total = sum(len(p) for p in plans)
     total = min(total, tcfg["max_steps"]) if tcfg["max_steps"] else total
-    return Data(names, ok, rows, plans, pack_len, total, all_positions)
+    return Data(names, ok, rows, plans, pack_len, total, all_positions, held)
 
 
 def row_tensors(shards, names, ok, row, all_positions: bool = False) -> dict:

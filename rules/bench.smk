@@ -12,6 +12,7 @@ rule bench:
         draft="results/draft",
         target="results/target",
         metrics="results/train/metrics.jsonl",
+        offline="results/train/offline_acceptance.json",
         sources=[
             s["path"] for s in config["data"]["sources"] if s["format"] != "bundled"
         ],
@@ -65,7 +66,8 @@ rule bench:
         cfg=cfg_json("bench", "data", "target", server_of="bench"),
     shell:
         "$DRAFTSMITH_PY_BENCH -m draftsmith.bench --cfg {params.cfg:q} --draft {input.draft} "
-        "--target {input.target} --metrics {input.metrics} --env-stamp {input.stamp} "
+        "--target {input.target} --metrics {input.metrics} --offline {input.offline} "
+        "--env-stamp {input.stamp} "
         "--threads {threads} --report-json {output.json} --report-md {output.md} "
         "--summary-html {output.html} --acceptance {output.acceptance} "
         "--hist {output.hist} --training {output.training} --captions {output.captions} "

@@ -5,6 +5,8 @@
 # killed or failed job resumes from its newest checkpoint when rerun (docs/training.md).
 # draftsmith.launch starts train.nproc processes on each of the job's nodes (resource nodes,
 # set by a site profile; inside SLURM one srun step and a c10d rendezvous, docs/cluster.md).
+# offline_acceptance.json: the draft's acceptance per chain step on the train.eval_rows rows
+# held out of training, and the tau it predicts (draftsmith.offline; none at eval_rows 0).
 
 
 rule train:
@@ -17,6 +19,7 @@ rule train:
     output:
         draft=directory("results/draft"),
         metrics="results/train/metrics.jsonl",
+        offline="results/train/offline_acceptance.json",
     log:
         "logs/train.log",
     benchmark:
@@ -39,5 +42,6 @@ rule train:
         "$DRAFTSMITH_PY_TRAIN -m draftsmith.launch --nproc-per-node {params.nproc} "
         "--nnodes {resources.nodes} --cpus-per-node {threads} -- --cfg {params.cfg:q} "
         "--shards {input.shards} --vocab {input.vocab} --target {input.target} "
-        "--out {output.draft} --metrics {output.metrics} --state state/train "
+        "--out {output.draft} --metrics {output.metrics} --offline {output.offline} "
+        "--state state/train "
         "--threads {params.threads_per_proc} > {log} 2>&1"

@@ -57,6 +57,9 @@ def check_convention(model, ids):
     assert torch.equal(last, hs[n])  # transformers' last entry is post-norm
     with torch.inference_mode():
         logits = model.lm_head(last)
+    cap = getattr(model.config, "final_logit_softcapping", None)  # Gemma-2: cap * tanh(z / cap)
+    if cap:
+        logits = cap * torch.tanh(logits / cap)
     torch.testing.assert_close(logits, ref.logits, rtol=0, atol=1e-5)
     # the final state is post-norm: applying the norm to the last layer's raw output gives it
     raw = {}

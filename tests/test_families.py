@@ -192,47 +192,98 @@ def test_rope_the_draft_carries_warns_nothing():
 
 
 # ---------------------------------------------------------------------------------------------
-# Serving
+# Training: a Gemma-style target's draft learns like a Llama one's at the same settings
 
 
-def test_serving_table_names_engine_file_and_reason():
-    from draftsmith.families import serving_findings
+def train_on_tiny_target(family: str, root: Path) -> list[dict]:
+    """Capture a tiny random `family` target (4 layers, its own default norm init: Gemma's
+    stores 0, i.e. a scale of 1) on seeded random rows, train 40 steps with
+    draft.init_from_target, return the metrics."""
+    import json
 
-    [g2] = serving_findings({"model_type": "gemma2"})
-    assert g2["engine"] == "sglang" and g2["file"].endswith("sglang/srt/models/gemma2.py")
-    assert g2["verdict"] == "refuse" and "set_eagle3_layers_to_capture" in g2["reason"]
-    wrapped = {"model_type": "gemma3", "text_config": {"model_type": "gemma3_text"}}
-    [g3] = serving_findings(wrapped)
-    assert g3["file"].endswith("gemma3_causal.py") and "residual" in g3["reason"]
-    assert serving_findings({"model_type": "llama"}) == []
+    from safetensors.torch import save_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from draftsmith.engines.hf import capture_shard
+    from draftsmith.train import main as train_main
+
+    torch.set_num_threads(1)
+    vocab, ids, rows, n = SMALL["vocab_size"], [0, 1, 2], 24, 32
+    extra = {**SMALL, **FAMILIES[family], "num_hidden_layers": 4}
+    # initializer_range 0.3: logits peaked enough that the teacher is not near uniform
+    config = AutoConfig.for_model(family, **extra, initializer_range=0.3, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).float().eval()
+    model.save_pretrained(root / "target")
+    g = torch.Generator().manual_seed(1)
+    mask = torch.zeros(rows, n, dtype=torch.uint8)
+    mask[:, n // 4 :] = 1
+    tokens = {
+        "input_ids": torch.randint(0, vocab, (rows * n,), generator=g),
+        "loss_mask": mask.flatten(),
+        "row_offsets": torch.arange(0, rows * n + 1, n),
+    }
+    shard = root / "hidden" / f"rows_000000-{rows:06d}.safetensors"
+    capture_shard(model, tokens, shard, ids, "float32", 1024, {"row_range": [0, rows]}, False)
+    save_file(  # the whole vocabulary: draft id i is target id i
+        {
+            "d2t": torch.zeros(vocab, dtype=torch.long),
+            "t2d": torch.ones(vocab, dtype=torch.bool),
+            "counts": torch.ones(vocab, dtype=torch.long),
+        },
+        str(root / "vocab.safetensors"),
+    )
+    train = {
+        "role": "cpu", "ttt_steps": 3, "epochs": 10, "lr": 0.003, "warmup_ratio": 0.1,
+        "batch_tokens": 192, "max_steps": 0, "seed": 0, "checkpoint_every": 0,
+        "checkpoint_seconds": 0, "noise_std": 0.0, "nproc": 1, "precision": "fp32",
+    }  # fmt: skip
+    cfg = {
+        "train": train,
+        "draft": {"vocab_size": vocab, "init_from_target": True},
+        "capture": {"aux_layer_ids": ids},
+    }
+    train_main(
+        ["--cfg", json.dumps(cfg), "--shards", str(shard),
+         "--vocab", str(root / "vocab.safetensors"), "--target", str(root / "target"),
+         "--out", str(root / "draft"), "--metrics", str(root / "metrics.jsonl"),
+         "--state", str(root / "state"), "--threads", "1", "--device", "cpu"]
+    )  # fmt: skip
+    return [json.loads(x) for x in (root / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_serve_gate_refuses_under_strict_only(tmp_path):
-    from draftsmith.export import ExportError, serve_gate
-
-    (tmp_path / "config.json").write_text('{"model_type": "gemma2"}')
-    serve_gate(tmp_path, "warn")
-    with pytest.raises(ExportError, match=r"(?s)strict.*sglang.*gemma2\.py.*no EAGLE-3 capture"):
-        serve_gate(tmp_path, "strict")
-    (tmp_path / "config.json").write_text('{"model_type": "qwen3"}')
-    serve_gate(tmp_path, "strict")
+@pytest.fixture(scope="module")
+def llama_drop(tmp_path_factory) -> float:
+    metrics = train_on_tiny_target("llama", tmp_path_factory.mktemp("llama"))
+    assert len(metrics) == 40
+    return 1 - metrics[-1]["loss"] / metrics[0]["loss"]
 
 
-def test_export_check_warns_and_refuses_under_strict(tmp_path, capsys):
-    """The export records the family facts; `export check` prints them; --strict refuses."""
-    from draftsmith.export import export_draft, main, target_family
-    from draftsmith.model import DraftConfig, Eagle3Draft
+@pytest.mark.parametrize("family", ["gemma2", "gemma3_text"])
+def test_gemma_targets_train_like_a_llama_one(family, llama_drop, tmp_path):
+    """Measured (40 steps): Llama 14.13 -> 11.06 (22%), Gemma-2 13.91 -> 10.55, Gemma-3 13.91
+    -> 10.50 (24%); with the draft's norm copied as stored (0, the bug) Gemma's loss sits at
+    the uniform 11.14 and ends at 10.93 (2%)."""
+    metrics = train_on_tiny_target(family, tmp_path)
+    drop = 1 - metrics[-1]["loss"] / metrics[0]["loss"]
+    assert llama_drop > 0.15
+    assert drop > 0.6 * llama_drop, (family, metrics[0]["loss"], metrics[-1]["loss"])
+    assert metrics[-1]["acc_per_pos"][0] > metrics[0]["acc_per_pos"][0]
 
-    (tmp_path / "target").mkdir()
-    (tmp_path / "target" / "config.json").write_text('{"model_type": "gemma2"}')
-    draft = Eagle3Draft(DraftConfig.tiny(vocab_size=64, draft_vocab_size=64))  # identity vocab
-    family = target_family(tmp_path / "target", draft.config, 128)
-    c, out = draft.config, tmp_path / "draft"
-    embed = torch.zeros(c.vocab_size, c.target_hidden_size)
-    verifier = {"name_or_path": "t", "architectures": ["Gemma2ForCausalLM"]}
-    export_draft(draft, out, {}, embed=embed, verifier=verifier, family=family)
-    main(["check", str(out)])
-    err = capsys.readouterr().err
-    assert "warning: sglang (sglang==0.5.23 sglang/srt/models/gemma2.py)" in err
-    with pytest.raises(SystemExit, match="--strict: sglang: .*gemma2.py"):
-        main(["check", str(out), "--strict"])
+
+def test_logit_softcap_is_recorded_and_warned():
+    """Gemma-2 soft-caps its logits (30 by default); the teacher does not: recorded, warned."""
+    from transformers import AutoConfig
+
+    from draftsmith.families import family_facts, logit_softcap
+
+    gemma2 = AutoConfig.for_model("gemma2", **SMALL).to_dict()
+    assert logit_softcap(gemma2) == 30.0
+    assert logit_softcap(AutoConfig.for_model("gemma3_text", **SMALL).to_dict()) is None
+    assert logit_softcap({"text_config": {"final_logit_softcapping": 20.0}}) == 20.0
+    facts = family_facts(gemma2, None, 300)
+    assert facts["logit_softcap"] == 30.0
+    [note] = [w for w in facts["warnings"] if w.startswith("logits: ")]
+    assert "final_logit_softcapping 30" in note and "greedy acceptance is unaffected" in note
+    llama = AutoConfig.for_model("llama", **SMALL).to_dict()
+    assert family_facts(llama, None, 300)["logit_softcap"] is None

@@ -45,6 +45,14 @@ def test_guide_has_the_steps_a_newcomer_needs():
     assert "--speculative-algorithm EAGLE3" in GUIDE.read_text()
 
 
+def test_guide_sample_data_has_no_system_turn():
+    """The try-out's data works with any chat template: Gemma-2's refuses a system turn."""
+    text = "\n".join(guide_blocks())
+    rows = re.search(r"cat > data/chats.jsonl <<'EOF'\n(.*?)^EOF$", text, flags=re.S | re.M)
+    convs = [json.loads(line)["conversations"] for line in rows.group(1).splitlines()]
+    assert len(convs) >= 8 and all(t["from"] in ("human", "gpt") for c in convs for t in c)
+
+
 @pytest.mark.workflow
 def test_guide_until_the_dry_run(tmp_path: Path):
     """The fast half: model, data, config and the dry run (what `-n` plans)."""

@@ -279,9 +279,15 @@ def test_bench_cli_report(target, tiny_target, tmp_path, monkeypatch):
     model, tokenizer = target
     install_oracle(monkeypatch, model, tokenizer, error_rate=0.3)
     argv, out = _bench_inputs(tmp_path, tiny_target, model)
-    bench.main(argv)
+    offline = tmp_path / "offline_acceptance.json"  # what train writes (draftsmith.offline)
+    offline.write_text(json.dumps({"rows": 5, "tau_est_by_k": [1.5, 1.7, 1.8, 1.85]}))
+    bench.main([*argv, "--offline", str(offline)])
     report = json.loads((out / "report.json").read_text())
     assert list(report["sets"]) == ["heldout", "humaneval"]
+    est = report["offline_estimate"]  # at bench.num_steps 3, next to each set's measured tau
+    assert est["tau_est"] == 1.8 and est["num_steps"] == 3
+    for name, r in report["sets"].items():
+        assert est["gaps"][name] == {"tau": r["tau"], "gap": pytest.approx(r["tau"] - 1.8)}
     held = report["sets"]["heldout"]
     assert held["prompts"] == 3 and report["set_ids"]["heldout"] == [
         "r1",
@@ -297,6 +303,8 @@ def test_bench_cli_report(target, tiny_target, tmp_path, monkeypatch):
     assert len(report["target_fingerprint"]) == 64
     md = (out / "report.md").read_text()
     assert "| heldout | 3 |" in md and "![acc](acc.png)" in md
+    assert "Offline estimate from training (K = 3, 5 held-out training rows" in md
+    assert "tau_est 1.800" in (out / "summary.html").read_text()
     assert (out / "summary.html").read_text().count("data:image/png;base64,") == 3
     for name in ("acc.png", "hist.png", "training.png"):
         assert (out / name).read_bytes()[:4] == b"\x89PNG"

@@ -41,6 +41,7 @@ def outputs() -> list[str]:
         "results/vocab/vocab.safetensors",
         "results/hidden/plan.json",
         "results/train/metrics.jsonl",
+        "results/train/offline_acceptance.json",
         *(f"results/bench/{n}" for n in ("report.json", "report.md", "summary.html")),
         *(f"results/bench/{n}.png" for n in ("acceptance", "accept_hist", "training")),
     ]
