@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 from test_model import tiny_draft
-from test_train import cfg_json, make_inputs, read_metrics, run_train
+from test_train import cfg_json, make_inputs, read_metrics, run_train, train_args
 
 from draftsmith.offline import (
     chain_counts,
@@ -204,29 +204,8 @@ def test_training_writes_the_estimate_from_rows_it_did_not_train_on(tmp_path):
     from draftsmith.train import main
 
     torch.set_num_threads(1)
-    args = [
-        "--cfg",
-        cfg_json(eval_rows=4, epochs=1),
-        "--shards",
-        *map(str, inputs["shards"]),
-        "--vocab",
-        str(inputs["vocab"]),
-        "--target",
-        str(inputs["target"]),
-        "--out",
-        str(out / "draft"),
-        "--metrics",
-        str(out / "metrics.jsonl"),
-        "--offline",
-        str(out / "offline.json"),
-        "--state",
-        str(out / "state"),
-        "--threads",
-        "1",
-        "--device",
-        "cpu",
-    ]
-    main(args)
+    offline = ["--offline", str(out / "offline.json")]
+    main([*train_args(inputs, out, cfg_json(eval_rows=4, epochs=1)), *offline])
     est = json.loads((out / "offline.json").read_text())
     assert est["rows"] == 4 and est["steps"] == 3 and len(est["tau_est_by_k"]) == 3
     assert all(n > 0 for n in est["judged_by_step"][:1])
