@@ -506,10 +506,9 @@ def main(argv: list[str] | None = None) -> None:
 
 def training_config(draft_dir: Path) -> dict:
     """The train, draft and capture sections the draft was trained with (its provenance)."""
-    from draftsmith.export import PROVENANCE
+    from draftsmith.export import read_provenance
 
-    path = Path(draft_dir) / PROVENANCE
-    cfg = json.loads(path.read_text()).get("config", {}) if path.is_file() else {}
+    cfg = read_provenance(draft_dir).get("config", {})
     return {k: cfg[k] for k in ("train", "draft", "capture") if k in cfg}
 
 
@@ -517,20 +516,18 @@ def family_warnings(draft_dir: Path) -> list[str]:
     """The export's warnings about the target family, from the draft's provenance: RoPE the
     draft does not carry, engines that cannot serve it as trained or were not checked
     (draftsmith.families, draftsmith.serving); [] for an older draft."""
-    from draftsmith.export import PROVENANCE
+    from draftsmith.export import read_provenance
 
-    path = Path(draft_dir) / PROVENANCE
-    family = json.loads(path.read_text()).get("target_family") if path.is_file() else None
-    return list((family or {}).get("warnings", []))
+    family = read_provenance(draft_dir).get("target_family") or {}
+    return list(family.get("warnings", []))
 
 
 def draft_precision(draft_dir: Path) -> dict | None:
     """The precision the draft was trained in, as its provenance records it (resolved from
     train.precision auto on the training machine), or None for an older draft."""
-    from draftsmith.export import PROVENANCE
+    from draftsmith.export import read_provenance
 
-    path = Path(draft_dir) / PROVENANCE
-    return json.loads(path.read_text()).get("precision") if path.is_file() else None
+    return read_provenance(draft_dir).get("precision")
 
 
 def precision_text(p: dict | None) -> str:

@@ -71,6 +71,12 @@ class ExportError(ValueError):
     """The exported draft is not what SGLang's loader will consume."""
 
 
+def read_provenance(draft_dir) -> dict:
+    """The draft's provenance (PROVENANCE beside its weights), or {} for a draft without one."""
+    path = Path(draft_dir) / PROVENANCE
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
 def target_family(target_dir, cfg: DraftConfig, trained_length: int) -> dict:
     """The target family's facts for the provenance (`draftsmith.families.family_facts`), read
     from the target's whole config.json (a multimodal wrapper's own model type included)."""
@@ -354,7 +360,7 @@ def check_export(out_dir: str | os.PathLike, metrics: str | os.PathLike | None =
                 elif not bool(t2d[hot].all()) or int(t2d.sum()) != d2t.shape[0]:
                     problems.append("t2d is not true exactly at d2t[i] + i")
     if not problems and (out / PROVENANCE).is_file():  # the layers each engine feeds
-        family = json.loads((out / PROVENANCE).read_text()).get("target_family") or {}
+        family = read_provenance(out).get("target_family") or {}
         view = (family.get("layer_ids") or {}).get("target")
         problems = layerids.problems(c, view) if view else []
     if not problems and (out / "speculators").exists():
@@ -569,11 +575,10 @@ def main(argv: list[str] | None = None) -> None:
         check_export(args.draft_dir, metrics)
     except ExportError as e:
         raise SystemExit(str(e)) from None
-    prov = Path(args.draft_dir) / PROVENANCE
-    family = json.loads(prov.read_text()).get("target_family") if prov.is_file() else None
-    for w in (family or {}).get("warnings", []):
+    family = read_provenance(args.draft_dir).get("target_family") or {}
+    for w in family.get("warnings", []):
         print(f"{args.draft_dir}: warning: {w}", file=sys.stderr)
-    bad = serving.problems((family or {}).get("serving", []))
+    bad = serving.problems(family.get("serving", []))
     if args.strict and bad:
         raise SystemExit(f"{args.draft_dir}: --strict: " + "; ".join(bad))
     name = algorithms.of_export(json.loads((Path(args.draft_dir) / "config.json").read_text())).NAME
