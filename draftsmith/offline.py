@@ -133,7 +133,8 @@ def target_top1(shard, a: int, b: int, lm_head: torch.Tensor, t2d, d2t, chunk: i
         in_vocab[rel] = shard.teacher_in_vocab[s0:s1].bool()
         top[~in_vocab] = -1
     top = torch.where(known & (top >= 0), top, torch.full_like(top, -1))
-    top[top >= 0] = torch.where(t2d[top[top >= 0]], top[top >= 0], -1)
+    ok = top >= 0
+    top[ok] = torch.where(t2d[top[ok]], top[ok], -1)
     return top, known
 
 
