@@ -311,6 +311,25 @@ def make_tiny_target(
             eos_token_id=tokenizer.eos_token_id,
             pad_token_id=tokenizer.pad_token_id,
         )
+    elif arch == "gemma3_text":
+        from transformers import Gemma3TextConfig
+
+        config = Gemma3TextConfig(  # every 6th layer global, the others a sliding window
+            vocab_size=vocab,
+            hidden_size=hidden_size,
+            intermediate_size=2 * hidden_size,
+            num_hidden_layers=num_layers,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=hidden_size // 4,
+            query_pre_attn_scalar=hidden_size // 4,
+            sliding_window=16,  # binds within a tiny run
+            max_position_embeddings=2048,
+            tie_word_embeddings=True,
+            bos_token_id=tokenizer.bos_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+        )
     else:
         raise ValueError(f"unknown tiny arch {arch!r}")
     torch.manual_seed(seed)
@@ -319,6 +338,9 @@ def make_tiny_target(
         for p in model.parameters():
             if p.dim() > 1:
                 p.normal_(0.0, 0.08)
+        if arch == "gemma3_text":  # Gemma scales the embedding by sqrt(hidden): undo it here,
+            # else the residual stream is the input embedding and greedy repeats one token
+            model.get_input_embeddings().weight.mul_(hidden_size**-0.5)
     model.save_pretrained(path, safe_serialization=True)
     if tokenizer_kind != "tiktoken":
         tokenizer.save_pretrained(path)
@@ -357,7 +379,7 @@ def main(argv: list[str] | None = None) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     ap.add_argument("--out", type=Path, required=True, help="the model directory to write")
-    ap.add_argument("--arch", choices=["llama", "deepseek_v3"], default="llama")
+    ap.add_argument("--arch", choices=["llama", "deepseek_v3", "gemma3_text"], default="llama")
     ap.add_argument("--layers", type=int, default=6, help="decoder layers (at least 4)")
     ap.add_argument("--hidden", type=int, default=64, help="hidden size")
     ap.add_argument("--seed", type=int, default=0)

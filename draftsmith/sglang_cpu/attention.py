@@ -43,11 +43,16 @@ def _save_kv(backend, layer, forward_batch, k, v, save_kv_cache: bool) -> None:
         backend.token_to_kv_pool.set_kv_buffer(layer, loc, k, v)
 
 
+def _window(layer) -> int | None:
+    """The layer's sliding window in SGLang's reading (a key at position j is visible from
+    position p when p - window <= j <= p), or None for full attention."""
+    w = layer.sliding_window_size
+    return w if w is not None and w > -1 else None
+
+
 def _unsupported(layer) -> str | None:
     if layer.is_cross_attention:
         return "cross-attention"
-    if layer.sliding_window_size is not None and layer.sliding_window_size > -1:
-        return "sliding-window attention"
     if layer.logit_cap:
         return "logit soft-capping"
     return None
@@ -66,6 +71,15 @@ def verify_draft_mask(spec_info, b: int, seq_len: int, prefix_before: int, bs: i
     return mask[start : start + n * (seq_len + n)].view(n, seq_len + n)[:, seq_len:].bool()
 
 
+def window_mask(positions: torch.Tensor, seq_len: int, window: int) -> torch.Tensor:
+    """[n, seq_len + n] bool: the keys inside each draft token's sliding window. Prefix key j
+    sits at position j; draft key i at its query's own position (`positions`, tree depth
+    included). The tree mask still decides which drafts see which."""
+    pos = positions.to(torch.int64)
+    keys = torch.cat([torch.arange(seq_len, dtype=torch.int64), pos])
+    return keys.unsqueeze(0) >= (pos.unsqueeze(1) - window)
+
+
 def forward_verify(backend, q, k, v, layer, forward_batch, save_kv_cache=True):
     """Attention of a TARGET_VERIFY batch: bs requests x n draft tokens, tree-masked."""
     why = _unsupported(layer)
@@ -80,11 +94,14 @@ def forward_verify(backend, q, k, v, layer, forward_batch, save_kv_cache=True):
     req_to_token = backend.req_to_token_pool.req_to_token
     seq_lens = forward_batch.seq_lens.tolist()
     rows = forward_batch.req_pool_indices.tolist()
+    window = _window(layer)
     prefix_before = 0
     for b, (row, seq_len) in enumerate(zip(rows, seq_lens, strict=True)):
         keys, values = _kv(backend, layer, req_to_token[row, : seq_len + n].to(torch.int64))
         mask = torch.ones(n, seq_len + n, dtype=torch.bool)
         mask[:, seq_len:] = verify_draft_mask(spec_info, b, seq_len, prefix_before, len(rows))
+        if window is not None:
+            mask &= window_mask(forward_batch.positions[b * n : (b + 1) * n], seq_len, window)
         prefix_before += seq_len
         query = q_[b * n : (b + 1) * n].movedim(0, 1)
         out = scaled_dot_product_attention(
