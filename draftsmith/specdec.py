@@ -238,6 +238,16 @@ class DraftRunner:
         return props
 
 
+def draft_runner(draft, model, aux_ids: list[int]):
+    """The draft's side of the loop: DraftRunner, or the DFlash block drafter's
+    (draftsmith.dflash_decode) for a draft of algorithm dflash."""
+    if getattr(draft.config, "algorithm", None) == "dflash":
+        from draftsmith.dflash_decode import DFlashRunner
+
+        return DFlashRunner(draft, model.get_input_embeddings(), model.get_output_embeddings())
+    return DraftRunner(draft, model.get_input_embeddings(), aux_ids)
+
+
 @torch.inference_mode()
 def speculative_generate(
     model, draft, ids: list[int], max_new: int, stops: set[int], num_steps: int, aux_ids: list[int]
@@ -253,7 +263,7 @@ def speculative_generate(
     logits, aux = target_forward(model, torch.tensor([ids], device=device), cache, aux_ids, True)
     out = trace.tokens
     out.append(int(logits[-1].argmax()))
-    runner = DraftRunner(draft, model.get_input_embeddings(), aux_ids)
+    runner = draft_runner(draft, model, aux_ids)
     runner.extend(ids[1:] + [out[-1]], aux)
     while not _done(out, stops, max_new):
         props = runner.propose(num_steps)
