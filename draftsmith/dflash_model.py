@@ -79,6 +79,11 @@ class DFlashConfig:
     def num_aux(self) -> int:
         return len(self.aux_layer_ids)
 
+    @property
+    def draft_vocab_size(self) -> int:
+        """The whole target vocabulary: the target's lm_head is shared."""
+        return self.vocab_size
+
     def to_dict(self) -> dict:
         return asdict(self)
 

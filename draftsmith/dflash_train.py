@@ -18,16 +18,23 @@ final state are read: the shards' teacher part goes unused.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 import torch.nn.functional as F
+import yaml
 from torch import nn
 
 from draftsmith.dflash_model import DFlashConfig, DFlashDraft
 
 
 def dflash_cfg(cfg: dict) -> dict:
-    """The draft.dflash section (x-omit-default keys resolved by the schema's defaults)."""
-    return (cfg.get("draft") or {}).get("dflash") or {}
+    """draft.dflash over the schema's default (x-omit-default: a job's config lacks the section
+    at its default)."""
+    path = Path(__file__).resolve().parents[1] / "schemas" / "config.schema.yaml"
+    schema = yaml.safe_load(path.read_text())
+    default = schema["properties"]["draft"]["properties"]["dflash"]["default"]
+    return {**default, **((cfg.get("draft") or {}).get("dflash") or {})}
 
 
 def build_draft(cfg: dict, inputs) -> DFlashDraft:
@@ -37,9 +44,9 @@ def build_draft(cfg: dict, inputs) -> DFlashDraft:
     dcfg = DFlashConfig.from_target_config(
         inputs.target_cfg,
         inputs.aux_ids,
-        layers=d.get("layers", 1),
+        layers=d["layers"],
         block_size=cfg["train"]["ttt_steps"] + 1,
-        mask_token_id=d.get("mask_token_id", -1),
+        mask_token_id=d["mask_token_id"],
     )
     draft = DFlashDraft(dcfg)
     if cfg["draft"]["init_from_target"]:
@@ -48,11 +55,6 @@ def build_draft(cfg: dict, inputs) -> DFlashDraft:
 
             draft.norm.weight.copy_(effective_norm_weight(inputs.heads["norm"], inputs.target_cfg))
     return draft
-
-
-def loss_weights(cfg: dict, n: int) -> torch.Tensor:
-    gamma = dflash_cfg(cfg).get("decay", 7.0)
-    return torch.exp(-torch.arange(n, dtype=torch.float32) / gamma)
 
 
 def draw_anchors(b, n: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -92,9 +94,10 @@ class DFlashObjective(nn.Module):
     """The draft plus the target's frozen embedding and lm_head (buffers, never saved with the
     draft); forward returns per-slot sums (ce, correct) for k = 1..B-1 (for DDP)."""
 
-    def __init__(self, draft: DFlashDraft, embed: torch.Tensor, lm_head: torch.Tensor):
+    def __init__(self, draft: DFlashDraft, embed, lm_head, anchors: int = 32, decay: float = 7.0):
         super().__init__()
         self.draft = draft
+        self.anchors, self.decay = anchors, decay
         self.register_buffer("embed", embed, persistent=False)
         self.register_buffer("lm_head", lm_head, persistent=False)
 
@@ -123,16 +126,18 @@ class DFlashObjective(nn.Module):
         return torch.stack(ce), torch.stack(correct)
 
 
-def objective(draft: DFlashDraft, inputs, device) -> DFlashObjective:
-    heads = inputs.heads
-    return DFlashObjective(draft, heads["embed"].to(device), heads["lm_head"].to(device))
+def objective(draft: DFlashDraft, cfg: dict, inputs, device) -> DFlashObjective:
+    heads, d = inputs.heads, dflash_cfg(cfg)
+    embed, lm_head = heads["embed"].to(device), heads["lm_head"].to(device)
+    return DFlashObjective(draft, embed, lm_head, d["anchors"], d["decay"])
 
 
-def batch_losses(model, b, aux: torch.Tensor, cfg: dict, gen: torch.Generator, device):
-    """(ce [B-1], correct [B-1], counts [B-1] of this process) for packed batch `b`."""
-    draft = model.module.draft if hasattr(model, "module") else model.draft
-    block, mask_id = draft.config.block_size, draft.config.mask_token_id
-    anchors, real = draw_anchors(b, dflash_cfg(cfg).get("anchors", 32), gen)
+def batch_losses(model, b, aux: torch.Tensor, gen: torch.Generator, device):
+    """(ce, correct, counts of this process, loss weights), each [B-1], for packed batch `b`;
+    `model` is the DFlashObjective (or its DDP wrapper)."""
+    obj = model.module if hasattr(model, "module") else model
+    block, mask_id = obj.draft.config.block_size, obj.draft.config.mask_token_id
+    anchors, real = draw_anchors(b, obj.anchors, gen)
     k = torch.arange(block)
     at = anchors[..., None] + k  # [P, A, B] index into the pack (the tail padding covers it)
     if at.max() >= b.ids.shape[1]:
@@ -153,8 +158,6 @@ def batch_losses(model, b, aux: torch.Tensor, cfg: dict, gen: torch.Generator, d
         tokens.to(device),
         kept.to(device),
     )
-    return ce, correct, kept[..., 1:].sum(dim=(0, 1)).float().to(device)
-
-
-def weighted(ce: torch.Tensor, counts: torch.Tensor, w: torch.Tensor, scale: float = 1.0):
-    return (w.to(ce.device) * ce / counts.clamp(min=1)).sum() * scale
+    counts = kept[..., 1:].sum(dim=(0, 1)).float().to(device)
+    weights = torch.exp(-torch.arange(block - 1, dtype=torch.float32) / obj.decay)
+    return ce, correct, counts, weights

@@ -222,8 +222,8 @@ def train_step(s: Step, cfg: dict, inputs: Inputs, data: Data, pos: Progress, ra
         aux = aux + (torch.rand(aux.shape, generator=gen) * 2 - 1) * tcfg["noise_std"] * 3**0.5
     if s.own is not None:  # the algorithm's own objective (dflash)
         with s.autocast:
-            ce, correct, counts = s.own.batch_losses(s.model, b, aux, cfg, gen, s.device)
-        counts, weights = all_sum(counts, world), s.own.loss_weights(cfg, counts.shape[0])
+            ce, correct, counts, weights = s.own.batch_losses(s.model, b, aux, gen, s.device)
+        counts = all_sum(counts, world)
     else:
         masks = step_masks(b.seg, b.loss_mask, b.ok, steps, b.length).to(s.device)
         counts, weights = all_sum(masks.sum(dim=(1, 2)).float(), world), None
@@ -275,7 +275,7 @@ def step_helpers(cfg: dict, inputs: Inputs, draft, opt, device, precision: str, 
     draft_index[hot] = torch.arange(hot.shape[0])  # target id -> draft id (top-k teachers)
     own = algorithms.part(algorithms.of_config(cfg), "TRAINER")
     if own is not None:
-        model = own.objective(draft, inputs, device)
+        model = own.objective(draft, cfg, inputs, device)
     else:
         model = TTTObjective(draft, cfg["train"]["ttt_steps"])
     if world > 1:

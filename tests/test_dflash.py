@@ -121,21 +121,21 @@ def test_objective_counts_labels_and_trains():
     cfg = DFlashConfig.tiny(block_size=4)
     draft = random_draft(cfg, seed=1)
     embed, head = torch.randn(cfg.vocab_size, 64), torch.randn(cfg.vocab_size, 64) * 0.1
-    model = DFlashObjective(draft, embed, head)
+    model = DFlashObjective(draft, embed, head, anchors=5, decay=7.0)
     b = pack_batch([rows(2, 12, 3 * 64, cfg.vocab_size, seed=2)], 3, 3 * 64, 8)
     gen = torch.Generator().manual_seed(0)
     anchors, real = draw_anchors(b, 5, torch.Generator().manual_seed(0))
     assert real.sum() == 5
     lm = b.loss_mask[0]
     assert all(bool(lm[a + 1]) and b.seg[0, a + 1] == b.seg[0, a] for a in anchors[0].tolist())
-    cfgd = {"draft": {"dflash": {"anchors": 5, "decay": 7.0}}}
-    ce, correct, counts = batch_losses(model, b, b.aux, cfgd, gen, "cpu")
+    ce, correct, counts, weights = batch_losses(model, b, b.aux, gen, "cpu")
     assert ce.shape == correct.shape == counts.shape == (3,)
+    torch.testing.assert_close(weights, torch.exp(-torch.arange(3.0) / 7.0))
     assert counts[0] == 5 and (counts <= 5).all() and (correct <= counts).all()
     opt = torch.optim.AdamW(draft.parameters(), lr=0.01)
     first = None
     for _ in range(30):
-        ce, _, counts = batch_losses(model, b, b.aux, cfgd, torch.Generator().manual_seed(0), "cpu")
+        ce, _, counts, _ = batch_losses(model, b, b.aux, torch.Generator().manual_seed(0), "cpu")
         loss = (ce / counts.clamp(min=1)).sum()
         first = float(loss.detach()) if first is None else first
         opt.zero_grad()

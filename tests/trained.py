@@ -38,8 +38,9 @@ def rows(texts):
     ]
 
 
-def train_tiny_project(root: Path) -> Path:
-    """Build it under `root` (about a minute on 2 shared cores); returns `root`."""
+def train_tiny_project(root: Path, draft: dict | None = None) -> Path:
+    """Build it under `root` (about a minute on 2 shared cores); returns `root`. `draft`:
+    draft-section keys over the default's (e.g. another draft.algorithm)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from draftsmith.engines.hf import capture_shard
@@ -107,7 +108,7 @@ def train_tiny_project(root: Path) -> Path:
             "nproc": 1,
             "precision": "fp32",
         },
-        "draft": {"vocab_size": k, "init_from_target": True},
+        "draft": {"vocab_size": k, "init_from_target": True, **(draft or {})},
         "capture": {"aux_layer_ids": IDS},
     }
     here = Path.cwd()

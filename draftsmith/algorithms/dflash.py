@@ -4,7 +4,7 @@ Not a switch on the EAGLE-3 draft: this algorithm brings its own draft module, o
 (draftsmith.dflash_train), export and contract check (draftsmith.dflash_export) and decoder
 (draftsmith.dflash_decode), named here for train.py, export.py and specdec.py:
 
-    TRAINER   module with build_draft, objective, batch_losses, loss_weights
+    TRAINER   module with build_draft, objective, batch_losses
     EXPORTER  module with export_draft, check_export, load_export
 
 Capture: the configured `capture.aux_layer_ids` (the same shards as EAGLE-3); the block size
