@@ -22,6 +22,7 @@ an own vocabulary, bias terms), and any tensor it would not consume, miss or mis
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import tempfile
@@ -35,7 +36,13 @@ from draftsmith.dflash_model import DFlashConfig, DFlashDraft
 from draftsmith.export import ExportError
 from draftsmith.finite import metrics_problem, nonfinite_tensors
 
+log = logging.getLogger("draftsmith.export")
 ARCH = "DFlashDraftModel"
+CPU_KNORM = (
+    "vLLM 0.32 on CPU norms every layer's context keys with layer 0's k_norm weight (its CPU "
+    "rms_norm ignores the per-layer weights of precompute_and_store_context_kv): a draft of "
+    "more than one layer is served there otherwise than trained (docs/algorithms.md)"
+)
 WEIGHTS = "model.safetensors"
 PROVENANCE = "draftsmith_draft.json"
 # keys that, set to anything but these values, make vLLM serve another draft than ours
