@@ -20,7 +20,7 @@ from trained import IDS, PROMPTS, assert_same_acceptance, run_bench, train_tiny_
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.extended]
 
-BENCH = {"num_steps": 3, "max_new_tokens": 32, "tau_floor": 1.0}
+BENCH = {"num_steps": 3, "max_new_tokens": 32, "tau_floor": 1.0, "topk": 1, "concurrency": 1}
 
 
 @pytest.fixture(scope="module")
