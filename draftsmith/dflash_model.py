@@ -153,8 +153,11 @@ class DFlashAttention(nn.Module):
         b, t, _ = x.shape
         k = self.k_norm(self.k_proj(x).view(b, t, self.nkv, self.hd)).transpose(1, 2)
         v = self.v_proj(x).view(b, t, self.nkv, self.hd).transpose(1, 2)
-        _, k = self.rotary(k, k, pos)
-        return k, v
+        return self._rope(k, pos), v
+
+    def _rope(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """RoPE on one [B, heads, T, d] tensor (model.Rotary rotates a q/k pair)."""
+        return self.rotary(x, x[:, :0], pos)[0]
 
     def context_kv(self, ctx: torch.Tensor, pos: torch.Tensor):
         """The K/V the context contributes to this layer (what vLLM precomputes into its cache)."""
@@ -163,7 +166,7 @@ class DFlashAttention(nn.Module):
     def forward(self, x, pos, ctx_kv, visible):
         b, t, _ = x.shape
         q = self.q_norm(self.q_proj(x).view(b, t, self.nh, self.hd)).transpose(1, 2)
-        q, _ = self.rotary(q, q[:, : self.nkv], pos)
+        q = self._rope(q, pos)
         k, v = self._kv(x, pos)
         k, v = torch.cat([ctx_kv[0], k], dim=2), torch.cat([ctx_kv[1], v], dim=2)
         if visible is None:
