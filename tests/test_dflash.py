@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -64,6 +65,32 @@ def test_registry_and_schema_know_dflash():
     assert algorithms.part(algorithms.get("eagle3"), "TRAINER") is None
     assert algorithms.of_export({"dflash_config": {}}).NAME == "dflash"
     assert algorithms.of_config({"draft": {"algorithm": "dflash"}}).NAME == "dflash"
+
+
+def test_draft_dflash_at_its_default_stales_nothing():
+    """draft.dflash is x-omit-default: at its schema default it is not in the train job's
+    params (an EAGLE-3 project is not rebuilt by its arrival); another value is."""
+    import yaml
+    from snakemake.utils import validate
+
+    from draftsmith.config import neutral_defaults, sections_json
+    from draftsmith.dflash_train import dflash_cfg
+
+    path = Path(__file__).resolve().parents[1] / "schemas" / "config.schema.yaml"
+    neutral = neutral_defaults(yaml.safe_load(path.read_text()))
+    params = []
+    for draft in ({}, {"dflash": {"layers": 2}}):
+        cfg = {"draft": dict(draft)}
+        validate(cfg, str(path), set_default=True)
+        params.append(json.loads(sections_json(cfg, ["draft"], neutral=neutral))["draft"])
+    assert "dflash" not in params[0]
+    assert params[1]["dflash"] == {"layers": 2, "anchors": 32, "mask_token_id": -1, "decay": 7.0}
+    assert dflash_cfg({"draft": {}}) == {
+        "layers": 1,
+        "anchors": 32,
+        "mask_token_id": -1,
+        "decay": 7.0,
+    }
 
 
 def test_shapes_and_the_block_sees_only_its_context_and_itself():
