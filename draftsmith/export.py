@@ -123,6 +123,9 @@ def check_export(out_dir: str | os.PathLike, metrics: str | os.PathLike | None =
         if not p.is_file():
             raise ExportError(f"{p} is missing")
     c = json.loads(cfg_path.read_text())
+    own = algorithms.part(algorithms.of_export(c), "EXPORTER")
+    if own is not None:  # an algorithm with its own format (dflash)
+        return own.check_export(out, metrics)
     problems = config_problems(c)
     if not problems:
         with safe_open(str(w_path), framework="pt") as f:
@@ -236,6 +239,9 @@ def export_draft(
     `embed` is the target's input embedding as stored (its dtype): the speculators copy carries
     it, because speculators' loader otherwise leaves the embedding uninitialized (zeros under
     transformers 5.x), and vLLM shares it with the target when it is bit-identical."""
+    own = algorithms.part(algorithms.get(draft.config.algorithm), "EXPORTER")
+    if own is not None:  # an algorithm with its own format (dflash)
+        return own.export_draft(draft, out_dir, provenance, family=family)
     out = Path(out_dir)
     out.parent.mkdir(parents=True, exist_ok=True)
     stage = Path(tempfile.mkdtemp(prefix=f".tmp-{out.name}-", dir=out.parent))
@@ -314,6 +320,10 @@ def load_export(out_dir) -> Eagle3Draft:
     """The exported draft back as an `Eagle3Draft` (contract-checked first)."""
     from safetensors.torch import load_file
 
+    c = json.loads((Path(out_dir) / "config.json").read_text())
+    own = algorithms.part(algorithms.of_export(c), "EXPORTER")
+    if own is not None:  # an algorithm with its own format (dflash)
+        return own.load_export(out_dir)
     check_export(out_dir)
     cfg = config_from_sglang(json.loads((Path(out_dir) / "config.json").read_text()))
     draft = Eagle3Draft(cfg)
@@ -359,8 +369,9 @@ def main(argv: list[str] | None = None) -> None:
     bad = serving.problems(family.get("serving", []))
     if args.strict and bad:
         raise SystemExit(f"{args.draft_dir}: --strict: " + "; ".join(bad))
-    name = algorithms.of_export(json.loads((Path(args.draft_dir) / "config.json").read_text())).NAME
-    print(f"{args.draft_dir}: OK (SGLang {ARCH} contract, {name})")
+    algo = algorithms.of_export(json.loads((Path(args.draft_dir) / "config.json").read_text()))
+    arch = getattr(algo, "ARCH", f"SGLang {ARCH}")
+    print(f"{args.draft_dir}: OK ({arch} contract, {algo.NAME})")
 
 
 if __name__ == "__main__":

@@ -273,6 +273,16 @@ class DraftRunner:
         return props, torch.stack(qs)
 
 
+def draft_runner(draft, model, aux_ids: list[int]):
+    """The draft's side of the loop: DraftRunner, or the DFlash block drafter's
+    (draftsmith.dflash_decode) for a draft of algorithm dflash."""
+    if getattr(draft.config, "algorithm", None) == "dflash":
+        from draftsmith.dflash_decode import DFlashRunner
+
+        return DFlashRunner(draft, model.get_input_embeddings(), model.get_output_embeddings())
+    return DraftRunner(draft, model.get_input_embeddings(), aux_ids)
+
+
 @torch.inference_mode()
 def speculative_generate(
     model,
@@ -296,7 +306,12 @@ def speculative_generate(
     logits, aux = target_forward(model, torch.tensor([ids], device=device), cache, aux_ids, True)
     out = trace.tokens
     out.append(_next(logits[-1], sampler))
-    runner = DraftRunner(draft, model.get_input_embeddings(), aux_ids)
+    runner = draft_runner(draft, model, aux_ids)
+    if sampler is not None and not hasattr(runner, "propose_sampled"):
+        raise ValueError(
+            f"bench.temperature > 0: speculative sampling is not implemented for a "
+            f"{draft.config.algorithm} draft (greedy only)"
+        )
     runner.extend(ids[1:] + [out[-1]], aux)
     while not _done(out, stops, max_new):
         if sampler is None:

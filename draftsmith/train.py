@@ -149,11 +149,15 @@ class Progress:
 def build_draft(cfg: dict, inputs: Inputs, device):
     """The seeded draft (lm_head and norm from the target's with draft.init_from_target) and
     its optimizer."""
+    torch.manual_seed(cfg["train"]["seed"])
+    own = algorithms.part(algorithms.of_config(cfg), "TRAINER")
+    if own is not None:  # an algorithm with its own draft module (dflash)
+        draft = own.build_draft(cfg, inputs).to(device)
+        return draft, torch.optim.AdamW(draft.parameters(), lr=cfg["train"]["lr"], weight_decay=0.0)
     dcfg = DraftConfig.from_target_config(
         inputs.target_cfg, cfg["draft"]["vocab_size"], inputs.aux_ids
     )
     dcfg.algorithm = algorithms.of_config(cfg).NAME  # draft.algorithm (x-omit-default)
-    torch.manual_seed(cfg["train"]["seed"])
     draft = Eagle3Draft(dcfg)
     draft.set_vocab(inputs.d2t, inputs.t2d)
     hot = inputs.d2t + torch.arange(inputs.d2t.shape[0])
@@ -195,6 +199,7 @@ class Step:
     draft_index: torch.Tensor
     autocast: torch.autocast
     device: torch.device
+    own: object = None  # the algorithm's TRAINER module (dflash), None for EAGLE-3's
 
 
 def train_step(s: Step, cfg: dict, inputs: Inputs, data: Data, pos: Progress, rank, world) -> dict:
@@ -212,25 +217,26 @@ def train_step(s: Step, cfg: dict, inputs: Inputs, data: Data, pos: Progress, ra
         ]
         for pack in data.plans[pos.epoch][pos.batch][rank::world]
     ]
-    b = pack_batch(packs, steps, 3 * hidden, hidden)
-    masks = step_masks(b.seg, b.loss_mask, b.ok, steps, b.length).to(s.device)
-    counts = all_sum(masks.sum(dim=(1, 2)).float(), world)
+    b = pack_batch(packs, steps, len(inputs.aux_ids) * hidden, hidden)
     aux = b.aux
+    gen = torch.Generator().manual_seed(tcfg["seed"] * 7919 + pos.step * 104729 + rank)
     if tcfg["noise_std"] > 0:
-        gen = torch.Generator().manual_seed(tcfg["seed"] * 7919 + pos.step * 104729 + rank)
         aux = aux + (torch.rand(aux.shape, generator=gen) * 2 - 1) * tcfg["noise_std"] * 3**0.5
-    teacher = batch_teacher(b, s.draft_rows, s.draft_index)
-    embeds = s.embed[b.ids[:, : b.length + steps + 1].to(s.device)]
-    with s.autocast:
-        ce, correct = s.model(
-            aux.to(s.device),
-            embeds,
-            b.pos.to(s.device),
-            b.seg[:, : b.length].to(s.device),
-            masks,
-            teacher,
-        )
-    loss = weighted_loss(ce, counts, scale=world)
+    if s.own is not None:  # the algorithm's own objective (dflash)
+        with s.autocast:
+            ce, correct, counts, weights = s.own.batch_losses(s.model, b, aux, gen, s.device)
+        counts = all_sum(counts, world)
+    else:
+        masks = step_masks(b.seg, b.loss_mask, b.ok, steps, b.length).to(s.device)
+        counts, weights = all_sum(masks.sum(dim=(1, 2)).float(), world), None
+        teacher = batch_teacher(b, s.draft_rows, s.draft_index)
+        embeds = s.embed[b.ids[:, : b.length + steps + 1].to(s.device)]
+        with s.autocast:
+            ce, correct = s.model(
+                aux.to(s.device), embeds, b.pos.to(s.device), b.seg[:, : b.length].to(s.device),
+                masks, teacher,
+            )  # fmt: skip
+    loss = weighted_loss(ce, counts, scale=world, weights=weights)
     s.opt.zero_grad(set_to_none=True)
     loss.backward()
     grad_norm = torch.nn.utils.clip_grad_norm_(s.draft.parameters(), CLIP)
@@ -244,7 +250,7 @@ def train_step(s: Step, cfg: dict, inputs: Inputs, data: Data, pos: Progress, ra
     return {
         "step": pos.step + 1,
         "epoch": pos.epoch,
-        "loss": float(weighted_loss(ce_all, counts)),
+        "loss": float(weighted_loss(ce_all, counts, weights=weights)),
         "loss_per_pos": (ce_all / counts.clamp(min=1)).tolist(),
         "acc_per_pos": (correct_all / counts.clamp(min=1)).tolist(),
         "lr": lr,
@@ -269,7 +275,11 @@ def step_helpers(cfg: dict, inputs: Inputs, draft, opt, device, precision: str, 
     hot = inputs.d2t + torch.arange(inputs.d2t.shape[0])
     draft_index = torch.full((inputs.t2d.shape[0],), -1, dtype=torch.long)
     draft_index[hot] = torch.arange(hot.shape[0])  # target id -> draft id (top-k teachers)
-    model = TTTObjective(draft, cfg["train"]["ttt_steps"])
+    own = algorithms.part(algorithms.of_config(cfg), "TRAINER")
+    if own is not None:
+        model = own.objective(draft, cfg, inputs, device)
+    else:
+        model = TTTObjective(draft, cfg["train"]["ttt_steps"])
     if world > 1:
         model = torch.nn.parallel.DistributedDataParallel(model, broadcast_buffers=False)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16")
@@ -282,6 +292,7 @@ def step_helpers(cfg: dict, inputs: Inputs, draft, opt, device, precision: str, 
         draft_index,
         autocast,
         device,
+        own,
     )
 
 

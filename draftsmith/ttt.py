@@ -287,7 +287,8 @@ def step_weights(steps: int) -> torch.Tensor:
     return STEP_DECAY ** torch.arange(steps, dtype=torch.float32)
 
 
-def weighted_loss(ce: torch.Tensor, counts: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
-    """sum_j 0.8**j * ce_j / count_j; counts are the global (all-process) kept predictions."""
-    w = step_weights(ce.shape[0]).to(ce.device)
+def weighted_loss(ce: torch.Tensor, counts: torch.Tensor, scale: float = 1.0, weights=None):
+    """sum_j w_j * ce_j / count_j, w_j = 0.8**j unless `weights` are given (an algorithm's own);
+    counts are the global (all-process) kept predictions."""
+    w = (step_weights(ce.shape[0]) if weights is None else weights).to(ce.device)
     return (w * ce / counts.clamp(min=1)).sum() * scale

@@ -39,9 +39,10 @@ def rows(texts):
     ]
 
 
-def train_tiny_project(root: Path, arch: str = "llama") -> Path:
+def train_tiny_project(root: Path, arch: str = "llama", draft: dict | None = None) -> Path:
     """Build it under `root` (about a minute on 2 shared cores); returns `root`. `arch`: the
-    tiny target's family (draftsmith.tinymodel)."""
+    tiny target's family (draftsmith.tinymodel); `draft`: draft-section keys over the default's
+    (e.g. another draft.algorithm)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from draftsmith.engines.hf import capture_shard
@@ -109,7 +110,7 @@ def train_tiny_project(root: Path, arch: str = "llama") -> Path:
             "nproc": 1,
             "precision": "fp32",
         },
-        "draft": {"vocab_size": k, "init_from_target": True},
+        "draft": {"vocab_size": k, "init_from_target": True, **(draft or {})},
         "capture": {"aux_layer_ids": IDS},
     }
     here = Path.cwd()

@@ -12,6 +12,10 @@ plain data and functions (no torch, no I/O) with the same names:
     extra_params(c) {SGLang parameter name: shape} it adds, for `export check` (c: config.json)
     config_problems(c)  what in an exported config.json this algorithm refuses
 
+An algorithm that is not a switch on the EAGLE-3 draft (dflash) also names its own modules:
+TRAINER (draft, objective, losses) and EXPORTER (export, contract check, load back); `part`
+imports them.
+
 The exported config.json names no algorithm: both engines read the same architecture
 (`LlamaForCausalLMEagle3`) and switch on its keys, so `of_export` tells the algorithm from
 those keys. Keys that either engine would apply but no algorithm here trains are refused for
@@ -27,6 +31,7 @@ DEFAULT = "eagle3"
 MODULES = {
     "eagle3": "draftsmith.algorithms.eagle3",
     "eagle3.1": "draftsmith.algorithms.eagle31",
+    "dflash": "draftsmith.algorithms.dflash",
 }
 # config.json keys SGLang or vLLM act on that no algorithm here trains: a draft carrying one
 # would be served with a layer its training never had
@@ -59,7 +64,16 @@ def of_config(cfg: dict) -> ModuleType:
 
 def of_export(c: dict) -> ModuleType:
     """The algorithm an exported config.json was written by, told from its keys."""
+    if "dflash_config" in c or "DFlashDraftModel" in (c.get("architectures") or []):
+        return get("dflash")
     return get("eagle3.1" if c.get("fc_norm") or c.get("norm_output") else DEFAULT)
+
+
+def part(algo: ModuleType, role: str) -> ModuleType | None:
+    """An algorithm's own module for `role` (TRAINER, EXPORTER), None where it uses the
+    EAGLE-3 draft's (draftsmith.train / draftsmith.export themselves)."""
+    name = getattr(algo, role, None)
+    return import_module(name) if name else None
 
 
 def export_problems(c: dict) -> list[str]:

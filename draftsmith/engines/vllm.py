@@ -129,7 +129,10 @@ def _engines(target: Path, draft: Path, bench: dict, dtype: str, max_len: int):
         disable_log_stats=False,
         seed=0,
     )
-    spec = {"method": "eagle3", "model": str(draft), "num_speculative_tokens": bench["num_steps"]}
+    method = (
+        "dflash" if "dflash_config" in json.loads((draft / "config.json").read_text()) else "eagle3"
+    )
+    spec = {"method": method, "model": str(draft), "num_speculative_tokens": bench["num_steps"]}
     # the speculative engine last: each engine's Prometheus logger replaces the process-wide
     # vllm:* collectors, and its counters are the ones read
     base = LLM(**common)
@@ -245,10 +248,21 @@ def bench_sets(sets: dict, cfg: dict, *, target, draft, threads: int):
         "backend": "vllm",
         "device": "cpu",
         "threads": n_threads,
-        "aux_layer_ids": c["eagle_config"]["eagle_aux_hidden_state_layer_ids"],
-        "vllm_aux_layer_ids": c.get("eagle_aux_hidden_state_layer_ids"),
-        "draft_vocab_size": c["draft_vocab_size"],
+        **_layer_ids(c),
+        "draft_vocab_size": c.get("draft_vocab_size", c["vocab_size"]),
         "vllm_version": vllm.__version__,
         "method": method_text(bench, n_threads, vllm.__version__),
     }
     return results, info
+
+
+def _layer_ids(c: dict) -> dict:
+    """The draft's aux ids (SGLang numbering) and vLLM's; a DFlash draft's vLLM ids are its
+    dflash_config.target_layer_ids + 1 (draftsmith.dflash_export)."""
+    if "dflash_config" in c:
+        ids = c["dflash_config"]["target_layer_ids"]
+        return {"aux_layer_ids": ids, "vllm_aux_layer_ids": [i + 1 for i in ids]}
+    return {
+        "aux_layer_ids": c["eagle_config"]["eagle_aux_hidden_state_layer_ids"],
+        "vllm_aux_layer_ids": c.get("eagle_aux_hidden_state_layer_ids"),
+    }

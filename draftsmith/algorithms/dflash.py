@@ -1,0 +1,35 @@
+"""DFlash: a block drafter (draftsmith.dflash_model) served as vLLM's `DFlashDraftModel`.
+
+Not a switch on the EAGLE-3 draft: this algorithm brings its own draft module, objective
+(draftsmith.dflash_train), export and contract check (draftsmith.dflash_export) and decoder
+(draftsmith.dflash_decode), named here for train.py, export.py and specdec.py:
+
+    TRAINER   module with build_draft, objective, batch_losses
+    EXPORTER  module with export_draft, check_export, load_export
+
+Capture: the configured `capture.aux_layer_ids` (the same shards as EAGLE-3); the block size
+is train.ttt_steps + 1 (one known token and ttt_steps masks).
+"""
+
+from __future__ import annotations
+
+NAME = "dflash"
+DRAFT: dict[str, bool] = {}
+SPECULATORS = False
+TRAINER = "draftsmith.dflash_train"
+EXPORTER = "draftsmith.dflash_export"
+ARCH = "DFlashDraftModel"
+
+
+def export_keys(cfg) -> dict:
+    return {}
+
+
+def extra_params(c: dict) -> dict[str, tuple]:
+    return {}
+
+
+def config_problems(c: dict) -> list[str]:
+    from draftsmith.dflash_export import config_problems as problems
+
+    return problems(c)
