@@ -18,10 +18,12 @@ tiny wrapper's stand-in tower does not have (docs/kimi.md).
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 
 import pytest
 from roles import role_python
-from trained import IDS, PROMPTS, assert_same_acceptance, run_bench, train_tiny_project
+from trained import IDS, PROMPTS, ROOT, assert_same_acceptance, run_bench, train_tiny_project
 
 BENCH = {"num_steps": 3, "max_new_tokens": 32, "tau_floor": 1.0}
 SGLANG_BENCH = {**BENCH, "role": "sglang-cpu", "topk": 1, "num_draft_tokens": 0, "concurrency": 1}
@@ -79,3 +81,34 @@ def test_sglang_cpu_serves_an_mla_target_with_our_draft(trained, ours):
     assert theirs["identical_outputs"] == len(PROMPTS)
     assert_same_acceptance(theirs, ours, "sglang")
     print(f"tau: ours {ours['tau']:.4f}, SGLang {theirs['tau']:.4f}")
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+@pytest.mark.extended
+def test_vllm_cpu_cannot_build_the_tiny_kimi_wrapper(tmp_path):
+    """Pinned limit: vLLM 0.32.0 builds Kimi-K2.5's multimodal processor even with
+    `language_model_only`, and it needs Kimi's image-processor files (preprocessor_config.json
+    and its remote code), which the tiny wrapper does not ship: the engine stops before the
+    model loads. When a tiny wrapper that vLLM builds exists, this turns into the wrapped
+    variant of the serving test above."""
+    from draftsmith.tinymodel import make_tiny_target
+
+    python = role_python("vllm-cpu")
+    target = make_tiny_target(
+        tmp_path / "kimi", "deepseek_v3", 6, 128, wrap="kimi_k25", engine_shapes=True
+    )
+    code = (
+        "import os\n"
+        "os.environ.update(VLLM_CPU_NUM_OF_RESERVED_CPU='0', VLLM_ENABLE_V1_MULTIPROCESSING='0',"
+        " HF_HUB_OFFLINE='1', VLLM_CPU_KVCACHE_SPACE='1')\n"
+        "from vllm import LLM\n"
+        f"LLM(model={str(target)!r}, dtype='float32', enforce_eager=True, max_model_len=256,"
+        " attention_config={'backend': 'CPU_MLA'}, language_model_only=True)\n"
+    )
+    run = subprocess.run(
+        [python, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=900,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )  # fmt: skip
+    assert run.returncode != 0
+    assert f"Can't load image processor for '{target}'" in run.stderr, run.stderr[-3000:]
