@@ -150,9 +150,12 @@ def build_draft(cfg: dict, inputs: Inputs, device):
     """The seeded draft (lm_head and norm from the target's with draft.init_from_target) and
     its optimizer."""
     dcfg = DraftConfig.from_target_config(
-        inputs.target_cfg, cfg["draft"]["vocab_size"], inputs.aux_ids
+        inputs.target_cfg,
+        cfg["draft"]["vocab_size"],
+        inputs.aux_ids,
+        attention=cfg["draft"].get("attention", "llama"),  # x-omit-default
+        algorithm=algorithms.of_config(cfg).NAME,  # draft.algorithm (x-omit-default)
     )
-    dcfg.algorithm = algorithms.of_config(cfg).NAME  # draft.algorithm (x-omit-default)
     torch.manual_seed(cfg["train"]["seed"])
     draft = Eagle3Draft(dcfg)
     draft.set_vocab(inputs.d2t, inputs.t2d)
