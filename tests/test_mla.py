@@ -368,6 +368,9 @@ def test_training_an_mla_draft_on_a_deepseek_v3_target(tmp_path):
         back.config.attention == "mla" and back.config.mla["kv_lora_rank"] == tiny["kv_lora_rank"]
     )
     assert back.config.rope_scaling["rope_type"] == "yarn"
+    prov = json.loads((draft / "draftsmith_draft.json").read_text())
+    rope = [w for w in prov["target_family"]["warnings"] if w.startswith("RoPE")]
+    assert not rope, rope  # the MLA draft carries the target's YaRN: nothing to warn about
     losses = [m["loss"] for m in read_metrics(tmp_path / "run" / "metrics.jsonl")]
     assert all(math.isfinite(x) for x in losses)
     first, last = sum(losses[:3]) / 3, sum(losses[-3:]) / 3
