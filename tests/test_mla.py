@@ -375,3 +375,14 @@ def test_training_an_mla_draft_on_a_deepseek_v3_target(tmp_path):
     assert all(math.isfinite(x) for x in losses)
     first, last = sum(losses[:3]) / 3, sum(losses[-3:]) / 3
     assert last < 0.8 * first, (first, last)
+
+
+@pytest.mark.workflow
+def test_workflow_plans_an_mla_draft_and_the_default_value_changes_no_command():
+    from test_algorithms import train_command
+
+    default = train_command()
+    assert "attention" not in default
+    assert train_command('draft={"attention": "llama"}') == default
+    new = train_command('draft={"attention": "mla"}')
+    assert '"attention": "mla"' in new and new != default
