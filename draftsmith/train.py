@@ -149,13 +149,16 @@ class Progress:
 def build_draft(cfg: dict, inputs: Inputs, device):
     """The seeded draft (lm_head and norm from the target's with draft.init_from_target) and
     its optimizer."""
-    dcfg = DraftConfig.from_target_config(
-        inputs.target_cfg,
-        cfg["draft"]["vocab_size"],
-        inputs.aux_ids,
-        attention=cfg["draft"].get("attention", "llama"),  # x-omit-default
-        algorithm=algorithms.of_config(cfg).NAME,  # draft.algorithm (x-omit-default)
-    )
+    try:
+        dcfg = DraftConfig.from_target_config(
+            inputs.target_cfg,
+            cfg["draft"]["vocab_size"],
+            inputs.aux_ids,
+            attention=cfg["draft"].get("attention", "llama"),  # x-omit-default
+            algorithm=algorithms.of_config(cfg).NAME,  # draft.algorithm (x-omit-default)
+        )
+    except ValueError as e:  # e.g. draft.attention mla for a target without MLA fields
+        raise SystemExit(f"error: {e}") from None
     torch.manual_seed(cfg["train"]["seed"])
     draft = Eagle3Draft(dcfg)
     draft.set_vocab(inputs.d2t, inputs.t2d)

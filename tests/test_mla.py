@@ -377,6 +377,22 @@ def test_training_an_mla_draft_on_a_deepseek_v3_target(tmp_path):
     assert last < 0.8 * first, (first, last)
 
 
+def test_training_refuses_mla_for_a_target_without_mla_fields(tmp_path):
+    from test_train import TRAIN, make_inputs, train_args
+
+    from draftsmith.train import main
+
+    inputs = make_inputs(tmp_path / "in", n_shards=1, rows=4)  # a Llama target
+    cfg = {
+        "train": {**TRAIN, "max_steps": 1},
+        "draft": {"vocab_size": 48, "init_from_target": True, "attention": "mla"},
+        "capture": {"aux_layer_ids": "auto"},
+    }
+    with pytest.raises(SystemExit, match=r"LlamaForCausalLM, model_type 'llama'\) has no MLA"):
+        main(train_args(inputs, tmp_path / "run", json.dumps(cfg)))
+    assert not (tmp_path / "run" / "draft").exists()
+
+
 @pytest.mark.workflow
 def test_workflow_plans_an_mla_draft_and_the_default_value_changes_no_command():
     from test_algorithms import train_command
