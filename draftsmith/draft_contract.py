@@ -21,6 +21,7 @@ from draftsmith import algorithms
 from draftsmith.model import DraftConfig
 
 ARCH = "LlamaForCausalLMEagle3"
+SPECULATORS = True  # a speculators copy can carry this draft (per algorithm: algorithms.*)
 # (SGLang fused parameter, checkpoint shard name, shard id), as in load_weights
 STACKED = [
     (".qkv_proj", ".q_proj", "q"),

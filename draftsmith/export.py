@@ -34,17 +34,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from draftsmith import algorithms, layerids, serving
+from draftsmith import algorithms, draft_contract, draft_contract_mla, layerids, serving
 from draftsmith.common import atomic_write_json, fsync_dir
-from draftsmith.draft_contract import (
-    ARCH,
-    check_tensors,
-    config_from_sglang,
-    config_problems,
-    full_vocab,
-    sglang_config,
-    vllm_layer_ids,
-)
+from draftsmith.draft_contract import full_vocab, sglang_config, vllm_layer_ids
 from draftsmith.families import family_facts
 from draftsmith.finite import metrics_problem, nonfinite_tensors
 from draftsmith.layout import LayoutError, read_pieces
@@ -61,6 +53,16 @@ class ExportError(ValueError):
     """The exported draft is not what SGLang's loader will consume."""
 
 
+def contract(c):
+    """The config/tensor contract module of a DraftConfig or an exported config.json: the MLA
+    draft's (draftsmith.draft_contract_mla) or the Llama draft's (draftsmith.draft_contract)."""
+    if isinstance(c, DraftConfig):
+        mla = c.attention == "mla"
+    else:
+        mla = draft_contract_mla.is_mla(c)
+    return draft_contract_mla if mla else draft_contract
+
+
 def read_provenance(draft_dir) -> dict:
     """The draft's provenance (PROVENANCE beside its weights), or {} for a draft without one."""
     path = Path(draft_dir) / PROVENANCE
@@ -74,8 +76,13 @@ def target_family(target_dir, cfg: DraftConfig, trained_length: int) -> dict:
     facts = family_facts(full, cfg.rope_scaling, trained_length)
     facts["serving"] = serving.findings(full)
     facts["warnings"] += serving.warnings(facts["serving"])
+    if not isinstance(cfg, DraftConfig):  # an algorithm with its own export checks its ids
+        return facts
     view = layerids.target_view(full)
-    facts["layer_ids"] = {"target": view, **layerids.resolve(sglang_config(cfg), view)}
+    facts["layer_ids"] = {
+        "target": view,
+        **layerids.resolve(contract(cfg).sglang_config(cfg), view),
+    }
     refused = {f["engine"] for f in facts["serving"] if f["verdict"] == "refuse"}
     if not facts["layer_ids"]["sglang_known"] and "sglang" not in refused:
         klass = view["architectures"][0] if view["architectures"] else "(config.json names none)"
@@ -126,13 +133,13 @@ def check_export(out_dir: str | os.PathLike, metrics: str | os.PathLike | None =
     own = algorithms.part(algorithms.of_export(c), "EXPORTER")
     if own is not None:  # an algorithm with its own format (dflash)
         return own.check_export(out, metrics)
-    problems = config_problems(c)
+    problems = contract(c).config_problems(c)
     if not problems:
         with safe_open(str(w_path), framework="pt") as f:
             tensors = {
                 k: (tuple(f.get_slice(k).get_shape()), f.get_slice(k).get_dtype()) for k in f.keys()
             }
-            problems = check_tensors(c, tensors)
+            problems = contract(c).check_tensors(c, tensors)
             if not problems and not full_vocab(c):
                 d2t, t2d = f.get_tensor("d2t"), f.get_tensor("t2d")
                 hot = d2t + torch.arange(d2t.shape[0])
@@ -145,12 +152,12 @@ def check_export(out_dir: str | os.PathLike, metrics: str | os.PathLike | None =
         view = (family.get("layer_ids") or {}).get("target")
         problems = layerids.problems(c, view) if view else []
     if not problems and (out / "speculators").exists():
-        if algorithms.of_export(c).SPECULATORS:
+        if algorithms.of_export(c).SPECULATORS and contract(c).SPECULATORS:
             problems = speculators_problems(out / "speculators", c)
         else:
             problems = [
-                f"{out / 'speculators'}: a {algorithms.of_export(c).NAME} draft has no "
-                "speculators copy (vLLM's speculators format would drop its keys)"
+                f"{out / 'speculators'}: a {algorithms.of_export(c).NAME} {contract(c).ARCH} draft "
+                "has no speculators copy (speculators' format would drop its keys or layer)"
             ]
     if not problems:
         for w in (w_path, out / "speculators" / WEIGHTS):
@@ -257,9 +264,9 @@ def export_draft(
         if cfg.draft_vocab_size == cfg.vocab_size:
             state.pop("d2t"), state.pop("t2d")  # identity mapping; vLLM refuses a d2t here
         save_file(state, str(stage / WEIGHTS), metadata={"format": "pt"})
-        atomic_write_json(stage / "config.json", sglang_config(cfg))
+        atomic_write_json(stage / "config.json", contract(cfg).sglang_config(cfg))
         spec = stage / "speculators"
-        if algorithms.get(cfg.algorithm).SPECULATORS:
+        if algorithms.get(cfg.algorithm).SPECULATORS and contract(cfg).SPECULATORS:
             spec.mkdir()
             renamed = {k.replace("midlayer.", "layers.0."): v for k, v in state.items()}
             renamed["embed_tokens.weight"] = embed.detach().to("cpu").contiguous()
@@ -325,7 +332,7 @@ def load_export(out_dir) -> Eagle3Draft:
     if own is not None:  # an algorithm with its own format (dflash)
         return own.load_export(out_dir)
     check_export(out_dir)
-    cfg = config_from_sglang(json.loads((Path(out_dir) / "config.json").read_text()))
+    cfg = contract(c).config_from_sglang(c)
     draft = Eagle3Draft(cfg)
     state = load_file(str(Path(out_dir) / WEIGHTS))
     if cfg.draft_vocab_size == cfg.vocab_size:
@@ -369,8 +376,9 @@ def main(argv: list[str] | None = None) -> None:
     bad = serving.problems(family.get("serving", []))
     if args.strict and bad:
         raise SystemExit(f"{args.draft_dir}: --strict: " + "; ".join(bad))
-    algo = algorithms.of_export(json.loads((Path(args.draft_dir) / "config.json").read_text()))
-    arch = getattr(algo, "ARCH", f"SGLang {ARCH}")
+    c = json.loads((Path(args.draft_dir) / "config.json").read_text())
+    algo = algorithms.of_export(c)
+    arch = getattr(algo, "ARCH", None) or f"SGLang {contract(c).ARCH}"
     print(f"{args.draft_dir}: OK ({arch} contract, {algo.NAME})")
 
 

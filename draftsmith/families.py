@@ -115,8 +115,8 @@ def target_rope(cfg: dict) -> dict:
 def rope_note(rope: dict, draft_scaling: dict | None, trained_length: int) -> str | None:
     """What a user must know when the draft's RoPE is not the target's, else None."""
     partial = rope["partial_rotary_factor"]
-    if rope["kind"] in DRAFT_ROPE and draft_scaling == rope["scaling"] and partial == 1.0:
-        return None
+    if draft_scaling == rope["scaling"] and partial == 1.0:  # a kind the draft carries as is
+        return None  # (DRAFT_ROPE; YaRN too for the MLA draft, draftsmith.mla)
     original = (rope["scaling"] or {}).get("original_max_position_embeddings")
     past = f" (the target's original context is {original})" if original else ""
     what = f"{rope['kind']} RoPE" + (f" on {partial:g} of each head" if partial != 1.0 else "")

@@ -58,6 +58,8 @@ class DraftConfig:
     hidden_act: str = "silu"
     extra: dict = field(default_factory=dict)  # provenance only (e.g. dropped rope scaling)
     algorithm: str = algorithms.DEFAULT  # draft.algorithm: which switches `flags` turns on
+    attention: str = "llama"  # draft.attention: llama (q/k/v/o) | mla (draftsmith.mla)
+    mla: dict | None = None  # MLA widths (mla.KEYS), with attention mla
 
     def __post_init__(self):
         if self.hidden_act != "silu":
@@ -76,7 +78,13 @@ class DraftConfig:
                 f"draft_vocab_size {self.draft_vocab_size} must be in [1, {self.vocab_size}]"
             )
         algorithms.get(self.algorithm)  # an unknown name is refused here
-        if self.rope_scaling is not None:
+        if self.attention not in ("llama", "mla"):
+            raise ValueError(f"draft attention {self.attention!r} is not one of llama, mla")
+        if self.attention == "mla":
+            from draftsmith import mla  # draftsmith.mla uses this module's RMSNorm
+
+            mla.check(self)
+        elif self.rope_scaling is not None:
             kind = _rope_type(self.rope_scaling)
             if kind not in SUPPORTED_ROPE:
                 raise ValueError(f"rope_scaling type {kind!r} is not one of {SUPPORTED_ROPE}")
@@ -101,6 +109,8 @@ class DraftConfig:
         out = asdict(self)
         if out["algorithm"] == algorithms.DEFAULT:
             del out["algorithm"]
+        if out["attention"] == "llama":  # likewise: a Llama draft's provenance as before
+            del out["attention"], out["mla"]
         return out
 
     @classmethod
@@ -109,7 +119,12 @@ class DraftConfig:
 
     @classmethod
     def from_target_config(
-        cls, cfg: dict, draft_vocab_size: int, aux_layer_ids: list[int]
+        cls,
+        cfg: dict,
+        draft_vocab_size: int,
+        aux_layer_ids: list[int],
+        attention: str = "llama",
+        algorithm: str = algorithms.DEFAULT,
     ) -> DraftConfig:
         """Draft shapes from the target's HF `config.json` dict (Llama-like or DeepSeek-V3/MLA).
 
@@ -118,7 +133,8 @@ class DraftConfig:
         kinds other than linear/llama3 (e.g. yarn, longrope) are not reproduced: the draft then
         uses plain RoPE with the target's theta, its exported config says so, so serving matches
         training, and the export warns (`draftsmith.families.rope_note`). Per-layer-type RoPE
-        (Gemma-3) gives the full-attention layers' theta and scaling.
+        (Gemma-3) gives the full-attention layers' theta and scaling. `attention` "mla" takes
+        the target's MLA widths and its RoPE, YaRN included (draftsmith.mla; refused without).
         """
         cfg = dict(cfg.get("text_config") or cfg)
         for key in ("hidden_size", "num_attention_heads", "intermediate_size", "vocab_size"):
@@ -135,7 +151,13 @@ class DraftConfig:
         theta, scaling, extra = rope["theta"], rope["scaling"], {}
         if rope["layer_type"]:
             extra["target_rope_layer_type"] = rope["layer_type"]
-        if scaling is not None and rope["kind"] not in SUPPORTED_ROPE:
+        mla_dims = None
+        if attention == "mla":
+            from draftsmith import mla
+
+            mla_dims, scaling = mla.dims_from_target(cfg), mla.scaling_from_target(rope)
+            kv_heads = heads
+        elif scaling is not None and rope["kind"] not in SUPPORTED_ROPE:
             extra["target_rope_scaling_not_used"] = dict(scaling)  # the export warns
             scaling = None
         return cls(
@@ -153,6 +175,9 @@ class DraftConfig:
             rope_scaling=scaling,
             max_position_embeddings=int(cfg.get("max_position_embeddings", 8192)),
             extra=extra,
+            algorithm=algorithm,
+            attention=attention,
+            mla=mla_dims,
         )
 
     @classmethod
@@ -366,7 +391,7 @@ class TTTCache:
         return x.view(self.batch, self.length, *x.shape[1:]).transpose(1, 2)
 
     def attend(self, q, k, v):
-        """q [1, nh, N, d], k/v [1, nkv, N, d] at `self.index` -> [1, nh, N, d]."""
+        """q/k [1, nh|nkv, N, d], v [1, nkv, N, dv] at `self.index` -> [1, nh, N, dv]."""
         if self.k0 is None and q.shape[2] != self.batch * self.length:
             raise ValueError(
                 f"TTT step 0 needs all {self.batch * self.length} positions, got {q.shape[2]}"
@@ -375,6 +400,7 @@ class TTTCache:
         bsz, nh, t, d = q.shape
         nkv = k.shape[1]
         g = nh // nkv
+        dv = v.shape[-1]  # the value width (MLA: not the query/key width)
         if self.k0 is None:
             self.k0, self.v0 = k, v
         else:  # the diagonal keys of steps 1..j, stacked: [B, nkv, 1, T, j, d]
@@ -389,12 +415,12 @@ class TTTCache:
         scores = s0.float()
         scores[..., :t] += self.bias
         p = torch.softmax(scores, dim=-1).to(q.dtype)
-        o = (p[..., :t].reshape(bsz, nkv, g * t, t) @ self.v0).view(bsz, nkv, g, t, d)
+        o = (p[..., :t].reshape(bsz, nkv, g * t, t) @ self.v0).view(bsz, nkv, g, t, dv)
         if self.dv is not None:
             o = o + (p[..., t:, None] * self.dv).sum(-2)
-        o = o.view(bsz, nh, t, d)
+        o = o.view(bsz, nh, t, dv)
         if self.index is None:
-            return o.transpose(1, 2).reshape(1, bsz * t, nh, d).transpose(1, 2)
+            return o.transpose(1, 2).reshape(1, bsz * t, nh, dv).transpose(1, 2)
         out = o[self.index // t, :, self.index % t]  # [N, nh, d]
         return out.transpose(0, 1)[None]
 
@@ -440,7 +466,12 @@ class MidLayer(nn.Module):
         super().__init__()
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg)
+        if cfg.attention == "mla":
+            from draftsmith.mla import MLAAttention
+
+            self.self_attn = MLAAttention(cfg, RMSNorm)
+        else:
+            self.self_attn = Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 

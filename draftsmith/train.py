@@ -150,14 +150,26 @@ def build_draft(cfg: dict, inputs: Inputs, device):
     """The seeded draft (lm_head and norm from the target's with draft.init_from_target) and
     its optimizer."""
     torch.manual_seed(cfg["train"]["seed"])
+    attention = cfg["draft"].get("attention", "llama")  # x-omit-default
     own = algorithms.part(algorithms.of_config(cfg), "TRAINER")
     if own is not None:  # an algorithm with its own draft module (dflash)
+        if attention != "llama":
+            raise SystemExit(
+                f"error: draft.attention {attention!r}: the "
+                f"{algorithms.of_config(cfg).NAME} draft has no attention variant"
+            )
         draft = own.build_draft(cfg, inputs).to(device)
         return draft, torch.optim.AdamW(draft.parameters(), lr=cfg["train"]["lr"], weight_decay=0.0)
-    dcfg = DraftConfig.from_target_config(
-        inputs.target_cfg, cfg["draft"]["vocab_size"], inputs.aux_ids
-    )
-    dcfg.algorithm = algorithms.of_config(cfg).NAME  # draft.algorithm (x-omit-default)
+    try:
+        dcfg = DraftConfig.from_target_config(
+            inputs.target_cfg,
+            cfg["draft"]["vocab_size"],
+            inputs.aux_ids,
+            attention=attention,
+            algorithm=algorithms.of_config(cfg).NAME,  # draft.algorithm (x-omit-default)
+        )
+    except ValueError as e:  # e.g. draft.attention mla for a target without MLA fields
+        raise SystemExit(f"error: {e}") from None
     draft = Eagle3Draft(dcfg)
     draft.set_vocab(inputs.d2t, inputs.t2d)
     hot = inputs.d2t + torch.arange(inputs.d2t.shape[0])

