@@ -104,9 +104,10 @@ def main(argv: list[str] | None = None) -> None:
         "--out", type=Path, required=True, help="results/hidden/rows_<a>-<b>.safetensors"
     )
     ap.add_argument("--threads", type=int, default=0)
-    ap.add_argument(
-        "--patched", type=Path, help="results/sglang/patched.json (capture.backend sglang)"
-    )
+    from draftsmith.engines import stage_inputs
+
+    for name, path in stage_inputs("capture").items():  # engines' own inputs (their WORKFLOW)
+        ap.add_argument(f"--{name}", type=Path, help=f"{path} (for the engine that needs it)")
     ap.add_argument(
         "--vocab",
         type=Path,
@@ -135,17 +136,18 @@ def run(args, cfg: dict, log) -> None:
     except StorageError as e:
         raise SystemExit(f"error: {e}") from None
     from draftsmith import target as tgt
-    from draftsmith.engines import engine
+    from draftsmith.engines import engine, needs
 
-    extra = {"patched": args.patched} if args.patched else {}
-    if storage.draft_topk:  # the hf engine stores the teacher's top-k over this vocabulary
+    declared = needs(cap["backend"])["inputs"].get("capture", {})
+    extra = {name: getattr(args, name) for name in declared if getattr(args, name) is not None}
+    extra["draft_ids"] = None
+    if storage.draft_topk:  # the teacher's top-k is stored over the draft vocabulary
         if args.vocab is None:
             raise SystemExit("error: capture.storage.topk_vocab draft needs --vocab")
-        if cap["backend"] == "hf":
-            from draftsmith.vocab import load_vocab
+        from draftsmith.vocab import load_vocab
 
-            d2t, _ = load_vocab(args.vocab)
-            extra["draft_ids"] = d2t + torch.arange(d2t.shape[0])
+        d2t, _ = load_vocab(args.vocab)
+        extra["draft_ids"] = d2t + torch.arange(d2t.shape[0])
 
     try:
         a, b = parse_range(args.out.stem)
