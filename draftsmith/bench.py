@@ -33,6 +33,7 @@ import json
 import logging
 from pathlib import Path
 
+from draftsmith.benchfigures import bench_figures
 from draftsmith.common import (
     atomic_path,
     atomic_write_json,
@@ -43,7 +44,6 @@ from draftsmith.common import (
     sha256_file,
     versions,
 )
-from draftsmith.benchfigures import bench_figures
 from draftsmith.gate import GateError, check_gate, gate, gate_line  # noqa: F401 (re-exported)
 from draftsmith.offline import bench_entry as offline_estimate
 from draftsmith.offline import text as offline_text
@@ -441,7 +441,9 @@ def main(argv: list[str] | None = None) -> None:
     matplotlib.use("Agg")
     bench = cfg["bench"]
     # x-omit-default: absent at 0; the Snakefile refuses the same (config.check_config)
-    if float(bench.get("temperature", 0)) > 0 and not honours(bench["backend"], "bench.temperature"):
+    if float(bench.get("temperature", 0)) > 0 and not honours(
+        bench["backend"], "bench.temperature"
+    ):
         raise SystemExit(
             f"bench.temperature {bench['temperature']}: the {bench['backend']} engine "
             f"benchmarks greedy only; sampling runs in the {engines_text('bench.temperature', ' or ')} engine"

@@ -117,7 +117,9 @@ def set_figures(raw: dict) -> dict:
     counters = pooled_counters(prompts, k) if per_prompt else raw["counters"]
     generated = sum(p["spec_tokens"] for p in prompts)
     base_tokens = sum(p["base_tokens"] for p in prompts)
-    out = acceptance_figures(counters["accept_len_hist"], counters["emitted"], generated, len(prompts))
+    out = acceptance_figures(
+        counters["accept_len_hist"], counters["emitted"], generated, len(prompts)
+    )
     spec_s, base_s = raw["spec_seconds"], raw["base_seconds"]
     spec_tps, base_tps = generated / spec_s, base_tokens / base_s
     passes = out["verify_passes"]

@@ -136,9 +136,9 @@ def run(args, cfg: dict, log) -> None:
     except StorageError as e:
         raise SystemExit(f"error: {e}") from None
     from draftsmith import target as tgt
-    from draftsmith.engines import engine, needs
+    from draftsmith.engines import engine, engine_inputs
 
-    declared = needs(cap["backend"])["inputs"].get("capture", {})
+    declared = engine_inputs(cap["backend"], "capture")
     extra = {name: getattr(args, name) for name in declared if getattr(args, name) is not None}
     extra["draft_ids"] = None
     if storage.draft_topk:  # the teacher's top-k is stored over the draft vocabulary

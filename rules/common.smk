@@ -13,6 +13,7 @@ import yaml  # noqa: E402
 
 from draftsmith.common import sha256_file  # noqa: E402
 from draftsmith.engines import NEEDS as ENGINE_DEFAULTS  # noqa: E402
+from draftsmith.engines import engine_inputs  # noqa: E402
 from draftsmith.engines import needs as engine_workflow  # noqa: E402
 from draftsmith.config import (
     check_config,
@@ -308,12 +309,12 @@ def capture_engine_inputs(wildcards):
     """What a capture job needs beyond tokens and target: its engine's own inputs (WORKFLOW
     inputs, e.g. a patched server built by a rule of the engine's rules/<engine>.smk).
     """
-    return dict(engine_needs("capture")["inputs"].get("capture", {}))
+    return engine_inputs(config["capture"]["backend"], "capture")
 
 
 def engine_input_args(wildcards, input):
     """The capture engine's own inputs as the stage CLI's options (--<name> <path>)."""
-    names = engine_needs("capture")["inputs"].get("capture", {})
+    names = engine_inputs(config["capture"]["backend"], "capture")
     return " ".join(f"--{name} {input[name]}" for name in names if name in input.keys())
 
 

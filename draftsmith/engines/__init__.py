@@ -126,8 +126,9 @@ def needs(backend: str) -> dict:
             try:
                 declared = ast.literal_eval(node.value)
             except ValueError:
-                raise EngineError(f"{path}: WORKFLOW must be a literal (dicts, lists, strings, "
-                                  "numbers)") from None
+                raise EngineError(
+                    f"{path}: WORKFLOW must be a literal (dicts, lists, strings, numbers)"
+                ) from None
     unknown = sorted(set(declared) - set(NEEDS))
     if unknown:
         raise EngineError(f"{path}: WORKFLOW keys {unknown} are not among {sorted(NEEDS)}")
@@ -139,11 +140,16 @@ def honoured_by(setting: str) -> list[str]:
     return [name for name in ENGINES if setting in needs(name)["honours"]]
 
 
+def engine_inputs(backend: str, stage: str) -> dict[str, str]:
+    """name -> path of the files engine `backend` also needs for `stage` ({}: none)."""
+    return dict(needs(backend)["inputs"].get(stage) or {})
+
+
 def stage_inputs(stage: str) -> dict[str, str]:
     """name -> path of every engine's extra inputs for `stage` (the stage CLI's options)."""
     out: dict[str, str] = {}
     for name in ENGINES:
-        out.update(needs(name)["inputs"].get(stage, {}))
+        out.update(engine_inputs(name, stage))
     return out
 
 
