@@ -100,6 +100,29 @@ def estimate_bytes(
     return 4096 + sum(n + (-n) % 8 for *_, n in entries)
 
 
+def _topk_inputs(path, storage: Storage, hidden: int, lm_head, draft_ids):
+    """(target vocabulary size, lm_head, draft ids) for a storage that keeps top-k logits;
+    (None, None, None) for one that does not. Refuses missing or misshaped inputs."""
+    vocab = head = ids = None
+    if storage.final == "topk":
+        if lm_head is None or lm_head.dim() != 2 or lm_head.shape[1] != hidden:
+            raise ShardError(
+                f"{path}: storage final 'topk' needs the target's lm_head weight [V, "
+                f"{hidden}], got {None if lm_head is None else list(lm_head.shape)}"
+            )
+        vocab, head = lm_head.shape[0], lm_head.detach()
+    if storage.draft_topk:
+        if draft_ids is None or draft_ids.dim() != 1 or not draft_ids.numel():
+            raise ShardError(
+                f"{path}: storage topk_vocab 'draft' needs the draft vocabulary (draft_ids, "
+                "the target id of each draft id)"
+            )
+        if int(draft_ids.min()) < 0 or int(draft_ids.max()) >= vocab:
+            raise ShardError(f"{path}: draft_ids outside the target vocabulary [0, {vocab})")
+        ids = draft_ids.to(torch.int64)
+    return vocab, head, ids
+
+
 class ShardWriter:
     """Streaming writer: header and token tensors first, then hidden states batch by batch.
 
@@ -146,25 +169,9 @@ class ShardWriter:
         trained = trained_mask(loss_mask, row_offsets)
         self._trained = trained.numpy()
         self._slot = (trained.long().cumsum(0) - 1).numpy()  # token -> row in [P, ...] tensors
-        vocab = None
-        if storage.final == "topk":
-            if lm_head is None or lm_head.dim() != 2 or lm_head.shape[1] != self.hidden_size:
-                raise ShardError(
-                    f"{path}: storage final 'topk' needs the target's lm_head weight [V, "
-                    f"{self.hidden_size}], got {None if lm_head is None else list(lm_head.shape)}"
-                )
-            vocab = lm_head.shape[0]
-            self._lm_head = lm_head.detach()
-        self._draft_ids = None
-        if storage.draft_topk:
-            if draft_ids is None or draft_ids.dim() != 1 or not draft_ids.numel():
-                raise ShardError(
-                    f"{path}: storage topk_vocab 'draft' needs the draft vocabulary (draft_ids, "
-                    "the target id of each draft id)"
-                )
-            if int(draft_ids.min()) < 0 or int(draft_ids.max()) >= vocab:
-                raise ShardError(f"{path}: draft_ids outside the target vocabulary [0, {vocab})")
-            self._draft_ids = draft_ids.to(torch.int64)
+        vocab, self._lm_head, self._draft_ids = _topk_inputs(
+            path, storage, self.hidden_size, lm_head, draft_ids
+        )
         try:
             record = storage.record(
                 dtype, self.hidden_size, vocab, int(trained.sum()), self._draft_ids
@@ -194,6 +201,18 @@ class ShardWriter:
             vocab,
             None if self._draft_ids is None else self._draft_ids.numel(),
         )
+        self._fix_layout(layout)
+        self._written = np.zeros(self.n_tokens, dtype=bool)
+        self._inputs = {
+            "input_ids": input_ids.to(torch.int64).contiguous(),
+            "row_offsets": row_offsets.to(torch.int64).contiguous(),
+            "loss_mask": loss_mask.to(torch.uint8).contiguous(),
+        }
+        self._ctx = None
+        self._fd = None
+
+    def _fix_layout(self, layout) -> None:
+        """The manifest's tensor table, the header and each tensor's byte offset, from `layout`."""
         self.manifest["tensors"] = {
             name: {"dtype": tag, "shape": shape} for name, tag, shape, _ in layout
         }
@@ -206,15 +225,7 @@ class ShardWriter:
         self._base = len(header)
         self._offsets = offsets
         self._total = self._base + offsets["loss_mask"] + self.n_tokens
-        self._written = np.zeros(self.n_tokens, dtype=bool)
-        self._inputs = {
-            "input_ids": input_ids.to(torch.int64).contiguous(),
-            "row_offsets": row_offsets.to(torch.int64).contiguous(),
-            "loss_mask": loss_mask.to(torch.uint8).contiguous(),
-        }
         self._header = header
-        self._ctx = None
-        self._fd = None
 
     def __enter__(self) -> ShardWriter:
         # a killed earlier run of this range left its temp file: it is nobody's (one job per output)

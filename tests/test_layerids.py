@@ -16,12 +16,12 @@ import torch
 from roles import role_python
 
 from draftsmith import layerids
+from draftsmith.draft_contract import sglang_config
 from draftsmith.export import (
     ExportError,
     check_export,
     export_draft,
     serve_gate,
-    sglang_config,
     target_family,
 )
 from draftsmith.model import DraftConfig, Eagle3Draft
