@@ -53,6 +53,10 @@ ALLOWED = {
         {"sglang", "vllm"},
         "the export's two formats are the engines' checkpoint contracts",
     ),
+    "draftsmith/draft_contract.py": (
+        {"sglang", "vllm"},
+        "the checkpoint contract of SGLang's EAGLE-3 layer and vLLM's reading of it",
+    ),
     "draftsmith/serving.py": (
         {"sglang", "vllm"},
         "which engine can serve which target, read from the engines' pinned wheels",

@@ -37,3 +37,41 @@ def test_engine_without_a_stage(monkeypatch):
     assert implements("fake") == ["regenerate"]
     with pytest.raises(EngineError, match="the fake engine .* does not implement the capture"):
         engine("capture", "fake")
+
+
+def test_workflow_needs_are_read_without_importing_the_engine():
+    """needs() reads each engine's WORKFLOW literal from its source: what the module itself
+    holds, over the defaults, and the engine's module stays unimported (the Snakefile asks)."""
+    import importlib
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "from draftsmith.engines import ENGINES, needs\n"
+        "[needs(e) for e in ENGINES]\n"
+        "assert not [m for m in ENGINES.values() if m in sys.modules], sys.modules.keys()\n"
+        "assert 'torch' not in sys.modules\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+    for name, module in engines.ENGINES.items():
+        declared = importlib.import_module(module).WORKFLOW
+        assert engines.needs(name) == {**engines.NEEDS, **declared}
+
+
+def test_workflow_declaration_is_checked(monkeypatch, tmp_path):
+    import sys
+
+    fake = tmp_path / "draftsmith_fake_decl.py"
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setitem(engines.ENGINES, "fake", "draftsmith_fake_decl")
+    fake.write_text('WORKFLOW = {"gpus": 2, "colour": "red"}\n')
+    with pytest.raises(EngineError, match=r"WORKFLOW keys \['colour'\] are not among"):
+        engines.needs("fake")
+    fake.write_text("WORKFLOW = dict(gpus=2)\n")
+    with pytest.raises(EngineError, match="WORKFLOW must be a literal"):
+        engines.needs("fake")
+    fake.write_text('WORKFLOW = {"honours": ["bench.temperature"]}\n')
+    assert engines.needs("fake")["gpus"] == 1
+    assert engines.honoured_by("bench.temperature") == ["hf", "fake"]
+    assert "draftsmith_fake_decl" not in sys.modules
