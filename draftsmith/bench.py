@@ -433,7 +433,6 @@ def main(argv: list[str] | None = None) -> None:
     import matplotlib
 
     from draftsmith.benchinput import screen_sets
-    from draftsmith.config import engines_text, honours
     from draftsmith.engines import EngineError, engine, stop_guard
     from draftsmith.load import LoadMeter
     from draftsmith.target import fingerprint
@@ -441,13 +440,7 @@ def main(argv: list[str] | None = None) -> None:
     matplotlib.use("Agg")
     bench = cfg["bench"]
     # x-omit-default: absent at 0; the Snakefile refuses the same (config.check_config)
-    if float(bench.get("temperature", 0)) > 0 and not honours(
-        bench["backend"], "bench.temperature"
-    ):
-        raise SystemExit(
-            f"bench.temperature {bench['temperature']}: the {bench['backend']} engine "
-            f"benchmarks greedy only; sampling runs in the {engines_text('bench.temperature', ' or ')} engine"
-        )
+    refuse_sampling(bench)
     skipped: dict[str, dict] = {}
     sets = load_sets(cfg, skipped)
     sets, screened = screen_sets(sets, skipped, args.target, cfg)
@@ -508,6 +501,20 @@ def main(argv: list[str] | None = None) -> None:
         from draftsmith.captions import write_captions
 
         write_captions(report, args.captions)
+
+
+def refuse_sampling(bench: dict) -> None:
+    """bench.temperature > 0 on an engine that benchmarks greedy only (the Snakefile refuses the
+    same: config.check_config; x-omit-default: absent at 0)."""
+    from draftsmith.config import engines_text, honours
+
+    if float(bench.get("temperature", 0)) > 0 and not honours(
+        bench["backend"], "bench.temperature"
+    ):
+        raise SystemExit(
+            f"bench.temperature {bench['temperature']}: the {bench['backend']} engine benchmarks "
+            f"greedy only; sampling runs in the {engines_text('bench.temperature', ' or ')} engine"
+        )
 
 
 def training_config(draft_dir: Path) -> dict:

@@ -89,6 +89,19 @@ def shard_size(tokens: dict, text_cfg: dict, dtype: str, storage: Storage) -> in
     return shard_bytes(n_rows, n_tokens, hidden, dtype, storage, trained, vocab)
 
 
+def draft_vocab_ids(storage: Storage, vocab: Path | None):
+    """The target id of each draft id where the storage mode keeps the teacher's top-k over the
+    draft vocabulary (capture.storage.topk_vocab draft), else None."""
+    if not storage.draft_topk:
+        return None
+    if vocab is None:
+        raise SystemExit("error: capture.storage.topk_vocab draft needs --vocab")
+    from draftsmith.vocab import load_vocab
+
+    d2t, _ = load_vocab(vocab)
+    return d2t + torch.arange(d2t.shape[0])
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(
         prog="python -m draftsmith.capture",
@@ -139,15 +152,8 @@ def run(args, cfg: dict, log) -> None:
     from draftsmith.engines import engine, engine_inputs
 
     declared = engine_inputs(cap["backend"], "capture")
-    extra = {name: getattr(args, name) for name in declared if getattr(args, name) is not None}
-    extra["draft_ids"] = None
-    if storage.draft_topk:  # the teacher's top-k is stored over the draft vocabulary
-        if args.vocab is None:
-            raise SystemExit("error: capture.storage.topk_vocab draft needs --vocab")
-        from draftsmith.vocab import load_vocab
-
-        d2t, _ = load_vocab(args.vocab)
-        extra["draft_ids"] = d2t + torch.arange(d2t.shape[0])
+    extra = {n: getattr(args, n) for n in declared if getattr(args, n) is not None}
+    extra["draft_ids"] = draft_vocab_ids(storage, args.vocab)
 
     try:
         a, b = parse_range(args.out.stem)

@@ -31,6 +31,7 @@ STACKED = [
 ]
 LEGACY = {"midlayer": "layers.0"}
 
+
 class ContractError(ValueError):
     """A config.json that is not an EAGLE-3 draft in SGLang's contract."""
 

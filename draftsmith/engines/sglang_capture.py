@@ -257,16 +257,7 @@ def run_rows(sup, rc: RowCapture, rows: list[int], *, concurrency: int, retries:
 
 
 def capture_range(
-    tokens,
-    cfg: dict,
-    *,
-    target,
-    out,
-    ids,
-    manifest: dict,
-    threads: int,
-    draft_ids=None,
-    patched=None,
+    tokens, cfg, *, target, out, ids, manifest: dict, threads: int, draft_ids=None, patched=None
 ) -> dict:
     """The capture stage through the patched SGLang server; returns the shard's manifest
     (draft_ids: unused, this engine refuses top-k teachers)."""
