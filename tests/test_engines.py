@@ -75,3 +75,25 @@ def test_workflow_declaration_is_checked(monkeypatch, tmp_path):
     assert engines.needs("fake")["gpus"] == 1
     assert engines.honoured_by("bench.temperature") == ["hf", "fake"]
     assert "draftsmith_fake_decl" not in sys.modules
+
+
+def test_check_config_asks_the_declarations(monkeypatch, tmp_path):
+    """check_config refuses sampling for the engines whose WORKFLOW does not honour
+    bench.temperature, and names the ones that do: no engine name in the rule itself."""
+    from wf import with_defaults
+
+    from draftsmith.config import ConfigError, check_config
+
+    (tmp_path / "draftsmith_fake_sampler.py").write_text(
+        'WORKFLOW = {"honours": ["bench.temperature"]}\n'
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setitem(engines.ENGINES, "fake", "draftsmith_fake_sampler")
+    cfg = with_defaults({"target": {"source": "embedded"}, "bench": {"temperature": 0.5}})
+    cfg["bench"]["backend"] = "fake"
+    check_config(cfg)
+    cfg["bench"]["backend"] = "vllm"
+    with pytest.raises(
+        ConfigError, match="only the hf and fake engine .* bench.backend hf or fake"
+    ):
+        check_config(cfg)
