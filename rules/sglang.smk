@@ -3,41 +3,13 @@
 # PYTHONPATH). Refuses an SGLang other than the role's pin, or an install whose patched files
 # are not the pinned wheel's. Every capture job depends on patched.json (rules/hidden.smk).
 
-
-def sglang_pin():
-    """The SGLang version the capture role pins (its envs/<role>.txt)."""
-    from draftsmith.envcheck import read_pins
-
-    pins = Path(workflow.basedir, "envs", f"{role_of('capture')}.txt")
-    pin = read_pins(pins).get("sglang")
-    if pin is None:
-        raise ValueError(
-            f"config: capture.backend sglang, but capture.role {role_of('capture')!r} "
-            f"does not pin sglang in {pins}"
-        )
-    return pin
-
-
-def sglang_patch_inputs(wildcards):
-    """The capture role's pin file and the patches for its SGLang pin (lazy: sglang only)."""
-    pins = Path(workflow.basedir, "envs", f"{role_of('capture')}.txt")
-    patch_dir = Path(workflow.basedir, "patches", f"sglang-{sglang_pin()}")
-    patches = sorted(patch_dir.glob("*.patch"))
-    if not patches:
-        raise ValueError(
-            f"config: capture.backend sglang, but {patch_dir} has no *.patch for the "
-            f"pinned SGLang {sglang_pin()}"
-        )
-    return {
-        "pins": str(pins),
-        "patches": [str(p) for p in patches],
-        "pristine": str(patch_dir / "pristine.sha256"),
-    }
+from draftsmith.sglang_patch import rule_inputs as patch_inputs
 
 
 rule patch_sglang:
     input:
-        unpack(sglang_patch_inputs),
+        # the capture role's pin file, the patches and pristine hashes for its SGLang pin
+        unpack(lambda w: patch_inputs(workflow.basedir, role_of("capture"))),
         stamp=stamp("capture"),
     output:
         record="results/sglang/patched.json",
