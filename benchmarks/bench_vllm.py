@@ -68,15 +68,16 @@ def job_cfg(report: dict, engine: str, args) -> dict:
 def run_one(cfg: dict, draft: str) -> dict:
     """In this process (started from the project dir): the engine's bench_sets."""
     from draftsmith.bench import load_sets
+    from draftsmith.benchfigures import set_figures
     from draftsmith.engines import engine as get
 
     sets = load_sets(cfg)
     t0 = time.perf_counter()
-    res, info = get("bench", cfg["bench"]["backend"])(
+    raw, info = get("bench", cfg["bench"]["backend"])(
         sets, cfg, target="results/target", draft=draft, threads=2
     )
     return {
-        "res": res["heldout"],
+        "res": set_figures(raw["heldout"]),
         "info": {k: v for k, v in info.items() if k != "servers"},
         "ids": [r["id"] for r in sets["heldout"]],
         "wall_s": time.perf_counter() - t0,

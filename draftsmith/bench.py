@@ -2,12 +2,13 @@
 
 For each set (held-out rows of the data sources, HumanEval, user JSONL files) the engine named by
 `bench.backend` (`draftsmith.engines`) generates every prompt twice: with speculative decoding
-by the draft and with plain greedy decoding of the target. `hf` runs both in this process
-(`draftsmith.specdec`); `sglang` serves the target once without and once with EAGLE-3 and reads
-SGLang's own counters. Both sides are timed with the warm-up excluded, so the speedup is a ratio
-measured in one run on one machine, and their outputs are compared token for token (greedy
-verification is lossless). With bench.temperature > 0 (hf only) both sides sample: speculative
-sampling against plain sampling, equal in distribution, not token for token. This module loads the sets, gates, and writes the report and plots.
+by the draft and with plain decoding of the target, each side timed with the warm-up excluded,
+and returns what it measured (token ids, verification passes, accepted-length histograms,
+seconds). `draftsmith.benchfigures` computes every figure from that, the same way for every
+engine: the speedup is a ratio measured in one run on one machine, and the outputs are compared
+token for token (greedy verification is lossless). Where the engine samples (bench.temperature
+> 0) both sides sample: equal in distribution, not token for token. This module loads the sets,
+computes the figures, gates, and writes the report and plots.
 
 The sanity gate (`draftsmith.gate`): a set whose tau is under `bench.tau_floor`, or exactly 1.0, fails the rule with
 the list of likely causes. Nothing is written then: a broken draft never yields a report that
@@ -32,6 +33,7 @@ import json
 import logging
 from pathlib import Path
 
+from draftsmith.benchfigures import bench_figures
 from draftsmith.common import (
     atomic_path,
     atomic_write_json,
@@ -438,11 +440,7 @@ def main(argv: list[str] | None = None) -> None:
     matplotlib.use("Agg")
     bench = cfg["bench"]
     # x-omit-default: absent at 0; the Snakefile refuses the same (config.check_config)
-    if float(bench.get("temperature", 0)) > 0 and bench["backend"] != "hf":
-        raise SystemExit(
-            f"bench.temperature {bench['temperature']}: the {bench['backend']} engine "
-            "benchmarks greedy only; sampling runs in the hf engine"
-        )
+    refuse_sampling(bench)
     skipped: dict[str, dict] = {}
     sets = load_sets(cfg, skipped)
     sets, screened = screen_sets(sets, skipped, args.target, cfg)
@@ -454,9 +452,10 @@ def main(argv: list[str] | None = None) -> None:
     log.info("sets: %s; backend %s", {n: len(r) for n, r in sets.items()}, bench["backend"])
     meter = LoadMeter()
     with stop_guard("bench", bench["backend"]), meter.phase("run"):
-        results, info = bench_sets(
+        measured, info = bench_sets(
             sets, cfg, target=args.target, draft=args.draft, threads=args.threads
         )
+    results = bench_figures(measured)
     judge_speedups(results, meter.summary(), int(info.get("threads") or args.threads or 1))
     for name, r in results.items():
         log.info(
@@ -502,6 +501,20 @@ def main(argv: list[str] | None = None) -> None:
         from draftsmith.captions import write_captions
 
         write_captions(report, args.captions)
+
+
+def refuse_sampling(bench: dict) -> None:
+    """bench.temperature > 0 on an engine that benchmarks greedy only (the Snakefile refuses the
+    same: config.check_config; x-omit-default: absent at 0)."""
+    from draftsmith.config import engines_text, honours
+
+    if float(bench.get("temperature", 0)) > 0 and not honours(
+        bench["backend"], "bench.temperature"
+    ):
+        raise SystemExit(
+            f"bench.temperature {bench['temperature']}: the {bench['backend']} engine benchmarks "
+            f"greedy only; sampling runs in the {engines_text('bench.temperature', ' or ')} engine"
+        )
 
 
 def training_config(draft_dir: Path) -> dict:

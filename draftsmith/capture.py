@@ -89,6 +89,19 @@ def shard_size(tokens: dict, text_cfg: dict, dtype: str, storage: Storage) -> in
     return shard_bytes(n_rows, n_tokens, hidden, dtype, storage, trained, vocab)
 
 
+def draft_vocab_ids(storage: Storage, vocab: Path | None):
+    """The target id of each draft id where the storage mode keeps the teacher's top-k over the
+    draft vocabulary (capture.storage.topk_vocab draft), else None."""
+    if not storage.draft_topk:
+        return None
+    if vocab is None:
+        raise SystemExit("error: capture.storage.topk_vocab draft needs --vocab")
+    from draftsmith.vocab import load_vocab
+
+    d2t, _ = load_vocab(vocab)
+    return d2t + torch.arange(d2t.shape[0])
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(
         prog="python -m draftsmith.capture",
@@ -104,9 +117,10 @@ def main(argv: list[str] | None = None) -> None:
         "--out", type=Path, required=True, help="results/hidden/rows_<a>-<b>.safetensors"
     )
     ap.add_argument("--threads", type=int, default=0)
-    ap.add_argument(
-        "--patched", type=Path, help="results/sglang/patched.json (capture.backend sglang)"
-    )
+    from draftsmith.engines import stage_inputs
+
+    for name, path in stage_inputs("capture").items():  # engines' own inputs (their WORKFLOW)
+        ap.add_argument(f"--{name}", type=Path, help=f"{path} (for the engine that needs it)")
     ap.add_argument(
         "--vocab",
         type=Path,
@@ -135,17 +149,11 @@ def run(args, cfg: dict, log) -> None:
     except StorageError as e:
         raise SystemExit(f"error: {e}") from None
     from draftsmith import target as tgt
-    from draftsmith.engines import engine
+    from draftsmith.engines import engine, engine_inputs
 
-    extra = {"patched": args.patched} if args.patched else {}
-    if storage.draft_topk:  # the hf engine stores the teacher's top-k over this vocabulary
-        if args.vocab is None:
-            raise SystemExit("error: capture.storage.topk_vocab draft needs --vocab")
-        if cap["backend"] == "hf":
-            from draftsmith.vocab import load_vocab
-
-            d2t, _ = load_vocab(args.vocab)
-            extra["draft_ids"] = d2t + torch.arange(d2t.shape[0])
+    declared = engine_inputs(cap["backend"], "capture")
+    extra = {n: getattr(args, n) for n in declared if getattr(args, n) is not None}
+    extra["draft_ids"] = draft_vocab_ids(storage, args.vocab)
 
     try:
         a, b = parse_range(args.out.stem)

@@ -192,11 +192,12 @@ def check_config(config: dict) -> None:
             f"data.heldout_rows = {data['heldout_rows']}: the benchmark can only use rows held "
             f"out of training; raise data.heldout_rows or lower bench.heldout_size"
         )
-    if bench["temperature"] > 0 and bench["backend"] != "hf":
+    if bench["temperature"] > 0 and not honours(bench["backend"], "bench.temperature"):
         raise ConfigError(
-            f"config: bench.temperature = {bench['temperature']} samples, which only the hf "
-            f"engine benchmarks so far; the {bench['backend']} engine benchmarks greedy: set "
-            "bench.temperature 0 or bench.backend hf"
+            f"config: bench.temperature = {bench['temperature']} samples, which only the "
+            f"{engines_text('bench.temperature', ' and ')} engine benchmarks so far; the "
+            f"{bench['backend']} engine benchmarks greedy: set bench.temperature 0 or "
+            f"bench.backend {engines_text('bench.temperature', ' or ')}"
         )
     if bench["top_p"] < 1 and bench["temperature"] == 0:
         raise ConfigError(
@@ -204,10 +205,11 @@ def check_config(config: dict) -> None:
             "is 0 (greedy): set bench.temperature > 0 or leave bench.top_p at 1"
         )
     regen = config["regenerate"]
-    if regen["backend"] != "hf" and regen["dtype"] != "float32":
+    if regen["dtype"] != "float32" and not honours(regen["backend"], "regenerate.dtype"):
         raise ConfigError(
-            f"config: regenerate.dtype = {regen['dtype']} is the hf engine's; the "
-            f"{regen['backend']} engine serves target.dtype: leave regenerate.dtype float32"
+            f"config: regenerate.dtype = {regen['dtype']} is the "
+            f"{engines_text('regenerate.dtype', ' and ')} engine's; the {regen['backend']} "
+            "engine serves target.dtype: leave regenerate.dtype float32"
         )
     capture = config["capture"]["storage"]
     if config["train"]["loss_positions"] == "all" and capture["final"] != "states":
@@ -216,6 +218,21 @@ def check_config(config: dict) -> None:
             f"distribution there, but capture.storage.final = {capture['final']} keeps no "
             "teacher at untrained positions: use capture.storage.final states"
         )
+
+
+def honours(backend: str, setting: str) -> bool:
+    """Whether engine `backend` honours a "stage.key" setting only some engines honour (its
+    WORKFLOW, draftsmith.engines.needs)."""
+    from draftsmith.engines import needs
+
+    return setting in needs(backend)["honours"]
+
+
+def engines_text(setting: str, sep: str) -> str:
+    """The engines that honour `setting`, joined for a message."""
+    from draftsmith.engines import honoured_by
+
+    return sep.join(honoured_by(setting))
 
 
 def storage_keys(storage: dict) -> dict:

@@ -1,6 +1,6 @@
 """Who holds a TCP port on this machine: a job only talks to a server it started.
 
-- `check_free(port)`: before a launch on a fixed port (`sglang.port`), refuse a port that is
+- `check_free(port)`: before a launch on a fixed port (a server engine's port setting), refuse a port that is
   taken, naming it and the process listening there (pid and command line, when visible).
 - `listeners(port)`: the pids with a listening socket on `port` (Linux: /proc/net/tcp{,6}, then
   each process's fds). `draftsmith.server.Server.wait_ready` accepts a health answer only when a
@@ -79,8 +79,9 @@ def holder(port: int) -> str:
     return ", ".join(describe(p) for p in pids)
 
 
-def check_free(port: int, host: str = "127.0.0.1") -> None:
-    """Raise PortTaken (naming the port and its holder) unless `port` can be bound now."""
+def check_free(port: int, host: str = "127.0.0.1", key: str = "the server's port setting") -> None:
+    """Raise PortTaken (naming the port and its holder) unless `port` can be bound now; `key`
+    names the setting the port came from."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         try:
             s.bind((host, port))
@@ -90,7 +91,7 @@ def check_free(port: int, host: str = "127.0.0.1") -> None:
             raise PortTaken(
                 f"port {port} on {host} is already in use by {holder(port)}: this job starts its "
                 f"own server and talks only to it. Stop that process, pick another port "
-                f"(sglang.port), or set sglang.port: 0 for a free port at each launch"
+                f"({key}), or set {key}: 0 for a free port at each launch"
             ) from None
 
 

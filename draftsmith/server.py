@@ -81,6 +81,7 @@ class ServerSpec:
     startup_timeout: float = 600.0
     health_path: str = "/health"
     grace: float = 15.0  # seconds between SIGTERM and SIGKILL at shutdown
+    port_key: str = "the server's port setting"  # the config key `port` came from (messages)
 
 
 def free_port() -> int:
@@ -173,7 +174,7 @@ class Server:
     def start(self) -> None:
         if self.spec.port:  # a fixed port: refuse one that another process holds
             try:
-                check_free(self.spec.port)
+                check_free(self.spec.port, key=self.spec.port_key)
             except PortTaken as e:
                 raise ServerError(f"{self.spec.name}: {e}") from None
         self.port = self.spec.port or free_port()
@@ -264,7 +265,7 @@ class Server:
         raise ServerError(
             f"{self.spec.name}: port {self.port} answered, but from {holder(self.port)}, not "
             f"from the server this job launched (pid {self.proc.pid}); nothing was sent to it. "
-            f"Another job with the same port? Use sglang.port: 0 (a free port per launch)"
+            f"Another job with the same port? Use {self.spec.port_key}: 0 (a free port per launch)"
         )
 
     def stop(self) -> None:

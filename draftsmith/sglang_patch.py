@@ -53,6 +53,33 @@ def pinned_version(pins_file: Path) -> str:
     return pin
 
 
+def rule_inputs(workflow_dir: str | os.PathLike, role: str) -> dict:
+    """The inputs of rule patch_sglang for the capture role `role`: its pin file and the
+    patches and pristine hashes for its SGLang pin (ValueError, naming the config, when the role
+    pins no SGLang or no patch exists for the pin)."""
+    from draftsmith.envcheck import read_pins
+
+    pins = Path(workflow_dir, "envs", f"{role}.txt")
+    pin = read_pins(pins).get(PACKAGE)
+    if pin is None:
+        raise ValueError(
+            f"config: capture.backend sglang, but capture.role {role!r} does not pin sglang in "
+            f"{pins}"
+        )
+    patch_dir = Path(workflow_dir, "patches", f"sglang-{pin}")
+    patches = sorted(patch_dir.glob("*.patch"))
+    if not patches:
+        raise ValueError(
+            f"config: capture.backend sglang, but {patch_dir} has no *.patch for the pinned "
+            f"SGLang {pin}"
+        )
+    return {
+        "pins": str(pins),
+        "patches": [str(p) for p in patches],
+        "pristine": str(patch_dir / "pristine.sha256"),
+    }
+
+
 def installed_package() -> tuple[str, Path]:
     """(version, package directory) of this interpreter's SGLang, without importing it."""
     try:

@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from draftsmith.benchfigures import acceptance_figures
 from draftsmith.model import KVCache
 from draftsmith.sampling import Sampler
 
@@ -90,34 +91,6 @@ def summarize(traces: list[Trace]) -> dict:
     emitted = sum(sum(t.emitted) for t in traces)
     generated = sum(len(t.tokens) for t in traces)
     return acceptance_figures(hist, emitted, generated, len(traces))
-
-
-def acceptance_figures(hist: list[int], emitted: int, generated: int, prompts: int) -> dict:
-    """The figures of `summarize` from the accepted-length histogram and token counts.
-
-    hist[a]: verification passes that accepted exactly a proposals (a = 0..K); emitted: tokens
-    those passes added to the outputs; generated: all output tokens (prefill tokens included).
-    Server engines count the same things (SGLang: spec_correct_drafts_histogram, completion
-    tokens) and share this function.
-    """
-    k = len(hist) - 1
-    passes = sum(hist)
-    reached = [sum(hist[j:]) for j in range(k + 1)]  # reached[j] = passes with length >= j
-    # None where no pass reached the position: an unmeasured rate is not a zero rate
-    rate = [reached[j + 1] / reached[j] if reached[j] else None for j in range(k)]
-    reach = [reached[j + 1] / passes if passes else 0.0 for j in range(k)]
-    return {
-        "prompts": prompts,
-        "generated_tokens": generated,
-        "verify_passes": passes,
-        "tau": emitted / passes if passes else float("nan"),
-        "tau_sglang": generated / passes if passes else float("nan"),
-        "mean_accepted": sum(a * n for a, n in enumerate(hist)) / passes if passes else 0.0,
-        "accept_rate_by_pos": rate,
-        "reached_by_pos": reached[:k],
-        "reach_rate_by_pos": reach,
-        "accept_len_hist": list(hist),
-    }
 
 
 # --------------------------------------------------------------------------- target side

@@ -12,6 +12,9 @@ sys.path.insert(0, workflow.basedir)
 import yaml  # noqa: E402
 
 from draftsmith.common import sha256_file  # noqa: E402
+from draftsmith.engines import NEEDS as ENGINE_DEFAULTS  # noqa: E402
+from draftsmith.engines import engine_inputs  # noqa: E402
+from draftsmith.engines import needs as engine_workflow  # noqa: E402
 from draftsmith.config import (
     check_config,
     check_finite,
@@ -121,22 +124,32 @@ def roles_regex(roles):
     return "|".join(roles) if roles else "(?!)"
 
 
-def sglang_tp(stage):
-    """Tensor-parallel size of the SGLang servers (sglang.tp_size): the GPUs one job uses."""
-    return int(config.get("sglang", {}).get("tp_size", 1))
+def engine_needs(stage):
+    """What the workflow needs from the engine of the stage (its WORKFLOW declaration,
+    draftsmith.engines.needs); the defaults for a stage without a backend (train)."""
+    backend = config[stage].get("backend")
+    return engine_workflow(backend) if backend else dict(ENGINE_DEFAULTS)
+
+
+def engine_gpus(stage):
+    """GPUs one job of the stage's engine takes on a GPU role: its WORKFLOW's number, or the
+    config key it names (a server's tensor-parallel size)."""
+    gpus = engine_needs(stage)["gpus"]
+    if isinstance(gpus, str):
+        section, key = gpus.split(".")
+        return int(config[section][key])
+    return int(gpus)
 
 
 def stage_gpus(stage):
     """GPUs one job of the stage uses, which is what it asks SLURM for: none on a CPU role;
-    on a GPU role the SGLang tp size (backend sglang), train.nproc per node (train), else 1.
+    on a GPU role train.nproc per node (train), else what the stage's engine declares.
     """
     if role_gpus(role_of(stage)) == 0:
         return 0
     if stage == "train":
         return config["train"]["nproc"]
-    if config[stage].get("backend") == "sglang":
-        return sglang_tp(stage)
-    return 1
+    return engine_gpus(stage)
 
 
 def gpu_resources(stage):
@@ -241,13 +254,16 @@ def role_env(stage):
 
 
 def server_cfg(stage):
-    """The result-relevant settings of the server the stage's engine launches ({} for hf)."""
-    backend = config[stage]["backend"]
-    if backend not in RUN_KEYS:
+    """The result-relevant settings of the stage's engine (its WORKFLOW's settings section,
+    without the x-execution keys) and the target's dtype and remote-code permission; {} for an
+    engine without a settings section."""
+    section = engine_needs(stage)["settings"]
+    if section is None:
         return {}
-    keep = {k: v for k, v in config[backend].items() if k not in RUN_KEYS[backend]}
+    run = RUN_KEYS.get(section, ())
+    keep = {k: v for k, v in config[section].items() if k not in run}
     target = {k: config["target"][k] for k in ("dtype", "trust_remote_code")}
-    return {backend: keep, "target": target}
+    return {section: keep, "target": target}
 
 
 def cfg_json(*sections, server_of=None, **only):
@@ -289,42 +305,17 @@ def target_inputs(wildcards):
     return {}
 
 
-def sglang_pin():
-    """The SGLang version the capture role pins (its envs/<role>.txt)."""
-    from draftsmith.envcheck import read_pins
-
-    pins = Path(workflow.basedir, "envs", f"{role_of('capture')}.txt")
-    pin = read_pins(pins).get("sglang")
-    if pin is None:
-        raise ValueError(
-            f"config: capture.backend sglang, but capture.role {role_of('capture')!r} "
-            f"does not pin sglang in {pins}"
-        )
-    return pin
-
-
-def sglang_patch_inputs(wildcards):
-    """The capture role's pin file and the patches for its SGLang pin (lazy: sglang only)."""
-    pins = Path(workflow.basedir, "envs", f"{role_of('capture')}.txt")
-    patch_dir = Path(workflow.basedir, "patches", f"sglang-{sglang_pin()}")
-    patches = sorted(patch_dir.glob("*.patch"))
-    if not patches:
-        raise ValueError(
-            f"config: capture.backend sglang, but {patch_dir} has no *.patch for the "
-            f"pinned SGLang {sglang_pin()}"
-        )
-    return {
-        "pins": str(pins),
-        "patches": [str(p) for p in patches],
-        "pristine": str(patch_dir / "pristine.sha256"),
-    }
-
-
 def capture_engine_inputs(wildcards):
-    """What a capture job needs beyond tokens and target: the patched SGLang for `sglang`."""
-    if config["capture"]["backend"] == "sglang":
-        return {"patched": "results/sglang/patched.json"}
-    return {}
+    """What a capture job needs beyond tokens and target: its engine's own inputs (WORKFLOW
+    inputs, e.g. a patched server built by a rule of the engine's rules/<engine>.smk).
+    """
+    return engine_inputs(config["capture"]["backend"], "capture")
+
+
+def engine_input_args(wildcards, input):
+    """The capture engine's own inputs as the stage CLI's options (--<name> <path>)."""
+    names = engine_inputs(config["capture"]["backend"], "capture")
+    return " ".join(f"--{name} {input[name]}" for name in names if name in input.keys())
 
 
 def capture_vocab_input(wildcards):
@@ -350,10 +341,8 @@ def print_gpu_layout():
             how = "CPU"
         elif stage == "train":
             how = f"{n} training process{'es' if n > 1 else ''} per node, train.nproc"
-        elif config[stage].get("backend") == "sglang":
-            how = f"one SGLang server, sglang.tp_size {n}"
         else:
-            how = "one GPU"
+            how = engine_needs(stage)["gpus_why"].format(n=n)
         parts.append(f"{stage} {n} ({role}: {how})")
     node = ", ".join(f"envs.{r}.gpus {role_gpus(r)}" for r in roles)
     print(

@@ -58,9 +58,10 @@ rule capture:
         runtime=60,
     params:
         cfg=cfg_json("capture", "target", server_of="capture"),
-        patched=lambda w, input: (
-            f"--patched {input.patched}" if "patched" in input.keys() else ""
-        ),
+        # the capture engine's own inputs as options (engine_input_args); the param keeps its
+        # first name, since the shell command below is part of the rule's code (renaming it
+        # would make every shard stale)
+        patched=engine_input_args,
         vocab=lambda w, input: (
             f"--vocab {input.vocab}" if "vocab" in input.keys() else ""
         ),

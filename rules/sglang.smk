@@ -3,10 +3,13 @@
 # PYTHONPATH). Refuses an SGLang other than the role's pin, or an install whose patched files
 # are not the pinned wheel's. Every capture job depends on patched.json (rules/hidden.smk).
 
+from draftsmith.sglang_patch import rule_inputs as patch_inputs
+
 
 rule patch_sglang:
     input:
-        unpack(sglang_patch_inputs),
+        # the capture role's pin file, the patches and pristine hashes for its SGLang pin
+        unpack(lambda w: patch_inputs(workflow.basedir, role_of("capture"))),
         stamp=stamp("capture"),
     output:
         record="results/sglang/patched.json",

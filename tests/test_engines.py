@@ -37,3 +37,63 @@ def test_engine_without_a_stage(monkeypatch):
     assert implements("fake") == ["regenerate"]
     with pytest.raises(EngineError, match="the fake engine .* does not implement the capture"):
         engine("capture", "fake")
+
+
+def test_workflow_needs_are_read_without_importing_the_engine():
+    """needs() reads each engine's WORKFLOW literal from its source: what the module itself
+    holds, over the defaults, and the engine's module stays unimported (the Snakefile asks)."""
+    import importlib
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "from draftsmith.engines import ENGINES, needs\n"
+        "[needs(e) for e in ENGINES]\n"
+        "assert not [m for m in ENGINES.values() if m in sys.modules], sys.modules.keys()\n"
+        "assert 'torch' not in sys.modules\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+    for name, module in engines.ENGINES.items():
+        declared = importlib.import_module(module).WORKFLOW
+        assert engines.needs(name) == {**engines.NEEDS, **declared}
+
+
+def test_workflow_declaration_is_checked(monkeypatch, tmp_path):
+    import sys
+
+    fake = tmp_path / "draftsmith_fake_decl.py"
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setitem(engines.ENGINES, "fake", "draftsmith_fake_decl")
+    fake.write_text('WORKFLOW = {"gpus": 2, "colour": "red"}\n')
+    with pytest.raises(EngineError, match=r"WORKFLOW keys \['colour'\] are not among"):
+        engines.needs("fake")
+    fake.write_text("WORKFLOW = dict(gpus=2)\n")
+    with pytest.raises(EngineError, match="WORKFLOW must be a literal"):
+        engines.needs("fake")
+    fake.write_text('WORKFLOW = {"honours": ["bench.temperature"]}\n')
+    assert engines.needs("fake")["gpus"] == 1
+    assert engines.honoured_by("bench.temperature") == ["hf", "fake"]
+    assert "draftsmith_fake_decl" not in sys.modules
+
+
+def test_check_config_asks_the_declarations(monkeypatch, tmp_path):
+    """check_config refuses sampling for the engines whose WORKFLOW does not honour
+    bench.temperature, and names the ones that do: no engine name in the rule itself."""
+    from wf import with_defaults
+
+    from draftsmith.config import ConfigError, check_config
+
+    (tmp_path / "draftsmith_fake_sampler.py").write_text(
+        'WORKFLOW = {"honours": ["bench.temperature"]}\n'
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setitem(engines.ENGINES, "fake", "draftsmith_fake_sampler")
+    cfg = with_defaults({"target": {"source": "embedded"}, "bench": {"temperature": 0.5}})
+    cfg["bench"]["backend"] = "fake"
+    check_config(cfg)
+    cfg["bench"]["backend"] = "vllm"
+    with pytest.raises(
+        ConfigError, match="only the hf and fake engine .* bench.backend hf or fake"
+    ):
+        check_config(cfg)

@@ -10,6 +10,7 @@ import sys
 
 import pytest
 
+from draftsmith.benchfigures import set_figures
 from draftsmith.common import merge_run
 from draftsmith.engines import implements
 from draftsmith.engines import sglang as eng
@@ -100,7 +101,8 @@ def test_set_figures_from_sglang_counters():
         "seconds": 1.5,
         "server_accept_length": 2.0,
     }
-    r = eng._set_figures([[0] * 10, [0] * 20], ["a", "b"], base, spec, {9}, 3)
+    raw = eng.set_measurements([[0] * 10, [0] * 20], ["a", "b"], base, spec, {9}, 3)
+    r = set_figures(raw)  # what the bench stage computes from the engine's measurements
     assert r["accept_len_hist"] == [2, 1, 0, 1] and r["verify_passes"] == 4
     assert r["tau_sglang"] == pytest.approx(9 / 4)  # sum(completion) / sum(spec_verify_ct)
     assert r["tau"] == pytest.approx(7 / 4)  # each prompt's first token is the prefill's
@@ -117,8 +119,9 @@ def test_set_figures_refuse_inconsistent_counters():
     base = {"answers": [answer([1, 9])], "seconds": 1.0}
     spec = {"answers": [answer([1, 9], verify=2, hist=[1])], "seconds": 1.0}
     spec["server_accept_length"] = None
-    with pytest.raises(ValueError, match="histograms count 1 passes, spec_verify_ct 2"):
-        eng._set_figures([[0]], ["a"], base, spec, {9}, 3)
+    raw = eng.set_measurements([[0]], ["a"], base, spec, {9}, 3)
+    with pytest.raises(ValueError, match=r"histogram \[1, 0, 0, 0\] does not count its 2 verif"):
+        set_figures(raw)
 
 
 def test_run_settings_merge(monkeypatch):

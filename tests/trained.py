@@ -129,17 +129,20 @@ def train_tiny_project(root: Path, draft: dict | None = None, **target) -> Path:
 
 
 def run_bench(root: Path, engine: str, draft: str, cfg: dict, python: str | None = None) -> dict:
-    """bench_sets of `engine` on PROMPTS, run in `python` (a role interpreter) from `root`:
+    """bench_sets of `engine` on PROMPTS, run in `python` (a role interpreter) from `root`, its
+    measurements turned into figures as the bench stage does (draftsmith.benchfigures):
     {"res": {"s": figures}, "info": ..., "log": the process's output}. `cfg` gets the schema's
     defaults, as the workflow hands a job its sections."""
     cfg = with_defaults(cfg)
     code = (
         "import json, sys\n"
+        "from draftsmith.benchfigures import bench_figures\n"
         "from draftsmith.engines import engine\n"
         "def main():\n"
         "    sets, cfg, draft = json.loads(sys.argv[1]), json.loads(sys.argv[2]), sys.argv[3]\n"
-        f"    res, info = engine('bench', {engine!r})(sets, cfg, target='results/target',"
+        f"    raw, info = engine('bench', {engine!r})(sets, cfg, target='results/target',"
         " draft=draft, threads=2)\n"
+        "    res = bench_figures(raw)\n"
         "    print('RESULT ' + json.dumps({'res': res, 'info': info}))\n"
         "if __name__ == '__main__':\n"
         "    main()\n"

@@ -8,23 +8,33 @@ is asked of the engine named by the stage's `backend` key, through one function 
         conversations in and out as in `draftsmith.regenerate_base.regenerate`; report: the engine's
         figures (backend, prompts, new_tokens, prompt_tokens, seconds, hit_limit, empty,
         wall_seconds, tokens_per_second, ...), merged into the range's report.json.
-    capture_range(tokens, cfg, *, target, out, ids, manifest, threads) -> manifest
+    capture_range(tokens, cfg, *, target, out, ids, manifest, threads, draft_ids, **inputs)
+        -> manifest
         tokens: the token file's tensors; writes the shard at `out` (draftsmith.shard_writer) with the
-        aux states of layer ids `ids` and returns its manifest.
-    bench_sets(sets, cfg, *, target, draft, threads) -> (results, info)
-        sets: name -> conversations; results: name -> figures (the keys of
-        `draftsmith.specdec.summarize` plus timing); info: device, threads, aux_layer_ids,
-        draft_vocab_size, method (the report's prose), and anything engine-specific.
+        aux states of layer ids `ids` and returns its manifest. draft_ids: the draft vocabulary's
+        target ids where the storage mode keeps a top-k teacher over it (else None); inputs:
+        the engine's own inputs (WORKFLOW["inputs"]["capture"], below) as paths.
+    bench_sets(sets, cfg, *, target, draft, threads) -> (measurements, info)
+        sets: name -> conversations; measurements: name -> what the engine measured (token ids,
+        verification passes, accepted-length histograms, seconds of both sides), the format of
+        `draftsmith.benchfigures`, which computes every figure of the report from them; info:
+        device, threads, aux_layer_ids, draft_vocab_size, method (the report's prose), and
+        anything engine-specific.
 
 `cfg` is the job's `--cfg` (the config sections the rule passes), with the operational
 settings of `--run` (server ports, timeouts, retries: outside params, see `common.merge_run`)
 merged into their sections.
 
 An engine is one module here that defines the functions of the stages it implements, and one
-line of `ENGINES`; docs/architecture.md ("Adding an engine") lists what else a new engine touches
-today (the schema's backend enums, a role, and for a server engine rules/common.smk).
-The registry imports an engine's module only when a stage asks for it (the Snakefile, which
-imports the package at DAG-build time, never does).
+line of `ENGINES`; docs/architecture.md ("Adding an engine") has the whole recipe (the schema's
+backend enums, a role where it needs its own packages). The registry imports an engine's module
+only when a stage asks for it (the Snakefile, which imports the package at DAG-build time,
+never does).
+
+What the workflow needs from an engine, the module declares in a literal `WORKFLOW` dict, which
+`needs(backend)` reads from its source without importing it (the keys of `NEEDS`, with their
+defaults): the rules, `draftsmith.config.check_config` and the stage CLIs ask `needs` instead
+of naming engines.
 
 A stage that reads the target's tokenizer in the engine's role asks `load_tokenizer(stage, cfg,
 target)`: an engine whose role needs a preparation first (SGLang's CPU role declares torchvision's
@@ -38,9 +48,12 @@ the server it started (draftsmith.server).
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import importlib
+import importlib.util
 from collections.abc import Callable
+from pathlib import Path
 
 # backend name -> module
 ENGINES = {
@@ -54,6 +67,25 @@ ENTRY_POINTS = {
     "regenerate": "regenerate_rows",
     "capture": "capture_range",
     "bench": "bench_sets",
+}
+
+
+# what an engine's WORKFLOW may declare, and the default of each key
+NEEDS = {
+    # the config section of the engine's own settings (a server's): its keys that change
+    # results (the schema's non-x-execution ones) are params of every job that uses the engine;
+    # None: it has none
+    "settings": None,
+    # GPUs one job of a GPU role takes: a number, or "section.key" naming the config key that
+    # says (a server's tensor-parallel size); train's GPUs are train.nproc whatever the engine
+    "gpus": 1,
+    # how the GPU layout printed at parse time explains that number ({n}: the number)
+    "gpus_why": "one GPU",
+    # stage -> {name: path}: files a job of that stage also needs (built by a rule of their
+    # own), the stage CLI's --<name> and the engine function's keyword argument <name>
+    "inputs": {},
+    # "stage.key" settings that only some engines honour (check_config refuses the others)
+    "honours": [],
 }
 
 
@@ -77,6 +109,48 @@ def engine(stage: str, backend: str) -> Callable:
             f"the {stage} stage"
         )
     return fn
+
+
+def needs(backend: str) -> dict:
+    """What the workflow needs from engine `backend`: its module's `WORKFLOW` over the defaults
+    of `NEEDS`, read from the module's source (a literal), never importing it."""
+    module = ENGINES.get(backend)
+    if module is None:
+        raise EngineError(f"backend {backend!r} is not an engine; engines: {', '.join(ENGINES)}")
+    path = Path(importlib.util.find_spec(module).origin)
+    declared = {}
+    for node in ast.parse(path.read_text(encoding="utf-8")).body:
+        if isinstance(node, ast.Assign) and any(
+            isinstance(t, ast.Name) and t.id == "WORKFLOW" for t in node.targets
+        ):
+            try:
+                declared = ast.literal_eval(node.value)
+            except ValueError:
+                raise EngineError(
+                    f"{path}: WORKFLOW must be a literal (dicts, lists, strings, numbers)"
+                ) from None
+    unknown = sorted(set(declared) - set(NEEDS))
+    if unknown:
+        raise EngineError(f"{path}: WORKFLOW keys {unknown} are not among {sorted(NEEDS)}")
+    return {**NEEDS, **declared}
+
+
+def honoured_by(setting: str) -> list[str]:
+    """The engines that honour a "stage.key" setting only some engines honour."""
+    return [name for name in ENGINES if setting in needs(name)["honours"]]
+
+
+def engine_inputs(backend: str, stage: str) -> dict[str, str]:
+    """name -> path of the files engine `backend` also needs for `stage` ({}: none)."""
+    return dict(needs(backend)["inputs"].get(stage) or {})
+
+
+def stage_inputs(stage: str) -> dict[str, str]:
+    """name -> path of every engine's extra inputs for `stage` (the stage CLI's options)."""
+    out: dict[str, str] = {}
+    for name in ENGINES:
+        out.update(engine_inputs(name, stage))
+    return out
 
 
 def implements(backend: str) -> list[str]:

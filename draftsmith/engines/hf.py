@@ -36,6 +36,10 @@ from draftsmith.storage import Storage
 log = logging.getLogger("draftsmith.engines.hf")
 # the work runs in the job's process: SIGINT/SIGTERM may end it at once (engines.stop_guard)
 IN_PROCESS = True
+# what the workflow needs from this engine (draftsmith.engines.NEEDS, read without importing
+# this module): no settings of its own, one GPU at most; it alone samples in the benchmark and
+# loads the target in regenerate.dtype
+WORKFLOW = {"honours": ["bench.temperature", "regenerate.dtype"]}
 
 
 # ---------------------------------------------------------------- regenerate

@@ -1,6 +1,7 @@
 """The `hf` engine's bench stage: chain speculative decoding with the draft (`draftsmith.specdec`)
 against plain greedy decoding of the target, both timed in this process, batch size 1; with
 bench.temperature > 0, speculative sampling against plain sampling (`draftsmith.sampling`).
+It returns raw measurements; `draftsmith.benchfigures` computes the figures.
 
 `draftsmith.engines.hf` re-exports `bench_sets` (the registry's entry point) and `load_models`.
 """
@@ -26,20 +27,14 @@ def _sync(device) -> None:
 
 
 def run_set(model, tokenizer, draft, rows, bench: dict, aux_ids: list[int]) -> dict:
-    """Speculative and baseline generation of every row; acceptance and timing figures."""
+    """Speculative and baseline generation of every row, timed: the raw measurements
+    `draftsmith.benchfigures.set_figures` turns into the report's figures."""
     from draftsmith.prompts import prompt_turns
-    from draftsmith.specdec import (
-        greedy_generate,
-        prompt_ids,
-        speculative_generate,
-        stop_ids,
-        summarize,
-    )
+    from draftsmith.specdec import greedy_generate, prompt_ids, speculative_generate, stop_ids
 
     stops = stop_ids(model, tokenizer)
     k, max_new = bench["num_steps"], bench["max_new_tokens"]
-    sampled = sampling(bench)
-    traces, seconds, base_tokens, identical, first_diff = [], {"spec": 0.0, "base": 0.0}, 0, 0, []
+    seconds, prompts = {"spec": 0.0, "base": 0.0}, []
     meter = LoadMeter()  # other processes' CPU use while each side was timed
     for i, row in enumerate(tqdm(rows, desc="prompts", unit="prompt")):
         ids = prompt_ids(tokenizer, prompt_turns(row))
@@ -61,54 +56,28 @@ def run_set(model, tokenizer, draft, rows, bench: dict, aux_ids: list[int]) -> d
                 _sync(model.device)
             seconds[name] += time.perf_counter() - t0
         trace, base = results["spec"], results["base"]
-        traces.append(trace)
-        base_tokens += len(base)
-        if sampled:
-            pass  # sampled outputs are compared in distribution (tests/test_sampling.py)
-        elif trace.tokens == base:
-            identical += 1
-        else:
-            pairs = zip(trace.tokens, base, strict=False)
-            at = next(
-                (j for j, (a, b) in enumerate(pairs) if a != b), min(len(base), len(trace.tokens))
-            )
-            first_diff.append({"id": row["id"], "first_difference_at": at})
-    out = summarize(traces)
-    out["per_prompt"] = [
-        {
-            "id": row["id"],
-            "output_ids": t.tokens,
-            "verify_passes": t.passes,
-            "accept_len_hist": [t.accepted.count(a) for a in range(k + 1)],
-        }
-        for row, t in zip(rows, traces, strict=True)
-    ]
-    spec_tps = out["generated_tokens"] / seconds["spec"]
-    base_tps = base_tokens / seconds["base"]
-    out.update(
-        spec_seconds=seconds["spec"],
-        baseline_seconds=seconds["base"],
-        baseline_tokens=base_tokens,
-        spec_tokens_per_s=spec_tps,
-        baseline_tokens_per_s=base_tps,
-        speedup=spec_tps / base_tps,
-        # one speculative pass (chain + verify), in greedy steps: speedup = tau_sglang / this
-        pass_cost=(seconds["spec"] / out["verify_passes"]) * base_tps,
-        identical_outputs=None if sampled else identical,  # None: sampled, not comparable
-        differing_outputs=first_diff,
-        mean_prompt_tokens=sum(t.prompt_len for t in traces) / len(traces),
-        load=meter.summary(),
-    )
-    if first_diff:
-        log.warning(
-            "%d of %d outputs differ from greedy decoding (numerics of batched vs one-token "
-            "forwards in %s): %s",
-            len(first_diff),
-            len(rows),
-            model.dtype,
-            first_diff[:3],
+        prompts.append(
+            {
+                "id": row["id"],
+                "prompt_tokens": trace.prompt_len,
+                "spec_ids": trace.tokens,
+                "base_ids": base,
+                "spec_tokens": len(trace.tokens),
+                "base_tokens": len(base),
+                "verify_passes": trace.passes,
+                "accept_len_hist": [trace.accepted.count(a) for a in range(k + 1)],
+                "emitted": sum(trace.emitted),
+            }
         )
-    return out
+    return {
+        "num_steps": k,
+        # sampled outputs are compared in distribution (tests/test_sampling.py), not here
+        "sampled": sampling(bench) is not None,
+        "spec_seconds": seconds["spec"],
+        "base_seconds": seconds["base"],
+        "prompts": prompts,
+        "extra": {"load": meter.summary()},
+    }
 
 
 def sampling(bench: dict) -> dict | None:

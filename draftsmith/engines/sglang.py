@@ -35,6 +35,15 @@ from draftsmith.regenerate_base import new_stats
 from draftsmith.server import Supervisor, http_json, run_requests
 
 log = logging.getLogger("draftsmith.engines.sglang")
+# what the workflow needs from this engine (draftsmith.engines.NEEDS, read without importing
+# this module): the `sglang` section's result keys in its jobs' params, sglang.tp_size GPUs per
+# job, and for capture the patched SGLang (rule patch_sglang, rules/sglang.smk)
+WORKFLOW = {
+    "settings": "sglang",
+    "gpus": "sglang.tp_size",
+    "gpus_why": "one SGLang server, sglang.tp_size {n}",
+    "inputs": {"capture": {"patched": "results/sglang/patched.json"}},
+}
 
 
 def generate(url: str, payload: dict, timeout: float) -> dict:
@@ -327,64 +336,59 @@ def serve_sets(spec, sets_ids: dict, sampling: dict, bench: dict, s: dict, specu
     return out, stats
 
 
-def _set_figures(prompts, ids, base: dict, spec: dict, stops, k: int) -> dict:
-    from draftsmith.specdec import acceptance_figures
-
-    hist, generated, emitted, verifies, base_tokens = [0] * (k + 1), 0, 0, 0, 0
-    identical, first_diff, per_prompt = 0, [], []
+def set_measurements(prompts, ids, base: dict, spec: dict, stops, k: int) -> dict:
+    """The raw measurements of one set (draftsmith.benchfigures) from both servers' answers:
+    SGLang's per-request counters (completion_tokens, spec_verify_ct, the accepted-drafts
+    histogram), the outputs cut at the first stop token."""
+    measured = []
     for i, (b, sp) in enumerate(zip(base["answers"], spec["answers"], strict=True)):
         meta = sp["meta_info"]
         mine = [0] * (k + 1)
         for a, n in enumerate(meta.get("spec_correct_drafts_histogram") or []):
             if a > k:
                 raise ValueError(f"SGLang reports {a} accepted drafts with num_steps {k}")
-            hist[a] += n
             mine[a] += n
         tokens = int(meta["completion_tokens"])
-        generated += tokens
-        emitted += max(0, tokens - 1)  # the first token comes from the prefill, not a verify
-        verifies += int(meta.get("spec_verify_ct", 0))
-        base_ids, _ = cut_at_stop(b["output_ids"], stops)
-        spec_ids, _ = cut_at_stop(sp["output_ids"], stops)
-        base_tokens += int(b["meta_info"]["completion_tokens"])
-        per_prompt.append(
+        measured.append(
             {
                 "id": ids[i],
-                "output_ids": spec_ids,
+                "prompt_tokens": len(prompts[i]),
+                "spec_ids": cut_at_stop(sp["output_ids"], stops)[0],
+                "base_ids": cut_at_stop(b["output_ids"], stops)[0],
+                "spec_tokens": tokens,
+                "base_tokens": int(b["meta_info"]["completion_tokens"]),
                 "verify_passes": int(meta.get("spec_verify_ct", 0)),
                 "accept_len_hist": mine,
+                # the first token comes from the prefill, not a verification pass
+                "emitted": max(0, tokens - 1),
             }
         )
-        if base_ids == spec_ids:
-            identical += 1
-        else:
-            pairs = zip(spec_ids, base_ids, strict=False)
-            shorter = min(len(spec_ids), len(base_ids))
-            at = next((j for j, (x, y) in enumerate(pairs) if x != y), shorter)
-            first_diff.append({"id": ids[i], "first_difference_at": at})
-    if sum(hist) != verifies:
-        raise ValueError(f"SGLang's histograms count {sum(hist)} passes, spec_verify_ct {verifies}")
-    out = acceptance_figures(hist, emitted, generated, len(prompts))
-    spec_tps = generated / spec["seconds"]
-    base_tps = base_tokens / base["seconds"]
-    out.update(
-        spec_seconds=spec["seconds"],
-        baseline_seconds=base["seconds"],
-        baseline_tokens=base_tokens,
-        spec_tokens_per_s=spec_tps,
-        baseline_tokens_per_s=base_tps,
-        speedup=spec_tps / base_tps,
-        pass_cost=(spec["seconds"] / verifies) * base_tps if verifies else float("nan"),
-        identical_outputs=identical,
-        differing_outputs=first_diff,
-        mean_prompt_tokens=sum(map(len, prompts)) / len(prompts),
-        accept_length=sum((a + 1) * n for a, n in enumerate(hist)) / verifies
-        if verifies
-        else float("nan"),
-        server_accept_length=spec["server_accept_length"],
-        per_prompt=per_prompt,
-    )
-    return out
+    return {
+        "num_steps": k,
+        "sampled": False,
+        "spec_seconds": spec["seconds"],
+        "base_seconds": base["seconds"],
+        "prompts": measured,
+        "figures": ["accept_length"],
+        "extra": {"server_accept_length": spec["server_accept_length"]},
+    }
+
+
+def check_server_counter(name: str, raw: dict) -> None:
+    """Warn when /get_server_info's accept length disagrees with the per-request counters."""
+    from draftsmith.benchfigures import accept_length, pooled_counters
+
+    srv = raw["extra"]["server_accept_length"]
+    if srv is None:
+        return
+    mine = accept_length(pooled_counters(raw["prompts"], raw["num_steps"])["accept_len_hist"])
+    if abs(srv - mine) > 1e-6 * max(1.0, srv):
+        log.warning(
+            "%s: SGLang's /get_server_info gives accept length %.4f, its per-request counters %.4f",
+            name,
+            srv,
+            mine,
+        )
 
 
 def method_text(bench: dict, role: str, threads: int) -> str:
@@ -439,21 +443,13 @@ def bench_sets(sets: dict, cfg: dict, *, target, draft, threads: int):
     spec, spec_stats = serve_sets(eagle, sets_ids, sampling, bench, s, speculative=True)
     k = int(bench["num_steps"])
     results = {
-        name: _set_figures(
+        name: set_measurements(
             sets_ids[name], [r["id"] for r in sets[name]], base[name], spec[name], stops, k
         )
         for name in sets
     }
-    for name, r in results.items():
-        srv = r["server_accept_length"]
-        if srv is not None and abs(srv - r["accept_length"]) > 1e-6 * max(1.0, srv):
-            log.warning(
-                "%s: SGLang's /get_server_info gives accept length %.4f, its per-request "
-                "counters %.4f",
-                name,
-                srv,
-                r["accept_length"],
-            )
+    for name, raw in results.items():
+        check_server_counter(name, raw)
     role = bench["role"]
     return results, {
         "backend": "sglang",

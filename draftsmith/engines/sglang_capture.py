@@ -257,9 +257,10 @@ def run_rows(sup, rc: RowCapture, rows: list[int], *, concurrency: int, retries:
 
 
 def capture_range(
-    tokens, cfg: dict, *, target, out, ids, manifest: dict, threads: int, patched=None
+    tokens, cfg, *, target, out, ids, manifest: dict, threads: int, draft_ids=None, patched=None
 ) -> dict:
-    """The capture stage through the patched SGLang server; returns the shard's manifest."""
+    """The capture stage through the patched SGLang server; returns the shard's manifest
+    (draft_ids: unused, this engine refuses top-k teachers)."""
     from draftsmith.server import Supervisor
     from draftsmith.sglang_patch import load_patched
     from draftsmith.storage import Storage

@@ -82,4 +82,5 @@ def server_spec(
         env=server_env,
         port=int(s["port"]),
         startup_timeout=float(s["startup_timeout"]),
+        port_key="sglang.port",
     )

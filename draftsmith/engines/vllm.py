@@ -32,6 +32,9 @@ from pathlib import Path
 from tqdm import tqdm
 
 log = logging.getLogger("draftsmith.engines.vllm")
+# what the workflow needs from this engine (draftsmith.engines.NEEDS, read without importing
+# this module): nothing beyond the defaults (no settings section, one GPU at most)
+WORKFLOW = {}
 
 COUNTERS = (
     "vllm:spec_decode_num_drafts",
@@ -78,31 +81,11 @@ def check_draft(draft: Path, target: Path) -> dict:
     return c
 
 
-def summarize_counts(
-    drafts: int, accepted: int, per_pos: list[int], generated: int, prompts: int, k: int
-):
-    """The figures of `draftsmith.specdec.summarize`, from vLLM's counters.
-
-    tau = tokens emitted by verification passes / passes = (generated - one prefill token per
-    prompt) / drafts, as the other engines count it. vLLM's own mean acceptance length,
-    1 + accepted / drafts, also counts tokens a last pass accepted beyond max_tokens; it is
-    reported as `vllm_mean_acceptance_length`."""
-    reached = [drafts, *per_pos[: k - 1]]  # reached[j]: passes whose accepted length >= j
-    full = [*reached, per_pos[k - 1]]
-    hist = [full[a] - full[a + 1] for a in range(k)] + [full[k]]
-    return {
-        "generated_tokens": generated,
-        "verify_passes": drafts,
-        "tau": (generated - prompts) / drafts if drafts else float("nan"),
-        "vllm_mean_acceptance_length": 1 + accepted / drafts if drafts else float("nan"),
-        "tau_sglang": generated / drafts if drafts else float("nan"),
-        "mean_accepted": accepted / drafts if drafts else 0.0,
-        "accept_rate_by_pos": [full[j + 1] / full[j] if full[j] else None for j in range(k)],
-        "reached_by_pos": reached,
-        "reach_rate_by_pos": [full[j + 1] / drafts if drafts else 0.0 for j in range(k)],
-        "accept_len_hist": hist,
-        "accepted_tokens": accepted,
-    }
+def counted_passes(drafts: int, per_pos: list[int], k: int) -> list[int]:
+    """The accepted-length histogram from vLLM's counters: `per_pos[j]` counts the passes that
+    accepted position j, which (positions are accepted in order) is "accepted length > j"."""
+    full = [drafts, *per_pos[:k]]  # full[j]: passes whose accepted length >= j
+    return [full[a] - full[a + 1] for a in range(k)] + [full[k]]
 
 
 def kv_bytes(target: Path, max_len: int, dtype: str) -> int:
@@ -145,6 +128,8 @@ def _engines(target: Path, draft: Path, bench: dict, dtype: str, max_len: int):
 
 
 def run_set(spec_llm, base_llm, prompts: list[list[int]], rows, bench: dict, stops) -> dict:
+    """Both engines on every prompt, timed, and vLLM's counters over the set: the raw
+    measurements `draftsmith.benchfigures.set_figures` turns into the report's figures."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -167,31 +152,34 @@ def run_set(spec_llm, base_llm, prompts: list[list[int]], rows, bench: dict, sto
     drafts, accepted = after[0] - before[0], after[1] - before[1]
     per_pos = [a - b for a, b in zip(after[2], before[2], strict=True)]
     generated = sum(map(len, tokens["spec"]))
-    base_tokens = sum(map(len, tokens["base"]))
-    n = len(prompts)
-    out = {"prompts": n, **summarize_counts(drafts, accepted, per_pos, generated, n, k)}
-    diffs = []
-    for row, a, b in zip(rows, tokens["spec"], tokens["base"], strict=True):
-        if a != b:
-            at = next((j for j, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), None)
-            diffs.append(
-                {"id": row["id"], "first_difference_at": min(len(a), len(b)) if at is None else at}
-            )
-    spec_tps, base_tps = generated / seconds["spec"], base_tokens / seconds["base"]
-    out.update(
-        spec_seconds=seconds["spec"],
-        baseline_seconds=seconds["base"],
-        baseline_tokens=base_tokens,
-        spec_tokens_per_s=spec_tps,
-        baseline_tokens_per_s=base_tps,
-        speedup=spec_tps / base_tps,
-        pass_cost=(seconds["spec"] / drafts) * base_tps if drafts else float("nan"),
-        identical_outputs=len(rows) - len(diffs),
-        differing_outputs=diffs,
-        mean_prompt_tokens=sum(map(len, prompts)) / len(prompts),
-        outputs=tokens["spec"],
-    )
-    return out
+    return {
+        "num_steps": k,
+        "sampled": False,
+        "spec_seconds": seconds["spec"],
+        "base_seconds": seconds["base"],
+        "prompts": [
+            {
+                "id": row["id"],
+                "prompt_tokens": len(ids),
+                "spec_ids": a,
+                "base_ids": b,
+                "spec_tokens": len(a),
+                "base_tokens": len(b),
+            }
+            for row, ids, a, b in zip(rows, prompts, tokens["spec"], tokens["base"], strict=True)
+        ],
+        # counted per set: tau = (generated - one prefill token per prompt) / drafts
+        "counters": {
+            "accept_len_hist": counted_passes(drafts, per_pos, k),
+            "emitted": generated - len(prompts),
+        },
+        "extra": {
+            # vLLM's own mean acceptance length also counts tokens a last pass accepted beyond
+            # max_tokens
+            "vllm_mean_acceptance_length": 1 + accepted / drafts if drafts else float("nan"),
+            "accepted_tokens": accepted,
+        },
+    }
 
 
 def method_text(bench: dict, threads: int, version: str) -> str:
@@ -248,8 +236,6 @@ def bench_sets(sets: dict, cfg: dict, *, target, draft, threads: int):
     first = next(iter(sets))
     run_set(spec_llm, base_llm, prompts[first][:1], sets[first][:1], bench, stops)  # warm-up
     results = {n: run_set(spec_llm, base_llm, prompts[n], sets[n], bench, stops) for n in sets}
-    for r in results.values():
-        r.pop("outputs")
     n_threads = torch.get_num_threads()
     info = {
         "backend": "vllm",
