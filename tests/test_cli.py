@@ -14,6 +14,7 @@ PACKAGE = ROOT / "draftsmith"
 # have a main() that passes the test below.
 LIBRARY = {
     "__init__",
+    "benchfigures",
     "benchinput",
     "capture_base",
     "checkpoint",
@@ -52,7 +53,6 @@ LIBRARY = {
     "threads",
     "traindata",
     "ttt",
-    "vllm_cpu",
 }
 COMMANDS = sorted(
     p.stem

@@ -54,6 +54,18 @@ ALLOWED = {
         {"sglang", "vllm"},
         "the checkpoint contract of SGLang's EAGLE-3 layer and vLLM's reading of it",
     ),
+    "draftsmith/draft_contract_mla.py": (
+        {"sglang", "vllm"},
+        "the checkpoint contract of both engines' MLA draft class (Eagle3DeepseekV2ForCausalLM)",
+    ),
+    "draftsmith/dflash_export.py": (
+        {"vllm"},
+        "the DFlash export is the checkpoint contract of vLLM's DFlashDraftModel",
+    ),
+    "draftsmith/tinymodel.py": (
+        {"sglang", "vllm"},
+        "--engine-shapes names the engines whose CPU MLA paths need those shapes",
+    ),
     "draftsmith/serving.py": (
         {"sglang", "vllm"},
         "which engine can serve which target, read from the engines' pinned wheels",

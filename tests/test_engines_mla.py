@@ -3,7 +3,7 @@ CPU with a Llama-style EAGLE-3 draft our own pipeline trained for it (tests/trai
 
 The target is `tinymodel --arch deepseek_v3 --engine-shapes` (kv_lora_rank 512, rope 64: the
 only latent width vLLM's CPU MLA kernels take). vLLM (role vllm-cpu) runs it on its CPU_MLA
-backend with the stand-ins of draftsmith.vllm_cpu; SGLang (role sglang-cpu) on torch_native with
+backend with the stand-ins of draftsmith.engines.vllm_cpu; SGLang (role sglang-cpu) on torch_native with
 draftsmith.sglang_cpu's MLA registration. The standard is the Llama path's (test_vllm.py,
 test_interop_sglang.py): speculative output equal to plain greedy, and acceptance (passes,
 histogram, tau) equal to our in-process hf engine's on the same prompts, which also proves the
@@ -64,7 +64,7 @@ def test_vllm_cpu_runs_an_mla_target_with_a_llama_style_draft(tmp_path):
     """The CI-sized check (no training): an untrained draft exported by us, on the MLA target,
     through the vLLM engine with its CPU stand-ins: vLLM takes CPU_MLA, feeds the layers the
     export names and stays lossless (speculative output equal to its plain greedy). Stock
-    vllm-cpu 0.32.0 stops before serving (draftsmith.vllm_cpu says where)."""
+    vllm-cpu 0.32.0 stops before serving (draftsmith.engines.vllm_cpu says where)."""
     import torch
     from test_specdec import random_draft
     from transformers import AutoModelForCausalLM

@@ -172,6 +172,7 @@ os.environ.update(
 def main():
     import vllm
 
+    from draftsmith.benchfigures import bench_figures
     from draftsmith.engines import vllm as v
 
     llm = vllm.LLM
@@ -183,8 +184,8 @@ def main():
 
     vllm.LLM = cpu_mla
     cfg, sets = json.loads(sys.argv[1]), json.loads(sys.argv[2])
-    res, info = v.bench_sets(sets, cfg, target="results/target", draft="results/draft", threads=2)
-    print("RESULT " + json.dumps(res["s"]))
+    raw, info = v.bench_sets(sets, cfg, target="results/target", draft="results/draft", threads=2)
+    print("RESULT " + json.dumps(bench_figures(raw)["s"]))
 
 
 if __name__ == "__main__":

