@@ -406,7 +406,7 @@ def plot_training(records: list[dict], path: Path) -> None:
 # ---------------------------------------------------------------- CLI
 
 
-def main(argv: list[str] | None = None) -> None:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(
         prog="python -m draftsmith.bench",
         description=__doc__,
@@ -423,7 +423,27 @@ def main(argv: list[str] | None = None) -> None:
     for name in ("report-json", "report-md", "summary-html", "acceptance", "hist", "training"):
         ap.add_argument(f"--{name}", required=True, type=Path, help="output file")
     ap.add_argument("--captions", type=Path, help="results/bench/captions (report captions)")
-    args = ap.parse_args(argv)
+    return ap.parse_args(argv)
+
+
+def log_figures(results: dict) -> None:
+    """One log line of headline figures per set."""
+    for name, r in results.items():
+        log.info(
+            "%s: tau %.3f (SGLang count %.3f), accept by pos %s, %.1f tok/s vs %.1f greedy, "
+            "speedup %.2fx",
+            name,
+            r["tau"],
+            r["tau_sglang"],
+            _fmt_list(r["accept_rate_by_pos"]),
+            r["spec_tokens_per_s"],
+            r["baseline_tokens_per_s"],
+            r["speedup"],
+        )
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     init_logging("draftsmith.bench")
     cfg = parse_cfg(args.cfg)
     # run settings only for the sections this job was given (not the trainer's train keys,
@@ -457,18 +477,7 @@ def main(argv: list[str] | None = None) -> None:
         )
     results = bench_figures(measured)
     judge_speedups(results, meter.summary(), int(info.get("threads") or args.threads or 1))
-    for name, r in results.items():
-        log.info(
-            "%s: tau %.3f (SGLang count %.3f), accept by pos %s, %.1f tok/s vs %.1f greedy, "
-            "speedup %.2fx",
-            name,
-            r["tau"],
-            r["tau_sglang"],
-            _fmt_list(r["accept_rate_by_pos"]),
-            r["spec_tokens_per_s"],
-            r["baseline_tokens_per_s"],
-            r["speedup"],
-        )
+    log_figures(results)
     verdict = check_gate(results, float(bench["tau_floor"]))
     if not verdict["passed"]:
         if not bench["smoke"]:

@@ -380,24 +380,9 @@ def train(
                 pos.saved_step, pos.saved_at = pos.step, time.monotonic()
     bar.close()
     if rank == 0:
-        provenance = {
-            "key": key,
-            "config": cfg,
-            "total_steps": data.total,
-            "pack_len": data.pack_len,
-            "precision": {
-                "configured": tcfg["precision"],
-                "resolved": precision,
-                "why": why,
-                "cpu": facts.as_dict(),
-            },
-            "shards": {
-                n: json.loads(p.with_suffix(".json").read_text()).get("sha256")
-                for n, p in zip(data.names, shard_paths, strict=True)
-            },
-            "vocab_sha256": sha256_file(vocab_path),
-            "target_fingerprint": inputs.fingerprint,
-        }
+        provenance = run_provenance(
+            cfg, key, data, (precision, why, facts), inputs, (shard_paths, vocab_path)
+        )
         longest = max((end - start for _, start, end in data.rows), default=0)
         if offline_path is not None:  # on the train.eval_rows rows (draftsmith.offline)
             offline_estimate(cfg, draft, inputs, data.eval_rows, offline_path)
@@ -405,6 +390,31 @@ def train(
     if world > 1:
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()
+
+
+def run_provenance(cfg, key, data, precision, inputs, paths) -> dict:
+    """What the exported draft records of its run: config, steps, the precision as resolved
+    (`precision`: resolved, why, CPU facts), the sha256 of each shard and of the vocabulary
+    (`paths`: shard paths, vocabulary path) and the target's fingerprint."""
+    (resolved, why, facts), (shard_paths, vocab_path) = precision, paths
+    return {
+        "key": key,
+        "config": cfg,
+        "total_steps": data.total,
+        "pack_len": data.pack_len,
+        "precision": {
+            "configured": cfg["train"]["precision"],
+            "resolved": resolved,
+            "why": why,
+            "cpu": facts.as_dict(),
+        },
+        "shards": {
+            n: json.loads(p.with_suffix(".json").read_text()).get("sha256")
+            for n, p in zip(data.names, shard_paths, strict=True)
+        },
+        "vocab_sha256": sha256_file(vocab_path),
+        "target_fingerprint": inputs.fingerprint,
+    }
 
 
 def finish(draft, provenance: dict, target_dir, out_dir, run_dir, metrics_path, longest) -> None:

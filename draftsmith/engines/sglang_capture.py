@@ -256,26 +256,11 @@ def run_rows(sup, rc: RowCapture, rows: list[int], *, concurrency: int, retries:
     return stats
 
 
-def capture_range(
-    tokens, cfg, *, target, out, ids, manifest: dict, threads: int, draft_ids=None, patched=None
-) -> dict:
-    """The capture stage through the patched SGLang server; returns the shard's manifest
-    (draft_ids: unused, this engine refuses top-k teachers)."""
-    from draftsmith.server import Supervisor
-    from draftsmith.sglang_patch import load_patched
-    from draftsmith.storage import Storage
+def check_ids(target, ids, record: dict) -> tuple[int, dict]:
+    """The target's hidden size and what each dump must say (patch, width, layer inputs), after
+    refusing aux ids SGLang cannot capture for this target."""
     from draftsmith.target import target_config
 
-    if patched is None:
-        raise CaptureError("capture.backend sglang needs --patched results/sglang/patched.json")
-    record = load_patched(patched)
-    cap = cfg["capture"]
-    storage = Storage.from_config(cap.get("storage"))
-    if storage.final == "topk":
-        raise CaptureError(
-            "capture.storage.final topk needs the target's lm_head in the client: not supported "
-            "with capture.backend sglang (use states or trained)"
-        )
     text_cfg = target_config(target)
     hidden, n_layers = int(text_cfg["hidden_size"]), int(text_cfg["num_hidden_layers"])
     if max(ids) >= n_layers - 1 or len(set(ids)) != len(ids):
@@ -289,6 +274,29 @@ def capture_range(
         "hidden_size": hidden,
         "layer_inputs": [i + 1 for i in ids],
     }
+    return hidden, expect
+
+
+def capture_range(
+    tokens, cfg, *, target, out, ids, manifest: dict, threads: int, draft_ids=None, patched=None
+) -> dict:
+    """The capture stage through the patched SGLang server; returns the shard's manifest
+    (draft_ids: unused, this engine refuses top-k teachers)."""
+    from draftsmith.server import Supervisor
+    from draftsmith.sglang_patch import load_patched
+    from draftsmith.storage import Storage
+
+    if patched is None:
+        raise CaptureError("capture.backend sglang needs --patched results/sglang/patched.json")
+    record = load_patched(patched)
+    cap = cfg["capture"]
+    storage = Storage.from_config(cap.get("storage"))
+    if storage.final == "topk":
+        raise CaptureError(
+            "capture.storage.final topk needs the target's lm_head in the client: not supported "
+            "with capture.backend sglang (use states or trained)"
+        )
+    hidden, expect = check_ids(target, ids, record)
     n_rows = tokens["row_offsets"].numel() - 1
     dump_dir = Path(tempfile.mkdtemp(prefix="draftsmith-dump-", dir=dump_root()))
     spec = capture_server_spec(cfg, target, threads, ids, dump_dir, record["overlay_path"])
