@@ -202,13 +202,34 @@ def sglang_destination(name: str, params: dict) -> tuple[str, object] | None:
 def check_tensors(c: dict, tensors: dict[str, tuple[tuple, str]]) -> list[str]:
     """Problems with {name: (shape, safetensors dtype tag)} against what SGLang consumes for config `c`."""
     params = sglang_params(c)
+    fused = {
+        "model.layers.0.self_attn.qkv_proj.weight": {"q", "k", "v"},
+        "model.layers.0.mlp.gate_up_proj.weight": {0, 1},
+    }
+    return replay_loader(
+        c,
+        tensors,
+        params,
+        sglang_destination,
+        lambda param, shard: (_shard_rows(c, shard), params[param][1]),
+        fused,
+    )
+
+
+def replay_loader(c, tensors, params, destination, shard_shape, fused) -> list[str]:
+    """Problems with {name: (shape, safetensors dtype tag)} against an SGLang draft class's
+    load_weights for config `c`: `params` its parameter shapes, `destination(name, params)`
+    where its loader puts a checkpoint tensor ((param, shard) or None: skipped),
+    `shard_shape(param, shard)` the shape one shard of a fused parameter takes, `fused`
+    {fused param: the shards it needs}. Anything skipped, misshaped or missing is reported;
+    embed_tokens is the target's (shared) and d2t/t2d exist only for a draft vocabulary."""
     problems, filled = [], {}
     for name, (shape, dtype) in sorted(tensors.items()):
-        dest = sglang_destination(name, params)
+        dest = destination(name, params)
         if dest is None:
             problems.append(f"tensor {name} {list(shape)}: SGLang's loader would skip it")
             continue
-        param, shard_id = dest
+        param, shard = dest
         if param == "model.embed_tokens.weight":
             problems.append(f"tensor {name}: the draft must not carry embed_tokens (shared)")
             continue
@@ -216,32 +237,25 @@ def check_tensors(c: dict, tensors: dict[str, tuple[tuple, str]]) -> list[str]:
             want, want_dtype = (c["draft_vocab_size"],), "I64"
         elif param == "t2d":
             want, want_dtype = (c["vocab_size"],), "BOOL"
-        elif shard_id is None:
+        elif shard is None:
             want, want_dtype = params[param], None
         else:
-            full = params[param]
-            want, want_dtype = (_shard_rows(c, shard_id), full[1]), None
+            want, want_dtype = shard_shape(param, shard), None
         if tuple(shape) != tuple(want):
             problems.append(f"tensor {name} is {list(shape)}, SGLang's {param} needs {list(want)}")
         if want_dtype and dtype != want_dtype:
             problems.append(f"tensor {name} is {dtype}, expected {want_dtype}")
-        filled.setdefault(param, set()).add(shard_id)
-    shards = {
-        "model.layers.0.self_attn.qkv_proj.weight": {"q", "k", "v"},
-        "model.layers.0.mlp.gate_up_proj.weight": {0, 1},
-    }
-    mapping = [] if full_vocab(c) else ["d2t", "t2d"]
+        filled.setdefault(param, set()).add(shard)
     if full_vocab(c):
         problems += [
             f"tensor {k}: a full-vocabulary draft must not carry it (vLLM refuses d2t there)"
             for k in ("d2t", "t2d")
             if k in filled
         ]
-    for param in [*params, *mapping]:
+    for param in [*params, *([] if full_vocab(c) else ["d2t", "t2d"])]:
         if param == "model.embed_tokens.weight":
             continue
-        need = shards.get(param, {None})
-        missing = need - filled.get(param, set())
+        missing = fused.get(param, {None}) - filled.get(param, set())
         if missing:
             problems.append(
                 f"SGLang parameter {param} is not (fully) provided: {sorted(map(str, missing))}"

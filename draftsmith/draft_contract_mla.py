@@ -29,7 +29,7 @@ from __future__ import annotations
 import re
 
 from draftsmith import algorithms, mla
-from draftsmith.draft_contract import ContractError, full_vocab, vllm_layer_ids
+from draftsmith.draft_contract import ContractError, replay_loader, vllm_layer_ids
 from draftsmith.model import DraftConfig
 
 ARCH = "Eagle3DeepseekV2ForCausalLM"
@@ -205,45 +205,15 @@ def _shard_shape(c: dict, shard) -> tuple:
 
 def check_tensors(c: dict, tensors: dict[str, tuple[tuple, str]]) -> list[str]:
     """Problems with {name: (shape, safetensors dtype tag)} against what SGLang consumes."""
-    params = sglang_params(c)
-    problems, filled = [], {}
-    for name, (shape, dtype) in sorted(tensors.items()):
-        dest = sglang_destination(name, params)
-        if dest is None:
-            problems.append(f"tensor {name} {list(shape)}: SGLang's loader would skip it")
-            continue
-        param, shard = dest
-        if param == "model.embed_tokens.weight":
-            problems.append(f"tensor {name}: the draft must not carry embed_tokens (shared)")
-            continue
-        want, want_dtype = params.get(param), None
-        if param == "d2t":
-            want, want_dtype = (c["draft_vocab_size"],), "I64"
-        elif param == "t2d":
-            want, want_dtype = (c["vocab_size"],), "BOOL"
-        elif shard is not None:
-            want = _shard_shape(c, shard)
-        if tuple(shape) != tuple(want):
-            problems.append(f"tensor {name} is {list(shape)}, SGLang's {param} needs {list(want)}")
-        if want_dtype and dtype != want_dtype:
-            problems.append(f"tensor {name} is {dtype}, expected {want_dtype}")
-        filled.setdefault(param, set()).add(shard)
-    shards = {
+    fused = {
         "model.midlayer." + FUSED_A: {"q", "kv"},
         "model.midlayer.mlp.gate_up_proj.weight": {0, 1},
     }
-    if full_vocab(c):
-        problems += [
-            f"tensor {k}: a full-vocabulary draft must not carry it (vLLM refuses d2t there)"
-            for k in ("d2t", "t2d")
-            if k in filled
-        ]
-    for param in [*params, *([] if full_vocab(c) else ["d2t", "t2d"])]:
-        if param == "model.embed_tokens.weight":
-            continue
-        missing = shards.get(param, {None}) - filled.get(param, set())
-        if missing:
-            problems.append(
-                f"SGLang parameter {param} is not (fully) provided: {sorted(map(str, missing))}"
-            )
-    return problems
+    return replay_loader(
+        c,
+        tensors,
+        sglang_params(c),
+        sglang_destination,
+        lambda _param, shard: _shard_shape(c, shard),
+        fused,
+    )
