@@ -62,6 +62,31 @@ def atomic_path(final_path: str | os.PathLike):
         raise
 
 
+@contextlib.contextmanager
+def atomic_dir(final_path: str | os.PathLike):
+    """Yield an empty staging directory beside `final_path`; on success fsync every file in
+    it, replace `final_path` (a directory) with it by one rename, and fsync the parent. On
+    failure the staging directory is removed: a reader finds the old directory or the new one,
+    never a half-written one."""
+    final = Path(final_path)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    stage = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=final.parent))
+    try:
+        yield stage
+        for p in stage.rglob("*"):
+            if p.is_file():
+                with open(p, "rb") as f:
+                    os.fsync(f.fileno())
+        os.chmod(stage, 0o755)
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(stage, final)
+        fsync_dir(final.parent)
+    except BaseException:
+        shutil.rmtree(stage, ignore_errors=True)
+        raise
+
+
 def remove_stale_temps(directory: Path, prefix: str) -> None:
     """Delete `prefix*` leftovers of a killed build in `directory` (files or staging dirs).
 

@@ -23,15 +23,12 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from draftsmith.common import atomic_write_json, fsync_dir
+from draftsmith.common import atomic_dir, atomic_write_json
 from draftsmith.dflash_model import DFlashConfig, DFlashDraft
 from draftsmith.export import ExportError
 from draftsmith.finite import metrics_problem, nonfinite_tensors
@@ -240,10 +237,7 @@ def check_export(out_dir, metrics=None) -> None:
 
 def export_draft(draft: DFlashDraft, out_dir, provenance: dict, family: dict | None = None) -> None:
     """Write `out_dir` atomically (staging dir, fsync, rename), contract-checked first."""
-    out = Path(out_dir)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    stage = Path(tempfile.mkdtemp(prefix=f".tmp-{out.name}-", dir=out.parent))
-    try:
+    with atomic_dir(out_dir) as stage:
         state = {
             k: v.detach().to("cpu").float().contiguous() for k, v in draft.state_dict().items()
         }
@@ -253,17 +247,6 @@ def export_draft(draft: DFlashDraft, out_dir, provenance: dict, family: dict | N
         draft_cfg = draft.config.to_dict()
         atomic_write_json(stage / PROVENANCE, {**provenance, "draft_config": draft_cfg, **facts})
         check_export(stage)
-        for p in stage.iterdir():
-            with open(p, "rb") as f:
-                os.fsync(f.fileno())
-        os.chmod(stage, 0o755)
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(stage, out)
-        fsync_dir(out.parent)
-    except BaseException:
-        shutil.rmtree(stage, ignore_errors=True)
-        raise
 
 
 def load_export(out_dir) -> DFlashDraft:

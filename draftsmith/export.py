@@ -25,9 +25,7 @@ import argparse
 import json
 import logging
 import os
-import shutil
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
@@ -35,7 +33,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from draftsmith import algorithms, draft_contract, draft_contract_mla, layerids, serving
-from draftsmith.common import atomic_write_json, fsync_dir
+from draftsmith.common import atomic_dir, atomic_write_json
 from draftsmith.draft_contract import full_vocab, sglang_config, vllm_layer_ids
 from draftsmith.families import family_facts
 from draftsmith.finite import metrics_problem, nonfinite_tensors
@@ -249,24 +247,21 @@ def export_draft(
     own = algorithms.part(algorithms.get(draft.config.algorithm), "EXPORTER")
     if own is not None:  # an algorithm with its own format (dflash)
         return own.export_draft(draft, out_dir, provenance, family=family)
-    out = Path(out_dir)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    stage = Path(tempfile.mkdtemp(prefix=f".tmp-{out.name}-", dir=out.parent))
     cfg = draft.config
     if tuple(embed.shape) != (cfg.vocab_size, cfg.target_hidden_size):
         raise ExportError(
             f"target embedding is {list(embed.shape)}, the draft needs "
             f"[{cfg.vocab_size}, {cfg.target_hidden_size}]"
         )
-    try:
+    with atomic_dir(out_dir) as stage:
         state = {k: v.detach().to("cpu").contiguous() for k, v in draft.state_dict().items()}
         state = {k: (v.float() if v.is_floating_point() else v) for k, v in state.items()}
         if cfg.draft_vocab_size == cfg.vocab_size:
             state.pop("d2t"), state.pop("t2d")  # identity mapping; vLLM refuses a d2t here
         save_file(state, str(stage / WEIGHTS), metadata={"format": "pt"})
         atomic_write_json(stage / "config.json", contract(cfg).sglang_config(cfg))
-        spec = stage / "speculators"
         if algorithms.get(cfg.algorithm).SPECULATORS and contract(cfg).SPECULATORS:
+            spec = stage / "speculators"
             spec.mkdir()
             renamed = {k.replace("midlayer.", "layers.0."): v for k, v in state.items()}
             renamed["embed_tokens.weight"] = embed.detach().to("cpu").contiguous()
@@ -277,18 +272,6 @@ def export_draft(
             stage / PROVENANCE, {**provenance, "draft_config": cfg.to_dict(), **facts}
         )
         check_export(stage)
-        for p in [*stage.iterdir(), *(spec.iterdir() if spec.is_dir() else ())]:
-            if p.is_file():
-                with open(p, "rb") as f:
-                    os.fsync(f.fileno())
-        os.chmod(stage, 0o755)
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(stage, out)
-        fsync_dir(out.parent)
-    except BaseException:
-        shutil.rmtree(stage, ignore_errors=True)
-        raise
 
 
 def speculators_problems(spec_dir: Path, c: dict) -> list[str]:
