@@ -230,10 +230,23 @@ def one_run(args, base: Path, algorithm: str, seed: int) -> dict:
         "loadavg_1min_before": load0,
         "loadavg_1min_after": os.getloadavg()[0],
         "train_steps": len(metrics),
+        "threads": thread_choices(work),
         "figures": figures_of(report, metrics),
         "sets": sets,
         "method": report.get("method"),
     }
+
+
+def thread_choices(work: Path) -> dict:
+    """What each job chose for its threads at start (draftsmith.threads logs one line: spinning
+    on free cores, or passive with fewer threads under other load): per stage, the line."""
+    out = {}
+    for stage, log in (("train", "logs/train.log"), ("bench", "logs/bench/bench.log")):
+        path = work / log
+        lines = path.read_text().splitlines() if path.is_file() else []
+        found = [ln.split("threads: ", 1)[1] for ln in lines if "INFO threads: " in ln]
+        out[stage] = found[0] if found else None
+    return out
 
 
 def fmt(v, spec: str = ".3f") -> str:
@@ -306,11 +319,12 @@ def render_md(r: dict) -> str:
         f"{fmt(x['figures']['heldout_tau'])} | {fmt(x['figures']['humaneval_tau'])} | "
         f"{fmt(x['figures']['heldout_speedup'])} | {fmt(x['figures']['train_tokens_per_s'], '.0f')}"
         f" | {x['wall_s']:.0f} | {x['loadavg_1min_before']:.1f} / {x['loadavg_1min_after']:.1f}"
+        f" | {(x.get('threads') or {}).get('train') or 'n/a'}"
         for x in r["runs"]
     ]
     lines += table(
         "algorithm | seed | steps | held-out tau | HumanEval tau | held-out speedup | train tok/s "
-        "| wall s (train + bench) | load before / after",
+        "| wall s (train + bench) | load before / after | training threads (at its start)",
         rows,
     )
     if r["runs"]:
@@ -377,6 +391,9 @@ def main(argv=None) -> None:
     out, name = Path(args.out), f"algorithms_{cpu_facts().kind}"
     if args.summarize_only:
         r = json.loads((out / f"{name}.json").read_text())
+        for x in r["runs"]:  # runs recorded before the thread lines were
+            work = Path(args.workdir) / f"{x['algorithm']}_s{x['seed']}"
+            x.setdefault("threads", thread_choices(work))
         write(r, out, name)
         plot(r, out / f"{name}.png")
         return

@@ -100,3 +100,14 @@ def test_markdown_states_budget_load_and_every_run():
     md = ba.render_md(r)
     assert "train.max_steps 60" in md and "2 of 3 planned" in md and "2.0 to 3.5" in md
     assert "| eagle3.1 | 1 | 1.300 |" in md and "| 1.040 |" in md  # tau and its ratio
+
+
+def test_thread_choices_reads_each_jobs_first_thread_line(tmp_path):
+    (tmp_path / "logs" / "bench").mkdir(parents=True)
+    (tmp_path / "logs" / "train.log").write_text(
+        "draftsmith.launch: python -m draftsmith.train --threads 2\n"
+        "2026-12-02 10:47:12,067 draftsmith INFO threads: OpenMP PASSIVE, threads capped at 1\n"
+        "2026-12-02 10:49:12,067 draftsmith INFO threads: later line\n"
+    )
+    got = ba.thread_choices(tmp_path)
+    assert got == {"train": "OpenMP PASSIVE, threads capped at 1", "bench": None}
