@@ -231,6 +231,7 @@ def one_run(args, base: Path, algorithm: str, seed: int) -> dict:
         "loadavg_1min_after": os.getloadavg()[0],
         "train_steps": len(metrics),
         "threads": thread_choices(work),
+        "work": str(work),
         "figures": figures_of(report, metrics),
         "sets": sets,
         "method": report.get("method"),
@@ -368,6 +369,23 @@ def write(r: dict, out: Path, name: str) -> None:
     atomic_write_text(out / f"{name}.md", render_md(r))
 
 
+def merge(r: dict, others: list[dict]) -> None:
+    """Add the runs of other invocations (same budget, e.g. run side by side with other
+    --algorithms / --seeds and --out) that r does not have; planned becomes the union."""
+    keys = ("max_steps", "heldout", "humaneval", "max_new_tokens")
+    for o in others:
+        if any(o["budget"][k] != r["budget"][k] for k in keys):
+            raise SystemExit(f"--merge: another budget ({o['budget']}) than {r['budget']}")
+        have = {(x["algorithm"], x["seed"]) for x in r["runs"]}
+        r["runs"] += [x for x in o["runs"] if (x["algorithm"], x["seed"]) not in have]
+        seeds = sorted({*r["budget"]["seeds"], *o["budget"]["seeds"]})
+        r["budget"]["seeds"] = seeds
+        r["budget"]["planned"] = len(seeds) * len(ALGORITHMS)
+        r.setdefault("merged_data", []).append(o["data"])
+    order = {a: i for i, a in enumerate(ALGORITHMS)}
+    r["runs"].sort(key=lambda x: (x["seed"], order[x["algorithm"]]))
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--workdir", default=str(ROOT / "benchmarks" / "work" / "algorithms"))
@@ -381,6 +399,13 @@ def parse_args(argv=None):
     p.add_argument("--cores", type=int, default=2)
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     p.add_argument("--summarize-only", action="store_true")
+    p.add_argument(
+        "--merge",
+        nargs="*",
+        default=[],
+        help="with --summarize-only: JSON files of "
+        "other invocations with the same budget whose runs to add",
+    )
     return p.parse_args(argv)
 
 
@@ -394,6 +419,7 @@ def main(argv=None) -> None:
         for x in r["runs"]:  # runs recorded before the thread lines were
             work = Path(args.workdir) / f"{x['algorithm']}_s{x['seed']}"
             x.setdefault("threads", thread_choices(work))
+        merge(r, [json.loads(Path(f).read_text()) for f in args.merge])
         write(r, out, name)
         plot(r, out / f"{name}.png")
         return

@@ -111,3 +111,22 @@ def test_thread_choices_reads_each_jobs_first_thread_line(tmp_path):
     )
     got = ba.thread_choices(tmp_path)
     assert got == {"train": "OpenMP PASSIVE, threads capped at 1", "bench": None}
+
+
+def test_merge_adds_missing_runs_of_the_same_budget_only():
+    budget = {"max_steps": 60, "heldout": 8, "humaneval": 0, "max_new_tokens": 32}
+    r = {"budget": {**budget, "seeds": [0], "planned": 3}, "data": {}, "runs": []}
+    r["runs"] = [run("eagle3", 0, 1.2), run("dflash", 0, 1.1)]
+    o = {"budget": {**budget, "seeds": [1], "planned": 1}, "data": {"x": 1}}
+    o["runs"] = [run("dflash", 1, 1.0), run("dflash", 0, 9.9)]  # dflash 0: r's is kept
+    ba.merge(r, [o])
+    assert [(x["algorithm"], x["seed"]) for x in r["runs"]] == [
+        ("eagle3", 0),
+        ("dflash", 0),
+        ("dflash", 1),
+    ]
+    assert r["runs"][1]["figures"]["heldout_tau"] == 1.1
+    assert r["budget"]["seeds"] == [0, 1] and r["budget"]["planned"] == 6
+    o["budget"]["max_steps"] = 120
+    with pytest.raises(SystemExit, match="another budget"):
+        ba.merge(r, [o])
