@@ -250,6 +250,14 @@ def thread_choices(work: Path) -> dict:
     return out
 
 
+def verdict(x: dict) -> str:
+    """The bench's verdict on its held-out speedup: comparable, or why not (load changed)."""
+    v = (x["sets"].get("heldout") or {}).get("speedup_verdict") or {}
+    if not v:
+        return "n/a"
+    return ("yes" if v.get("comparable") else "no") + f" ({v.get('why', '')})"
+
+
 def fmt(v, spec: str = ".3f") -> str:
     return "n/a" if v is None else format(v, spec)
 
@@ -312,6 +320,7 @@ def render_md(r: dict) -> str:
         f"{algo} | {set_name} | " + ", ".join(fmt(x) for x in (a["accept_by_pos"][set_name] or []))
         for algo, a in s.items()
         for set_name in ("heldout", "humaneval")
+        if a["accept_by_pos"][set_name]
     ]
     lines += table("algorithm | set | accept by position", rows)
     lines += ["", "Per run:", ""]
@@ -320,12 +329,13 @@ def render_md(r: dict) -> str:
         f"{fmt(x['figures']['heldout_tau'])} | {fmt(x['figures']['humaneval_tau'])} | "
         f"{fmt(x['figures']['heldout_speedup'])} | {fmt(x['figures']['train_tokens_per_s'], '.0f')}"
         f" | {x['wall_s']:.0f} | {x['loadavg_1min_before']:.1f} / {x['loadavg_1min_after']:.1f}"
-        f" | {(x.get('threads') or {}).get('train') or 'n/a'}"
+        f" | {(x.get('threads') or {}).get('train') or 'n/a'} | {verdict(x)}"
         for x in r["runs"]
     ]
     lines += table(
         "algorithm | seed | steps | held-out tau | HumanEval tau | held-out speedup | train tok/s "
-        "| wall s (train + bench) | load before / after | training threads (at its start)",
+        "| wall s (train + bench) | load before / after | training threads (at its start) "
+        "| held-out speedup comparable (the bench's own verdict)",
         rows,
     )
     if r["runs"]:
