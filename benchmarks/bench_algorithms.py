@@ -292,7 +292,10 @@ def render_md(r: dict) -> str:
         "nice 19: speedups and tokens/s are of a loaded machine and noisier than tau.",
         "",
         "Mean ± sample standard deviation over seeds (no ± with one seed); ratio = this "
-        "algorithm's mean / EAGLE-3's mean in this same run.",
+        "algorithm's mean / EAGLE-3's mean in this same run. Final loss is each algorithm's own "
+        "objective (EAGLE-3 / 3.1: the training-time-test loss summed over its steps; DFlash: "
+        "its weighted block cross-entropy), so it compares seeds, not algorithms. Acceptance at "
+        "position k is over the passes whose proposals reached k.",
         "",
     ]
     head = (
