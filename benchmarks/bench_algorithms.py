@@ -271,6 +271,22 @@ def cell(f: dict, spec: str = ".3f") -> str:
     return f"{fmt(f['mean'], spec)} ± {fmt(f['sd'], spec)}"
 
 
+def merged_note(r: dict) -> list[str]:
+    """A paragraph when runs of several invocations were merged (--merge)."""
+    others = r.get("merged_data") or []
+    if not others:
+        return []
+    fresh = sum(1 for d in others if not d["rebuilt"])
+    return [
+        f"The runs come from {len(others) + 1} invocations of this script with this budget, "
+        "partly side by side (up to 3 runs at once on the 2 cores), merged with --merge; "
+        f"Snakemake found the shards up to date in {fresh} of the other {len(others)} work "
+        "directories. Running side by side changes wall times and tokens/s, not tau (greedy "
+        "verification of a deterministic draft).",
+        "",
+    ]
+
+
 def render_md(r: dict) -> str:
     m, b, s = r["machine"], r["budget"], r["summary"]
     f = m["cpu_facts"]
@@ -291,6 +307,7 @@ def render_md(r: dict) -> str:
         f"from {r['load_range'][0]:.1f} to {r['load_range'][1]:.1f} during the runs, all jobs at "
         "nice 19: speedups and tokens/s are of a loaded machine and noisier than tau.",
         "",
+        *merged_note(r),
         "Mean ± sample standard deviation over seeds (no ± with one seed); ratio = this "
         "algorithm's mean / EAGLE-3's mean in this same run. Final loss is each algorithm's own "
         "objective (EAGLE-3 / 3.1: the training-time-test loss summed over its steps; DFlash: "
