@@ -1,8 +1,8 @@
 """Capture: the target's hidden states over one row range, written as a shard.
 
-For every token the shard holds the three aux states (SGLang's "output of decoder layer i"
-ids: the residual stream leaving layer i, un-normalized, i.e. transformers'
-`output_hidden_states[i + 1]`) and the final post-norm state (the input of the lm_head).
+For every token the shard holds the aux states, one per capture.aux_layer_ids entry (SGLang's
+"output of decoder layer i" ids: the residual stream leaving layer i, un-normalized, i.e.
+transformers' `output_hidden_states[i + 1]`) and the final post-norm state (the input of the lm_head).
 This module reads and checks the token file, resolves the layer ids and the provenance of the
 manifest; the engine named by `capture.backend` (`draftsmith.engines`) runs the target and
 writes the shard (`draftsmith.capture_base` holds what this CLI and the engines share:
@@ -76,7 +76,7 @@ def disk_message(out: Path, need: int, free: int) -> str:
     )
 
 
-def shard_size(tokens: dict, text_cfg: dict, dtype: str, storage: Storage) -> int:
+def shard_size(tokens: dict, text_cfg: dict, dtype: str, storage: Storage, n_aux: int) -> int:
     """Bytes the shard will take in its storage mode (what hidden_plan estimates per range)."""
     from draftsmith.plan import shard_bytes
     from draftsmith.storage import trained_mask
@@ -86,7 +86,7 @@ def shard_size(tokens: dict, text_cfg: dict, dtype: str, storage: Storage) -> in
         trained = int(trained_mask(tokens["loss_mask"], tokens["row_offsets"]).sum())
     n_tokens, n_rows = tokens["input_ids"].numel(), tokens["row_offsets"].numel() - 1
     hidden, vocab = int(text_cfg["hidden_size"]), int(text_cfg["vocab_size"])
-    return shard_bytes(n_rows, n_tokens, hidden, dtype, storage, trained, vocab)
+    return shard_bytes(n_rows, n_tokens, hidden, dtype, storage, trained, vocab, n_aux)
 
 
 def draft_vocab_ids(storage: Storage, vocab: Path | None):
@@ -168,7 +168,7 @@ def run(args, cfg: dict, log) -> None:
         text_cfg = tgt.target_config(args.target)
         n_layers = int(text_cfg["num_hidden_layers"])
         ids = aux_layer_ids(cap["aux_layer_ids"], n_layers)
-        need = shard_size(tokens, text_cfg, dtype, storage)
+        need = shard_size(tokens, text_cfg, dtype, storage, len(ids))
         check_free_space(args.out, need)
         fp = tgt.fingerprint(args.target)
         capture_range = engine("capture", cap["backend"])

@@ -38,11 +38,21 @@ def parse_range(name: str) -> tuple[int, int]:
     return a, b
 
 
-def aux_layer_ids(setting, num_layers: int) -> list[int]:
-    """SGLang's "output of layer i" ids of the three aux states: three distinct ids < N - 1.
+AUTO_AUX = 3  # EAGLE-3's count, and SGLang's and vLLM's when a draft config names no ids
 
-    `auto` is SGLang's default [1, N//2-1, N-4] when those are three increasing ids (N >= 7);
-    for 4 <= N <= 6 they collide (N = 4 gives [1, 1, 0]), so `auto` spreads the ids instead:
+
+def aux_layer_count(setting) -> int:
+    """Aux states per token that capture.aux_layer_ids `setting` asks for (auto: three)."""
+    return AUTO_AUX if setting == "auto" else len(setting)
+
+
+def aux_layer_ids(setting, num_layers: int) -> list[int]:
+    """SGLang's "output of layer i" ids of the aux states: K distinct ids < N - 1.
+
+    Any K >= 1 trains and serves: both engines size the draft's fc from the count of ids in its
+    config (EAGLE-3's three are the default; DFlash recipes use more, e.g. five). `auto` is
+    SGLang's default [1, N//2-1, N-4] when those are three increasing ids (N >= 7); for
+    4 <= N <= 6 they collide (N = 4 gives [1, 1, 0]), so `auto` spreads the ids instead:
     [0, (N-1)//2, N-2]. The last layer (N - 1) is never used: transformers exposes its output
     only after the final norm, so the benchmark could not read the state the capture stored.
     The exported draft records the ids it was trained with (eagle_aux_hidden_state_layer_ids).
@@ -58,16 +68,16 @@ def aux_layer_ids(setting, num_layers: int) -> list[int]:
             ids = [0, (num_layers - 1) // 2, num_layers - 2]
         return ids
     ids = [int(i) for i in setting]
-    if len(ids) != 3:
-        raise ValueError(f"capture.aux_layer_ids must have 3 ids, got {ids}")
+    if not ids:
+        raise ValueError("capture.aux_layer_ids is empty: give at least one layer id, or auto")
     bad = [i for i in ids if not 0 <= i < num_layers - 1]
     if bad:
         raise ValueError(
             f"capture.aux_layer_ids {ids}: ids {bad} are outside [0, {num_layers - 1}) for a "
             f"target with {num_layers} layers (the last layer's raw output is not available)"
         )
-    if len(set(ids)) != 3:
-        raise ValueError(f"capture.aux_layer_ids {ids}: the three ids must be distinct")
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"capture.aux_layer_ids {ids}: the ids must be distinct")
     return ids
 
 

@@ -119,12 +119,13 @@ def from_specforge(src: Path, target: Path, out: Path, ids_arg, dtype, storage=N
         aux, last = d["aux_hidden_state"], d["hidden_state"]
         if aux.dim() != 3 or last.dim() != 3 or aux.shape[0] != 1 or last.shape[0] != 1:
             raise ConvertError(
-                f"{f}: expected hidden_state [1,S,H] and aux_hidden_state [1,S,3H], "
+                f"{f}: expected hidden_state [1,S,H] and aux_hidden_state [1,S,{len(ids)}H], "
                 f"got {list(last.shape)} and {list(aux.shape)}"
             )
-        if aux.shape[-1] != 3 * last.shape[-1]:
+        if aux.shape[-1] != len(ids) * last.shape[-1]:
             raise ConvertError(
-                f"{f}: aux_hidden_state width {aux.shape[-1]} != 3 x {last.shape[-1]}"
+                f"{f}: aux_hidden_state width {aux.shape[-1]} != {len(ids)} x {last.shape[-1]} "
+                f"(one state per layer id of {ids}, {how})"
             )
         input_ids, loss_mask = check_sample(f, d["input_ids"], d["loss_mask"], [aux[0], last[0]])
         s = {

@@ -2,8 +2,8 @@
 
 Current (speculators >= 0.5; 0.9 is the one checked): `DIR` is a Hugging Face `datasets`
 dataset saved with `save_to_disk` (columns `input_ids`, `loss_mask`, `seq_len`), and
-`DIR/hidden_states/hs_<i>.safetensors` holds, for dataset row i, `hidden_states [S, 4, H]` (the
-three aux states, then the target's final state *before* its final norm) and `token_ids [S]`
+`DIR/hidden_states/hs_<i>.safetensors` holds, for dataset row i, `hidden_states [S, K+1, H]`
+(the K aux states, three by default, then the target's final state *before* its final norm) and `token_ids [S]`
 (equal to the row's `input_ids`). The states are captured by vLLM, whose layer id k is the input
 of layer k (SGLang's output of layer k - 1); speculators' default is [2, N//2, N-3] plus N.
 
@@ -97,10 +97,10 @@ def from_speculators(src: Path, target: Path, out: Path, ids_arg, dtype, storage
         raise ConvertError(f"{e}. {_vllm_hint(n_layers)}") from None
     weight, eps = final_norm(target)
     if layout == "pt":
-        read, items = _pt_reader(weight, eps), [src / f"data_{i}.pt" for i in range(a, b)]
+        read, items = _pt_reader(weight, eps, len(ids)), [src / f"data_{i}.pt" for i in range(a, b)]
         index = "data_<i>.pt, i = global row"
     else:
-        read, items, offset = _arrow_reader(src, weight, eps, a, b)
+        read, items, offset = _arrow_reader(src, weight, eps, a, b, len(ids))
         index = f"dataset row (hs_<row>.safetensors) = global row - {offset}"
     manifest = converted_manifest(
         (a, b),
@@ -120,16 +120,18 @@ def from_speculators(src: Path, target: Path, out: Path, ids_arg, dtype, storage
     return write_shard(out, items, read, dtype, manifest, storage, target)
 
 
-def _pt_reader(weight, eps):
+def _pt_reader(weight, eps, n_aux: int):
+    """Reader of v1 samples: hidden_states a list of the n_aux aux states and the final state."""
+
     def read(f: Path, states: bool) -> dict:
         d = load_legacy(f)
         for k in ("input_ids", "hidden_states", "loss_mask"):
             if k not in d:
                 raise ConvertError(f"{f}: speculators v1 sample lacks {k!r} (keys {sorted(d)})")
         hs = d["hidden_states"]
-        if not isinstance(hs, (list, tuple)) or len(hs) != 4:
+        if not isinstance(hs, (list, tuple)) or len(hs) != n_aux + 1:
             raise ConvertError(
-                f"{f}: hidden_states must be a list of 3 aux states + the final "
+                f"{f}: hidden_states must be a list of {n_aux} aux states + the final "
                 f"pre-norm state, got {type(hs).__name__} of {len(hs)}"
             )
         input_ids, loss_mask = check_sample(f, d["input_ids"], d["loss_mask"], list(hs))
@@ -140,14 +142,14 @@ def _pt_reader(weight, eps):
             "dtype": hs[0].dtype,
         }
         if states:
-            s["aux"] = torch.cat(list(hs[:3]), dim=-1)
-            s["last"] = apply_norm(hs[3], weight, eps)
+            s["aux"] = torch.cat(list(hs[:n_aux]), dim=-1)
+            s["last"] = apply_norm(hs[n_aux], weight, eps)
         return s
 
     return read
 
 
-def _arrow_reader(src: Path, weight, eps, a: int, b: int):
+def _arrow_reader(src: Path, weight, eps, a: int, b: int, n_aux: int):
     from safetensors import safe_open
 
     ds = _datasets().load_from_disk(str(src))
@@ -186,10 +188,10 @@ def _arrow_reader(src: Path, weight, eps, a: int, b: int):
             raise
         except Exception as e:  # safetensors raises its own types for damaged files
             raise ConvertError(f"{f}: unreadable ({str(e).splitlines()[0]})") from None
-        if len(shape) != 3 or shape[1] != 4:
+        if len(shape) != 3 or shape[1] != n_aux + 1:
             raise ConvertError(
-                f"{f}: hidden_states is {shape}, expected [S, 4, H] (3 aux states + the final "
-                "state: launch vLLM with the last layer included)"
+                f"{f}: hidden_states is {shape}, expected [S, {n_aux + 1}, H] ({n_aux} aux states + the "
+                "final state: launch vLLM with the last layer included)"
             )
         if tag not in ST_DTYPES:
             raise ConvertError(f"{f}: hidden_states dtype {tag} is not one of {list(ST_DTYPES)}")
@@ -205,8 +207,8 @@ def _arrow_reader(src: Path, weight, eps, a: int, b: int):
             "dtype": ST_DTYPES[tag],
         }
         if states:
-            s["aux"] = hs[:, :3].reshape(shape[0], 3 * shape[2])
-            s["last"] = apply_norm(hs[:, 3], weight, eps)
+            s["aux"] = hs[:, :n_aux].reshape(shape[0], n_aux * shape[2])
+            s["last"] = apply_norm(hs[:, n_aux], weight, eps)
         return s
 
     return read, list(range(a - offset, b - offset)), offset
@@ -218,7 +220,7 @@ def _states(shard, r: int, weight) -> tuple[dict, list[torch.Tensor]]:
     aux = row["aux_hidden_states"].to(
         STORAGE_DTYPES[shard.manifest["dtype"]][0]
     )  # float8: dequantized
-    hs = [aux[:, k * h : (k + 1) * h] for k in range(3)]
+    hs = list(aux.split(h, dim=-1))  # the K aux states, in the manifest's aux_layer_ids order
     hs.append(remove_norm(row["last_hidden_states"], weight).to(aux.dtype))
     return row, hs
 

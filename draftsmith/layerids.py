@@ -1,6 +1,6 @@
 """Which target layers each serving engine feeds the draft, read from its model files.
 
-Training numbers the three aux states SGLang's way, "output of layer i" (capture.aux_layer_ids),
+Training numbers the aux states SGLang's way, "output of layer i" (capture.aux_layer_ids),
 and stores `output_hidden_states[i + 1]`, the input of layer i + 1, in the order of the ids. The
 export writes those ids as `eagle_config.eagle_aux_hidden_state_layer_ids` and the same ids + 1
 as a top-level `eagle_aux_hidden_state_layer_ids` (draftsmith.export). What an engine then
@@ -181,9 +181,10 @@ def resolve(draft_cfg: dict, view: dict) -> dict:
 def ids_to_use(rule: str, ids: list[int], n_layers: int) -> list[int] | None:
     """capture.aux_layer_ids that every engine reads as trained, near `ids`; None if none."""
     top = n_layers - 2  # the largest id training can use (config.aux_layer_ids)
+    k = len(ids)
 
     def good(c: list[int]) -> bool:
-        return c == sorted(set(c)) and len(c) == 3 and 0 <= c[0] and c[-1] <= top
+        return c == sorted(set(c)) and len(c) == k and 0 <= c[0] and c[-1] <= top
 
     if rule != "first_is_1":
         cands = [sorted(set(ids))]
@@ -191,10 +192,10 @@ def ids_to_use(rule: str, ids: list[int], n_layers: int) -> list[int] | None:
         rest = sorted(set(i for i in ids if i > 1))
         cands = [
             [1, *sorted(ids)[1:]],
-            [1, *rest[-2:]],
-            [1, *rest[:2]],
-            [1, n_layers // 2 - 1, n_layers - 4],
-            [1, 2, 3],
+            [1, *rest[len(rest) - (k - 1) :]],
+            [1, *rest[: k - 1]],
+            *([[1, n_layers // 2 - 1, n_layers - 4]] if k == 3 else []),
+            list(range(1, k + 1)),
         ]
     return next((c for c in cands if good(c)), None)
 
@@ -216,7 +217,7 @@ def problems(draft_cfg: dict, view: dict) -> list[str]:
             fix = f"use capture.aux_layer_ids {use} and capture again"
         else:
             fix = (
-                f"no three ids work for a {view['num_hidden_layers']}-layer target of this "
+                f"no {len(ids)} ids work for a {view['num_hidden_layers']}-layer target of this "
                 "class: this engine cannot serve it as trained"
             )
         how = {

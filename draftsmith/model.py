@@ -513,7 +513,7 @@ class Eagle3Draft(nn.Module):
         self.t2d.copy_(t2d.bool())
 
     def project(self, aux: torch.Tensor) -> torch.Tensor:
-        """Target aux states [B,T,3*H_t] (SGLang layer-id order) -> step-0 hidden [B,T,H].
+        """Target aux states [B,T,K*H_t] (K aux layer ids, SGLang order) -> step-0 hidden [B,T,H].
         With fc_norm each aux state is RMS-normed by its own norm first."""
         if self.config.fc_norm:
             chunks = aux.chunk(self.config.num_aux, dim=-1)

@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 
 from draftsmith.common import atomic_write_json, parse_cfg
-from draftsmith.config import aux_layer_ids
+from draftsmith.config import aux_layer_count, aux_layer_ids
 
 
 class PlanError(ValueError):
@@ -57,12 +57,19 @@ def trained_count(path: Path) -> int:
 
 
 def shard_bytes(
-    rows: int, tokens: int, hidden: int, dtype: str, storage=None, trained=None, vocab=None
+    rows: int,
+    tokens: int,
+    hidden: int,
+    dtype: str,
+    storage=None,
+    trained=None,
+    vocab=None,
+    n_aux: int = 3,
 ) -> int:
     """Bytes of one shard in a storage mode (a 4 KiB header allowance included)."""
     from draftsmith.shard_writer import estimate_bytes
 
-    return estimate_bytes(tokens, rows, hidden, dtype, storage, trained, vocab)
+    return estimate_bytes(tokens, rows, hidden, dtype, storage, trained, vocab, None, n_aux)
 
 
 def human(n: float) -> str:
@@ -88,7 +95,7 @@ def make_plan(cfg: dict, token_files: list[Path], target: Path, out_dir: Path) -
     for f in sorted(token_files):
         rows, tokens = token_counts(f)
         trained = trained_count(f) if storage.final != "states" else None
-        size = shard_bytes(rows, tokens, hidden, dtype, storage, trained, vocab)
+        size = shard_bytes(rows, tokens, hidden, dtype, storage, trained, vocab, len(ids))
         built = (out_dir / f.name).is_file()
         shards.append(
             {
@@ -139,11 +146,12 @@ def upper_bound(cfg: dict, ranges: list[tuple[int, int]], text_cfg: dict) -> str
     hidden, vocab = int(text_cfg["hidden_size"]), int(text_cfg.get("vocab_size", 0)) or None
     dtype = cap["dtype"]
     storage = Storage.from_config(cap.get("storage"))
+    n_aux = aux_layer_count(cap["aux_layer_ids"])
     total = tokens = 0
     for a, b in ranges:
         n = (b - a) * max_len
         trained = n if storage.final != "states" else None
-        total += shard_bytes(b - a, n, hidden, dtype, storage, trained, vocab)
+        total += shard_bytes(b - a, n, hidden, dtype, storage, trained, vocab, n_aux)
         tokens += n
     rows = sum(b - a for a, b in ranges)
     return (

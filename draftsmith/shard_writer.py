@@ -37,6 +37,7 @@ from draftsmith.shards import (
 from draftsmith.storage import (
     Storage,
     StorageError,
+    aux_count,
     encode_draft_topk,
     encode_fp8,
     encode_topk,
@@ -55,6 +56,7 @@ def shard_layout(
     trained: int | None = None,
     vocab: int | None = None,
     draft_vocab: int | None = None,
+    n_aux: int = 3,
 ) -> list[tuple]:
     """(name, safetensors dtype, shape, nbytes) in file order, for a storage mode.
 
@@ -63,7 +65,9 @@ def shard_layout(
     storage = storage or Storage()
     p = n_tokens if trained is None else trained
     try:
-        entries = mode_layout(storage, n_tokens, n_rows, hidden_size, dtype, p, vocab, draft_vocab)
+        entries = mode_layout(
+            storage, n_tokens, n_rows, hidden_size, dtype, p, vocab, draft_vocab, n_aux
+        )
     except StorageError as e:
         raise ShardError(str(e)) from None
     return [(name, tag, shape, tensor_bytes(tag, shape)) for name, tag, shape in entries]
@@ -90,12 +94,13 @@ def estimate_bytes(
     trained: int | None = None,
     vocab: int | None = None,
     draft_vocab: int | None = None,
+    n_aux: int = 3,
 ) -> int:
     """Size of a shard file (headers of a few KiB included as a 4 KiB allowance).
 
     draft_vocab (top-k over the draft vocabulary) only sets the id width: None = uint16."""
     entries = shard_layout(
-        n_tokens, n_rows, hidden_size, dtype, storage, trained, vocab, draft_vocab
+        n_tokens, n_rows, hidden_size, dtype, storage, trained, vocab, draft_vocab, n_aux
     )
     return 4096 + sum(n + (-n) % 8 for *_, n in entries)
 
@@ -129,7 +134,7 @@ class ShardWriter:
     with ShardWriter(path, input_ids=..., loss_mask=..., row_offsets=..., hidden_size=H,
                      dtype="bfloat16", manifest={...}, storage=Storage(), lm_head=None,
                      draft_ids=None) as w:
-        w.write(token_start, aux [n, 3H], last [n, H])   # any order, each token exactly once
+        w.write(token_start, aux [n, K*H], last [n, H])  # any order, each token exactly once
     w.manifest  # the final manifest, also written to rows_<a>-<b>.json
 
     `storage` picks the mode (draftsmith/storage.py); the batches are the same in every mode and
@@ -166,6 +171,7 @@ class ShardWriter:
         self.storage = storage = storage or Storage()
         self.n_tokens = input_ids.numel()
         self.n_rows = row_offsets.numel() - 1
+        self.n_aux = aux_count(manifest)  # one aux state per manifest aux_layer_ids entry
         trained = trained_mask(loss_mask, row_offsets)
         self._trained = trained.numpy()
         self._slot = (trained.long().cumsum(0) - 1).numpy()  # token -> row in [P, ...] tensors
@@ -200,6 +206,7 @@ class ShardWriter:
             int(trained.sum()),
             vocab,
             None if self._draft_ids is None else self._draft_ids.numel(),
+            self.n_aux,
         )
         self._fix_layout(layout)
         self._written = np.zeros(self.n_tokens, dtype=bool)
@@ -255,12 +262,13 @@ class ShardWriter:
             view, pos = view[n:], pos + n
 
     def write(self, start: int, aux: torch.Tensor, last: torch.Tensor) -> None:
-        """Store hidden states of tokens [start, start + n): aux [n, 3H], last [n, H]."""
-        n, h = last.shape[0], self.hidden_size
-        if tuple(aux.shape) != (n, 3 * h) or tuple(last.shape) != (n, h):
+        """Store hidden states of tokens [start, start + n): aux [n, K*H] (K = n_aux), last
+        [n, H]."""
+        n, h, k = last.shape[0], self.hidden_size, self.n_aux
+        if tuple(aux.shape) != (n, k * h) or tuple(last.shape) != (n, h):
             raise ShardError(
                 f"{self.path}: batch shapes aux {list(aux.shape)} last "
-                f"{list(last.shape)} do not match [n, {3 * h}] and [n, {h}]"
+                f"{list(last.shape)} do not match [n, {k * h}] ({k} aux layers) and [n, {h}]"
             )
         if start < 0 or start + n > self.n_tokens:
             raise ShardError(

@@ -2,9 +2,9 @@
 
 Two independent choices (config `capture.storage`, recorded in the manifest's `storage`):
 
-aux (the three aux states, the draft's input):
-    dtype         `aux_hidden_states [T, 3H]` in `capture.dtype` (the exact reference)
-    float8_e4m3   `aux_hidden_states [T, 3H]` float8 e4m3 plus `aux_scales [T, 3H / B]` float32:
+aux (the draft's input: K aux states per token, K = len(aux_layer_ids), 3 by default):
+    dtype         `aux_hidden_states [T, KH]` in `capture.dtype` (the exact reference)
+    float8_e4m3   `aux_hidden_states [T, KH]` float8 e4m3 plus `aux_scales [T, KH / B]` float32:
                   one scale per token and block of B channels (B = `scale_block`, default the
                   hidden size: one scale per token and aux layer), scale = amax / 448; on read
                   a state is `fp8 * scale` in float32.
@@ -210,17 +210,19 @@ def layout(
     p: int,
     vocab: int | None,
     draft_vocab: int | None = None,
+    n_aux: int = 3,
 ):
     """(name, safetensors dtype tag, shape) of every tensor, in file order.
 
-    vocab: the target's vocabulary size; draft_vocab: the draft's (`topk_vocab: draft`)."""
+    vocab: the target's vocabulary size; draft_vocab: the draft's (`topk_vocab: draft`);
+    n_aux: the aux states per token (one per capture.aux_layer_ids entry)."""
     tag = DTYPE_TAGS[dtype]
     out = [("input_ids", "I64", [t]), ("row_offsets", "I64", [r + 1])]
     if storage.aux == "dtype":
-        out.append(("aux_hidden_states", tag, [t, 3 * h]))
+        out.append(("aux_hidden_states", tag, [t, n_aux * h]))
     else:
-        out.append(("aux_hidden_states", "F8_E4M3", [t, 3 * h]))
-        out.append(("aux_scales", "F32", [t, 3 * h // storage.block(h)]))
+        out.append(("aux_hidden_states", "F8_E4M3", [t, n_aux * h]))
+        out.append(("aux_scales", "F32", [t, n_aux * h // storage.block(h)]))
     if storage.final == "states":
         out.append(("last_hidden_states", tag, [t, h]))
     elif storage.final == "trained":
@@ -374,12 +376,27 @@ def check_layout(manifest: dict, tensors: dict[str, torch.Tensor]) -> None:
         raise StorageError(f"manifest storage {rec} has no draft_vocab_size / fingerprint")
     r = tensors["row_offsets"].numel() - 1
     want = layout(
-        storage, t, r, h, dtype, trained, rec.get("vocab_size"), rec.get("draft_vocab_size")
+        storage,
+        t,
+        r,
+        h,
+        dtype,
+        trained,
+        rec.get("vocab_size"),
+        rec.get("draft_vocab_size"),
+        aux_count(manifest),
     )
     if have != {name: [tag, shape] for name, tag, shape in want}:
         raise StorageError(
             f"tensors {have} are not the layout of storage mode {storage.name(dtype)!r}: {want}"
         )
+
+
+def aux_count(manifest: dict) -> int:
+    """Aux states per token of a shard: one per entry of its manifest's aux_layer_ids (3 where a
+    manifest predates the key: every shard then held EAGLE-3's three)."""
+    ids = manifest.get("aux_layer_ids")
+    return len(ids) if isinstance(ids, list) and ids else 3
 
 
 class StoredStates:

@@ -195,10 +195,13 @@ def test_rope_the_draft_carries_warns_nothing():
 # Training: a Gemma-style target's draft learns like a Llama one's at the same settings
 
 
-def train_on_tiny_target(family: str, root: Path) -> list[dict]:
-    """Capture a tiny random `family` target (4 layers, its own default norm init: Gemma's
-    stores 0, i.e. a scale of 1) on seeded random rows, train 40 steps with
-    draft.init_from_target, return the metrics."""
+def train_on_tiny_target(
+    family: str, root: Path, ids=(0, 1, 2), layers: int = 4, draft: dict | None = None
+) -> list[dict]:
+    """Capture a tiny random `family` target (`layers` layers, its own default norm init:
+    Gemma's stores 0, i.e. a scale of 1) at aux layer ids `ids` on seeded random rows, train 40
+    steps with draft.init_from_target (and the draft-section keys `draft`), return the
+    metrics."""
     import json
 
     from safetensors.torch import save_file
@@ -208,8 +211,8 @@ def train_on_tiny_target(family: str, root: Path) -> list[dict]:
     from draftsmith.train import main as train_main
 
     torch.set_num_threads(1)
-    vocab, ids, rows, n = SMALL["vocab_size"], [0, 1, 2], 24, 32
-    extra = {**SMALL, **FAMILIES[family], "num_hidden_layers": 4}
+    vocab, ids, rows, n = SMALL["vocab_size"], list(ids), 24, 32
+    extra = {**SMALL, **FAMILIES[family], "num_hidden_layers": layers}
     # initializer_range 0.3: logits peaked enough that the teacher is not near uniform
     config = AutoConfig.for_model(family, **extra, initializer_range=0.3, tie_word_embeddings=True)
     torch.manual_seed(0)
@@ -240,7 +243,7 @@ def train_on_tiny_target(family: str, root: Path) -> list[dict]:
     }  # fmt: skip
     cfg = {
         "train": train,
-        "draft": {"vocab_size": vocab, "init_from_target": True},
+        "draft": {"vocab_size": vocab, "init_from_target": True, **(draft or {})},
         "capture": {"aux_layer_ids": ids},
     }
     train_main(

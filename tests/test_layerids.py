@@ -74,7 +74,7 @@ def test_deepseek_class_adds_one_only_when_the_first_id_is_one():
     # a 4-layer DeepSeek target has no ids SGLang reads as trained (three ids below 3)
     tiny = {**DSV3, "num_hidden_layers": 4}
     [msg] = layerids.problems(draft_cfg([0, 1, 2]), layerids.target_view(tiny))
-    assert "no three ids work for a 4-layer target" in msg
+    assert "no 3 ids work for a 4-layer target" in msg
 
 
 def test_kimi_wrapper_hands_the_ids_to_its_deepseek_language_model():

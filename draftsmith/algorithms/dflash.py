@@ -7,7 +7,8 @@ Not a switch on the EAGLE-3 draft: this algorithm brings its own draft module, o
     TRAINER   module with build_draft, objective, batch_losses
     EXPORTER  module with export_draft, check_export, load_export
 
-Capture: the configured `capture.aux_layer_ids` (the same shards as EAGLE-3); the block size
+Capture: the configured `capture.aux_layer_ids` (the same shards as EAGLE-3 by default; DFlash
+recipes often list five ids, which the shards, the fc and the export follow); the block size
 is train.ttt_steps + 1 (one known token and ttt_steps masks).
 """
 
