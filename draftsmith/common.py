@@ -158,15 +158,13 @@ def merge_run(cfg: dict, text: str | None = None, sections=None) -> dict:
 
 
 def set_threads(n: int | None) -> None:
-    """Apply the rule's thread count to torch (threads come from profiles, not config), capped
-    when the job started on busy cores (draftsmith.threads), and log what was chosen."""
-    from draftsmith.threads import thread_cap
+    """Apply the rule's thread count to torch (threads come from profiles, not config) and log
+    the wait policy the job chose for the load it started under (draftsmith.threads)."""
+    from draftsmith.threads import policy_note
 
-    cap, why = thread_cap()
+    why = policy_note()
     if why:
         logging.getLogger("draftsmith").info("threads: %s", why)
-    if cap and (not n or n > cap):
-        n = cap
     if n:
         import torch
 
