@@ -9,7 +9,8 @@ pass sends all rows through the capture client's own `RowCapture` and `run_rows`
 concurrency, longest rows first as `capture_range` does, into OUT_DIR/c<N>/<tokens name>.
 `--batched` drops `--prefill-max-requests 1` from the launch (SGLang may then pack concurrent
 rows into one forward). Prints one JSON line: the shard paths and, from the server's log, how
-many requests each prefill forward held and how many waited in its queue.
+many requests each prefill forward held and how many waited in its queue, and each pass's
+wall time.
 """
 
 from __future__ import annotations
@@ -84,11 +85,12 @@ def main(argv: list[str]) -> None:
     try:
         with Supervisor(spec, retries=0, log_stream=tee) as sup:
             for c in map(int, concs.split(",")):
-                seen = len(tee.prefills)
+                seen, t0 = len(tee.prefills), time.perf_counter()
                 out = Path(out_dir) / f"c{c}" / Path(tokens_path).name
                 one_pass(sup, tokens, cfg, expect, hidden, dump_dir, out, c)
+                seconds = round(time.perf_counter() - t0, 3)
                 time.sleep(1.0)  # the log pump's last lines of this pass
-                shards[c] = {"path": str(out), "prefills": tee.prefills[seen:]}
+                shards[c] = {"path": str(out), "prefills": tee.prefills[seen:], "seconds": seconds}
     finally:
         shutil.rmtree(dump_dir, ignore_errors=True)
     print(json.dumps(shards))

@@ -90,6 +90,7 @@ def test_concurrent_capture_equals_one_row_at_a_time(exact_setup):
     assert max(q for _, q in concurrent["prefills"]) >= 2, concurrent["prefills"]
     assert {n for n, _ in alone["prefills"] + concurrent["prefills"]} == {1}
     assert len(concurrent["prefills"]) >= len(LENGTHS)
+    print(f"wall seconds: concurrency 1 {alone['seconds']}, 6 {concurrent['seconds']}")
     assert same_bytes(alone["path"], concurrent["path"]), "concurrency changed the states"
     shard = open_shard(concurrent["path"], verify_sha=True)
     tokens = exact_setup["tokens"]
@@ -126,3 +127,21 @@ def test_packed_prefill_moves_short_rows_by_an_ulp(exact_setup):
     assert moved, "packed prefill gave identical states: SGLang or torch changed, update docs"
     assert all(LENGTHS[r] <= 5 for r in moved), (sorted(moved), LENGTHS)
     assert 0 < worst < 1e-5
+
+
+def test_the_capture_launch_prefills_one_row_per_forward(tmp_path):
+    """The capture job's server command: radix cache and chunked prefill off and one request per
+    prefill forward, after `sglang.extra_args`, so that a user's own value there loses (SGLang
+    parses its flags with argparse: the last one wins)."""
+    from draftsmith.engines.sglang_capture import capture_server_spec
+
+    cfg = with_defaults({
+        "capture": {"backend": "sglang", "role": "sglang-cpu"},
+        "sglang": {"extra_args": ["--prefill-max-requests", "8"]},
+    })  # fmt: skip
+    command = capture_server_spec(cfg, tmp_path, 1, AUX_IDS, tmp_path, "").command(30000)
+    last = len(command) - 1 - command[::-1].index("--prefill-max-requests")
+    assert command[last + 1] == "1" and command.count("--prefill-max-requests") == 2
+    assert "--disable-radix-cache" in command
+    chunked = command.index("--chunked-prefill-size")
+    assert command[chunked + 1] == "-1"
