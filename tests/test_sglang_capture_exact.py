@@ -67,7 +67,7 @@ def capture_passes(setup: dict, out: Path, concurrencies: list[int], batched: bo
          str(setup["target"]), str(setup["patched"]), str(setup["tokens"]), str(out),
          ",".join(map(str, concurrencies)), *(["--batched"] if batched else [])],
         cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True,
-        timeout=900,
+        timeout=1800,  # the server's start-up alone took 6 minutes on the loaded shared cores
     )  # fmt: skip
     assert run.returncode == 0, run.stderr[-4000:]
     return {int(c): p for c, p in json.loads(run.stdout.strip().splitlines()[-1]).items()}
