@@ -186,6 +186,19 @@ def prepare(tiny: Path, work: Path, python: str, aux_ids: list[int]) -> dict:
         cwd=ROOT, capture_output=True, text=True,
     )  # fmt: skip
     assert run.returncode == 0, run.stderr
+    patched_overlay(work, python)
+    return {
+        "python": python,
+        "work": work,
+        "target": target,
+        "tokens": tokens,
+        "hf": hf_out,
+        "ids": aux_ids,
+    }
+
+
+def patched_overlay(work: Path, python: str) -> Path:
+    """The capture patch applied to the role's pinned SGLang: work/overlay, work/patched.json."""
     patch_dir = ROOT / "patches" / "sglang-0.5.23"
     (work / "pins.txt").write_text("sglang==0.5.23\n")
     run = subprocess.run(
@@ -196,14 +209,7 @@ def prepare(tiny: Path, work: Path, python: str, aux_ids: list[int]) -> dict:
         cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True,
     )  # fmt: skip
     assert run.returncode == 0, run.stderr
-    return {
-        "python": python,
-        "work": work,
-        "target": target,
-        "tokens": tokens,
-        "hf": hf_out,
-        "ids": aux_ids,
-    }
+    return work / "patched.json"
 
 
 def sglang_capture(setup, out: Path, faults: dict, retries: int = 2, restarts: int = 2):

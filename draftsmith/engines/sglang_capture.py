@@ -5,7 +5,11 @@ its PYTHONPATH), started once per job in SGLang's capture-only mode: aux capture
 configured ids without a draft (`--enable-return-aux-hidden-states --speculative-algorithm
 EAGLE3 --return-aux-hidden-state-layer-ids ...`, which calls each model's
 `set_eagle3_layers_to_capture`), radix cache, chunked prefill and the overlap scheduler off
-(a prompt is always prefilled whole, in one forward; the patch refuses anything else).
+(a prompt is always prefilled whole, in one forward; the patch refuses anything else), and at
+most one request per prefill forward (`--prefill-max-requests 1`): a row's states are then the
+same bits at any `capture.concurrency` as alone. Without that limit SGLang packs concurrent
+rows into one forward, and a float32 GEMM over a few rows rounds differently from the same rows
+inside a larger one (measured: docs/sglang.md, "Exact at any concurrency").
 
 Each row is sent as `input_ids` to `/generate` with `max_new_tokens=1` and a unique
 `draftsmith_dump_key`, at most `capture.concurrency` at a time. The server writes
@@ -48,6 +52,9 @@ DUMP_MAGIC = b"DSDUMP01"
 DUMP_FORMAT = "draftsmith-dump-1"
 DUMP_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 DUMP_ROOT_ENV = "DRAFTSMITH_DUMP_ROOT"  # where dump dirs go (default /dev/shm)
+# each prefill forward holds one row, so a row's states do not depend on which rows are in
+# flight with it (capture.concurrency only overlaps requests, dumps and shard writes)
+ONE_ROW_PER_FORWARD = ("--prefill-max-requests", "1")
 
 
 class DumpError(ValueError):
@@ -142,6 +149,7 @@ def capture_args(ids: list[int]) -> list[str]:
         "--chunked-prefill-size",
         "-1",
         "--disable-overlap-schedule",
+        *ONE_ROW_PER_FORWARD,
         "--skip-tokenizer-init",
     ]
 
@@ -343,6 +351,7 @@ def capture_range(
                 **sup.stats(),
                 **stats,
                 "tp_size": int(cfg["sglang"]["tp_size"]),
+                "rows_per_forward": 1,
             }
     finally:
         shutil.rmtree(dump_dir, ignore_errors=True)
