@@ -30,7 +30,7 @@ from safetensors.torch import save_file
 from trained import PROMPTS, ROOT, assert_same_acceptance, rows, run_bench
 from wf import with_defaults
 
-pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.extended]
+pytestmark = [pytest.mark.slow, pytest.mark.extended]
 
 IDS = [1, 2, 3]  # SGLang's DeepSeek file adds 1 only when the first id is 1; vLLM reads [2, 3, 4]
 BENCH = {"num_steps": 3, "max_new_tokens": 32, "tau_floor": 1.0}
@@ -208,18 +208,63 @@ def vllm_bench(root: Path, cfg: dict) -> tuple[dict, str]:
     return json.loads(line[len("RESULT ") :]), log
 
 
-def test_vllm_serves_our_mla_draft_with_our_tau(tmp_path):
-    root = train_mla_project(tmp_path)
+@pytest.fixture(scope="module")
+def project(tmp_path_factory):
+    """The trained MLA project, and our engine's figures on PROMPTS."""
+    root = train_mla_project(tmp_path_factory.mktemp("mla_vllm"))
     draft = json.loads((root / "results" / "draft" / "config.json").read_text())
     assert draft["architectures"] == ["Eagle3DeepseekV2ForCausalLM"]
     cfg = {"bench": BENCH, "target": {"dtype": "float32"}}
     ours = run_bench(root, "hf", "results/draft", cfg)["res"]["s"]
     assert ours["identical_outputs"] == len(PROMPTS)
     assert ours["tau"] > 1.05 and sum(ours["accept_len_hist"][1:]) >= 10, ours
-    theirs, log = vllm_bench(root, cfg)
+    return root, ours
+
+
+def assert_vllm_served_mla(log: str) -> None:
     assert "Resolved architecture: Eagle3DeepseekV2ForCausalLM" in log
     assert "Using CPU_MLA backend" in log
     assert "Using auxiliary layers from speculative config: (2, 3, 4)" in log
+
+
+@pytest.mark.vllm
+def test_vllm_serves_our_mla_draft_with_our_tau(project):
+    root, ours = project
+    theirs, log = vllm_bench(root, {"bench": BENCH, "target": {"dtype": "float32"}})
+    assert_vllm_served_mla(log)
     assert theirs["identical_outputs"] == len(PROMPTS)
     assert_same_acceptance(theirs, ours, "vllm mla")
     print("tau:", json.dumps({"hf": ours["tau"], "vllm": theirs["tau"]}))
+
+
+@pytest.mark.vllm
+def test_vllm_serves_our_mla_draft_on_the_kimi_wrapped_target(project, tmp_path):
+    """The same target wrapped as Kimi-K2.5 ships it (tests/test_engines_mla.py,
+    wrapped_project), the same MLA draft: the draft the published Kimi-K2.5 drafts are shaped
+    like, on the wrapper they serve."""
+    from test_engines_mla import wrapped_project
+
+    root, ours = project
+    root = wrapped_project(root, tmp_path)
+    theirs, log = vllm_bench(root, {"bench": BENCH, "target": {"dtype": "float32"}})
+    assert "Resolved architecture: KimiK25ForConditionalGeneration" in log, log[-3000:]
+    assert_vllm_served_mla(log)
+    assert theirs["identical_outputs"] == len(PROMPTS)
+    assert_same_acceptance(theirs, ours, "vllm mla wrapped")
+    print("tau:", json.dumps({"hf": ours["tau"], "vllm wrapped": theirs["tau"]}))
+
+
+@pytest.mark.sglang
+def test_sglang_serves_our_mla_draft_with_our_tau(project):
+    """SGLang's real server (role sglang-cpu, torch_native with draftsmith.sglang_cpu's MLA
+    registration, which the draft's own latent attention takes too) runs the trained MLA draft
+    as `Eagle3DeepseekV2ForCausalLM` on the MLA target, through the bench stage's code."""
+    from test_engines_mla import SGLANG, SGLANG_BENCH
+
+    root, ours = project
+    full = {"bench": {**SGLANG_BENCH, **BENCH}, "sglang": SGLANG, "target": {"dtype": "float32"}}
+    run = run_bench(root, "sglang", "results/draft", full, role_python("sglang-cpu"))
+    theirs = run["res"]["s"]
+    assert theirs["identical_outputs"] == len(PROMPTS)
+    assert_same_acceptance(theirs, ours, "sglang mla")
+    print("tau:", json.dumps({"hf": ours["tau"], "sglang": theirs["tau"]}))
