@@ -176,6 +176,10 @@ def deepseek_shapes(engine_shapes: bool) -> dict:
 
 # wrapper name -> (architecture, model_type) of the top-level config
 WRAPPERS = {"kimi_k25": ("KimiK25ForConditionalGeneration", "kimi_k25")}
+# top-level config keys the wrapper's config.json carries and engines read: Kimi-K2.5's media
+# placeholder id (its `<|media_pad|>`; outside a tiny vocabulary, never in a text prompt), which
+# vLLM's EAGLE-3 loader hands the draft for a Kimi-K2.5 target
+WRAPPER_KEYS = {"kimi_k25": {"media_placeholder_token_id": 163605}}
 # Kimi-K2.5's preprocessor_config.json: the media settings its image processor reads (patch 14,
 # 2x2 merge, 4-frame video chunks, ...); vLLM builds its processor from them even for text-only
 # serving. The real file also names Moonshot's processor code (auto_map), not shipped here.
@@ -431,6 +435,7 @@ def wrap_target(path: str | Path, wrapper: str = "kimi_k25") -> Path:
     for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
         config[key] = text.get(key)
     config["tie_word_embeddings"] = bool(text.get("tie_word_embeddings"))  # as the text model
+    config.update(WRAPPER_KEYS.get(wrapper, {}))
     (path / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     if wrapper == "kimi_k25":
         media = {"media_proc_cfg": KIMI_MEDIA_PROC_CFG}
