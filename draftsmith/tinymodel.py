@@ -22,7 +22,10 @@ docs/kimi.md, "Serving engines on CPU".
 
 `--wrap kimi_k25` lays the model out as Kimi-K2.5 ships: config.json names the wrapper
 (`KimiK25ForConditionalGeneration`) and nests the text model's config under `text_config`; the
-weights are renamed under `language_model.`, beside a stand-in vision tower and projector.
+weights are renamed under `language_model.`, beside a stand-in vision tower and projector;
+`preprocessor_config.json` carries Kimi-K2.5's media settings (`media_proc_cfg`), from which
+vLLM builds the wrapper's processor before it serves even text (the vision tower's own
+`vision_config` is not written: engines serving the text model alone never build it).
 `--tokenizer tiktoken` ships the tokenizer as Kimi's does: a tiktoken rank file (`tiktoken.model`,
 ranks learned here from CORPUS with Kimi's split pattern), a remote-code `TikTokenTokenizer` class
 in `tokenization_kimi.py` and reserved special tokens after the ranks; no tokenizer.json (the
@@ -173,6 +176,28 @@ def deepseek_shapes(engine_shapes: bool) -> dict:
 
 # wrapper name -> (architecture, model_type) of the top-level config
 WRAPPERS = {"kimi_k25": ("KimiK25ForConditionalGeneration", "kimi_k25")}
+# top-level config keys the wrapper's config.json carries and engines read: Kimi-K2.5's media
+# placeholder id (its `<|media_pad|>`; outside a tiny vocabulary, never in a text prompt), which
+# vLLM's EAGLE-3 loader hands the draft for a Kimi-K2.5 target
+WRAPPER_KEYS = {"kimi_k25": {"media_placeholder_token_id": 163605}}
+# Kimi-K2.5's preprocessor_config.json: the media settings its image processor reads (patch 14,
+# 2x2 merge, 4-frame video chunks, ...); vLLM builds its processor from them even for text-only
+# serving. The real file also names Moonshot's processor code (auto_map), not shipped here.
+KIMI_MEDIA_PROC_CFG = {
+    "in_patch_limit": 16384,
+    "patch_size": 14,
+    "image_mean": [0.5, 0.5, 0.5],
+    "image_std": [0.5, 0.5, 0.5],
+    "merge_kernel_size": 2,
+    "fixed_output_tokens": None,
+    "patch_limit_on_one_side": 512,
+    "in_patch_limit_each_frame": 4096,
+    "in_patch_limit_video": None,
+    "sample_fps": 2.0,
+    "max_num_frames_each_video": None,
+    "temporal_merge_kernel_size": 4,
+    "timestamp_mode": "hh:mm:ss.fff",
+}
 
 
 def make_tokenizer(vocab_size: int = 384):
@@ -409,7 +434,12 @@ def wrap_target(path: str | Path, wrapper: str = "kimi_k25") -> Path:
     config = {"architectures": [arch], "model_type": model_type, "text_config": text}
     for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
         config[key] = text.get(key)
+    config["tie_word_embeddings"] = bool(text.get("tie_word_embeddings"))  # as the text model
+    config.update(WRAPPER_KEYS.get(wrapper, {}))
     (path / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    if wrapper == "kimi_k25":
+        media = {"media_proc_cfg": KIMI_MEDIA_PROC_CFG}
+        (path / "preprocessor_config.json").write_text(json.dumps(media, indent=2) + "\n")
     return path
 
 

@@ -12,20 +12,21 @@ when the first is 1; vLLM reads the top-level ids). Training the draft and runni
 engines on this target takes well over CI's few minutes, so those tests are `extended`; the
 untrained-draft vLLM test is the CI-sized check of the stand-ins.
 
-Wrapped targets (Kimi-K2.5's `KimiK25ForConditionalGeneration`) are not served here: both
-engines' Kimi-K2.5 classes build and load a real vision tower from `vision_config`, which the
-tiny wrapper's stand-in tower does not have (docs/kimi.md).
+The same target wrapped as Kimi-K2.5 ships it (`KimiK25ForConditionalGeneration`, weights
+under `language_model.`, Kimi's preprocessor_config.json) is served by vLLM with the same draft
+(`language_model_only`, and the kernel-scan stand-in of draftsmith.engines.vllm_cpu); SGLang's
+Kimi-K2.5 class is not run on it (docs/kimi.md).
 """
 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
+import shutil
+from pathlib import Path
 
 import pytest
 from roles import role_python
-from trained import IDS, PROMPTS, ROOT, assert_same_acceptance, run_bench, train_tiny_project
+from trained import IDS, PROMPTS, assert_same_acceptance, run_bench, train_tiny_project
 
 BENCH = {"num_steps": 3, "max_new_tokens": 32, "tau_floor": 1.0}
 SGLANG_BENCH = {**BENCH, "role": "sglang-cpu", "topk": 1, "num_draft_tokens": 0, "concurrency": 1}
@@ -121,32 +122,40 @@ def test_sglang_cpu_serves_an_mla_target_with_our_draft(trained, ours):
     print(f"tau: ours {ours['tau']:.4f}, SGLang {theirs['tau']:.4f}")
 
 
+def wrapped_project(project: Path, root: Path) -> Path:
+    """`project`'s target laid out as Kimi-K2.5 ships it (draftsmith.tinymodel.wrap_target: the
+    wrapper's config.json, weights under `language_model.`, a stand-in vision tower, Kimi's
+    preprocessor_config.json), beside the same draft: served, it must decode as the plain one."""
+    from draftsmith.tinymodel import wrap_target
+
+    shutil.copytree(project / "results" / "target", root / "results" / "target")
+    wrap_target(root / "results" / "target")
+    shutil.copytree(project / "results" / "draft", root / "results" / "draft")
+    return root
+
+
+def assert_served_wrapped(run: dict) -> None:
+    """vLLM built the Kimi-K2.5 wrapper, its text model only, with the kernel-scan stand-in."""
+    log = run["log"]
+    assert "Resolved architecture: KimiK25ForConditionalGeneration" in log, log[-3000:]
+    assert "Using CPU_MLA backend." in log
+    assert run["info"]["vllm_cpu_stand_ins"] == ["cpu_attn_block_16", "kernel_scan_slots"]
+
+
 @pytest.mark.slow
 @pytest.mark.vllm
 @pytest.mark.extended
-def test_vllm_cpu_cannot_build_the_tiny_kimi_wrapper(tmp_path):
-    """Pinned limit: vLLM 0.32.0 builds Kimi-K2.5's multimodal processor even with
-    `language_model_only`, and it needs Kimi's image-processor files (preprocessor_config.json
-    and its remote code), which the tiny wrapper does not ship: the engine stops before the
-    model loads. When a tiny wrapper that vLLM builds exists, this turns into the wrapped
-    variant of the serving test above."""
-    from draftsmith.tinymodel import make_tiny_target
-
-    python = role_python("vllm-cpu")
-    target = make_tiny_target(
-        tmp_path / "kimi", "deepseek_v3", 6, 128, wrap="kimi_k25", engine_shapes=True
-    )
-    code = (
-        "import os\n"
-        "os.environ.update(VLLM_CPU_NUM_OF_RESERVED_CPU='0', VLLM_ENABLE_V1_MULTIPROCESSING='0',"
-        " HF_HUB_OFFLINE='1', VLLM_CPU_KVCACHE_SPACE='1')\n"
-        "from vllm import LLM\n"
-        f"LLM(model={str(target)!r}, dtype='float32', enforce_eager=True, max_model_len=256,"
-        " attention_config={'backend': 'CPU_MLA'}, language_model_only=True)\n"
-    )
-    run = subprocess.run(
-        [python, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=900,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-    )  # fmt: skip
-    assert run.returncode != 0
-    assert f"Can't load image processor for '{target}'" in run.stderr, run.stderr[-3000:]
+def test_vllm_cpu_serves_the_kimi_wrapped_target_with_our_draft(trained, ours, tmp_path):
+    """The same target wrapped as Kimi-K2.5 (KimiK25ForConditionalGeneration around the
+    DeepSeek-V3 text model), the same Llama-style draft: vLLM serves it with
+    `language_model_only` and the stand-ins, decodes every prompt as plain greedy and accepts
+    exactly what our engine accepts on the plain target."""
+    root = wrapped_project(trained, tmp_path)
+    cfg = {"bench": BENCH, "target": {"dtype": "float32"}}
+    run = run_bench(root, "vllm", "results/draft", cfg, role_python("vllm-cpu"))
+    theirs = run["res"]["s"]
+    assert_served_wrapped(run)
+    assert "Using auxiliary layers from speculative config: (2, 3, 5)" in run["log"]
+    assert theirs["identical_outputs"] == len(PROMPTS)
+    assert_same_acceptance(theirs, ours, "vllm wrapped")
+    print(f"tau: ours {ours['tau']:.4f}, vLLM wrapped {theirs['tau']:.4f}")

@@ -9,10 +9,12 @@ Our own pipeline functions train an MLA draft (`draft.attention: mla`) on its gr
 then the hf engine and vLLM's offline engine benchmark it on the same prompts: both decode
 every prompt exactly as plain greedy decoding does, and vLLM's acceptance counters equal ours
 (trained.assert_same_acceptance). vLLM runs the bench stage's own code
-(`draftsmith.engines.vllm.bench_sets`) with one engine argument added: its reference CPU MLA
-attention backend (`CPU_MLA`) for the target and the draft, because the backend it picks by
-default on a CPU with AMX (`AMX_MLA`) takes bfloat16 weights only and this test runs float32.
-Marked extended: about 20 minutes on 2 shared cores.
+(`draftsmith.engines.vllm.bench_sets`) as it is: outside bfloat16 it selects vLLM's reference
+CPU MLA attention backend (`CPU_MLA`, draftsmith.engines.vllm_cpu), which the MLA draft
+inherits, because the backend vLLM picks by default on a CPU with AMX (`AMX_MLA`) takes
+bfloat16 weights only and this test runs float32. The same target wrapped as Kimi-K2.5 ships
+it is served with the same draft, and SGLang's real server (role sglang-cpu) runs the draft
+too. Marked extended: about 45 minutes on 2 shared cores.
 """
 
 from __future__ import annotations
@@ -20,17 +22,15 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
 import torch
 from roles import role_python
 from safetensors.torch import save_file
-from trained import PROMPTS, ROOT, assert_same_acceptance, rows, run_bench
-from wf import with_defaults
+from trained import PROMPTS, assert_same_acceptance, rows, run_bench
 
-pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.extended]
+pytestmark = [pytest.mark.slow, pytest.mark.extended]
 
 IDS = [1, 2, 3]  # SGLang's DeepSeek file adds 1 only when the first id is 1; vLLM reads [2, 3, 4]
 BENCH = {"num_steps": 3, "max_new_tokens": 32, "tau_floor": 1.0}
@@ -162,64 +162,71 @@ def train_mla_project(root: Path) -> Path:
     return root
 
 
-VLLM_BENCH = """\
-import json, os, sys
-os.environ.update(
-    VLLM_CPU_NUM_OF_RESERVED_CPU="0", VLLM_ENABLE_V1_MULTIPROCESSING="0", HF_HUB_OFFLINE="1"
-)
+def vllm_bench(root: Path) -> tuple[dict, str]:
+    """vLLM's bench figures of the `s` set on PROMPTS, through the bench stage's own code, and
+    its log."""
+    cfg = {"bench": BENCH, "target": {"dtype": "float32"}}
+    run = run_bench(root, "vllm", "results/draft", cfg, role_python("vllm-cpu"))
+    return run["res"]["s"], run["log"]
 
 
-def main():
-    import vllm
-
-    from draftsmith.benchfigures import bench_figures
-    from draftsmith.engines import vllm as v
-
-    llm = vllm.LLM
-
-    def cpu_mla(**kw):  # the target's backend, and the draft's (vLLM chooses it apart)
-        if "speculative_config" in kw:
-            kw["speculative_config"] = {**kw["speculative_config"], "attention_backend": "CPU_MLA"}
-        return llm(**kw, attention_backend="CPU_MLA")
-
-    vllm.LLM = cpu_mla
-    cfg, sets = json.loads(sys.argv[1]), json.loads(sys.argv[2])
-    raw, info = v.bench_sets(sets, cfg, target="results/target", draft="results/draft", threads=2)
-    print("RESULT " + json.dumps(bench_figures(raw)["s"]))
-
-
-if __name__ == "__main__":
-    main()
-"""
-
-
-def vllm_bench(root: Path, cfg: dict) -> tuple[dict, str]:
-    """vLLM's bench figures of the `s` set on PROMPTS (CPU_MLA backend), and its log."""
-    (root / "bench_mla_vllm.py").write_text(VLLM_BENCH)
-    args = [json.dumps(with_defaults(cfg)), json.dumps({"s": rows(PROMPTS)})]
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    p = subprocess.run(
-        [role_python("vllm-cpu"), "bench_mla_vllm.py", *args],
-        cwd=root, env=env, capture_output=True, text=True, timeout=1800,
-    )  # fmt: skip
-    log = p.stdout + p.stderr
-    assert p.returncode == 0, log[-6000:]
-    line = next(ln for ln in p.stdout.splitlines() if ln.startswith("RESULT "))
-    return json.loads(line[len("RESULT ") :]), log
-
-
-def test_vllm_serves_our_mla_draft_with_our_tau(tmp_path):
-    root = train_mla_project(tmp_path)
+@pytest.fixture(scope="module")
+def project(tmp_path_factory):
+    """The trained MLA project, and our engine's figures on PROMPTS."""
+    root = train_mla_project(tmp_path_factory.mktemp("mla_vllm"))
     draft = json.loads((root / "results" / "draft" / "config.json").read_text())
     assert draft["architectures"] == ["Eagle3DeepseekV2ForCausalLM"]
     cfg = {"bench": BENCH, "target": {"dtype": "float32"}}
     ours = run_bench(root, "hf", "results/draft", cfg)["res"]["s"]
     assert ours["identical_outputs"] == len(PROMPTS)
     assert ours["tau"] > 1.05 and sum(ours["accept_len_hist"][1:]) >= 10, ours
-    theirs, log = vllm_bench(root, cfg)
+    return root, ours
+
+
+def assert_vllm_served_mla(log: str) -> None:
     assert "Resolved architecture: Eagle3DeepseekV2ForCausalLM" in log
     assert "Using CPU_MLA backend" in log
     assert "Using auxiliary layers from speculative config: (2, 3, 4)" in log
+
+
+@pytest.mark.vllm
+def test_vllm_serves_our_mla_draft_with_our_tau(project):
+    root, ours = project
+    theirs, log = vllm_bench(root)
+    assert_vllm_served_mla(log)
     assert theirs["identical_outputs"] == len(PROMPTS)
     assert_same_acceptance(theirs, ours, "vllm mla")
     print("tau:", json.dumps({"hf": ours["tau"], "vllm": theirs["tau"]}))
+
+
+@pytest.mark.vllm
+def test_vllm_serves_our_mla_draft_on_the_kimi_wrapped_target(project, tmp_path):
+    """The same target wrapped as Kimi-K2.5 ships it (tests/test_engines_mla.py,
+    wrapped_project), the same MLA draft: the draft the published Kimi-K2.5 drafts are shaped
+    like, on the wrapper they serve."""
+    from test_engines_mla import wrapped_project
+
+    root, ours = project
+    root = wrapped_project(root, tmp_path)
+    theirs, log = vllm_bench(root)
+    assert "Resolved architecture: KimiK25ForConditionalGeneration" in log, log[-3000:]
+    assert_vllm_served_mla(log)
+    assert theirs["identical_outputs"] == len(PROMPTS)
+    assert_same_acceptance(theirs, ours, "vllm mla wrapped")
+    print("tau:", json.dumps({"hf": ours["tau"], "vllm wrapped": theirs["tau"]}))
+
+
+@pytest.mark.sglang
+def test_sglang_serves_our_mla_draft_with_our_tau(project):
+    """SGLang's real server (role sglang-cpu, torch_native with draftsmith.sglang_cpu's MLA
+    registration, which the draft's own latent attention takes too) runs the trained MLA draft
+    as `Eagle3DeepseekV2ForCausalLM` on the MLA target, through the bench stage's code."""
+    from test_engines_mla import SGLANG, SGLANG_BENCH
+
+    root, ours = project
+    full = {"bench": {**SGLANG_BENCH, **BENCH}, "sglang": SGLANG, "target": {"dtype": "float32"}}
+    run = run_bench(root, "sglang", "results/draft", full, role_python("sglang-cpu"))
+    theirs = run["res"]["s"]
+    assert theirs["identical_outputs"] == len(PROMPTS)
+    assert_same_acceptance(theirs, ours, "sglang mla")
+    print("tau:", json.dumps({"hf": ours["tau"], "sglang": theirs["tau"]}))

@@ -247,3 +247,35 @@ def test_the_hook_patches_sglangs_deepseek_dispatch_module():
 
     assert hook.MLA_REGISTRY in hook.PATCHED_MODULES
     assert hook.MLA_REGISTRY == "sglang.srt.models.deepseek_common.attention_backend_handler"
+
+
+def test_the_mla_draft_shares_the_embedding_without_a_cuda_synchronize():
+    """SGLang's Eagle3DeepseekV2ForCausalLM calls torch.cuda.synchronize() in set_embed /
+    set_embed_and_head, which CPU torch refuses; mla.install_draft runs them without it, once,
+    and leaves torch.cuda.synchronize as it was."""
+    from types import SimpleNamespace
+
+    from draftsmith.sglang_cpu import hook, mla
+
+    class Draft:
+        def set_embed(self, embed):
+            self.embed = embed
+            torch.cuda.synchronize()
+
+        def set_embed_and_head(self, embed, head):
+            self.embed, self.head = embed, head
+            torch.cuda.synchronize()
+
+    sync = torch.cuda.synchronize
+    module = SimpleNamespace(Eagle3DeepseekV2ForCausalLM=Draft)
+    mla.install_draft(module)
+    mla.install_draft(module)  # idempotent: wrapped once
+    d = Draft()
+    d.set_embed(1)
+    d.set_embed_and_head(2, 3)
+    assert (d.embed, d.head) == (2, 3)
+    assert torch.cuda.synchronize is sync
+    assert Draft.set_embed.__wrapped__.__name__ == "set_embed"
+    assert not hasattr(Draft.set_embed.__wrapped__, "__wrapped__")
+    assert hook.MLA_DRAFT in hook.PATCHED_MODULES
+    assert hook.MLA_DRAFT == "sglang.srt.models.kimi_k25_eagle3"

@@ -18,7 +18,9 @@ Python API or `python -m vllm.entrypoints.openai.api_server`). The KV cache is s
 request (`kv_bytes`) unless `VLLM_CPU_KVCACHE_SPACE` (GiB) is set, which vLLM prefers;
 `VLLM_CPU_NUM_OF_RESERVED_CPU=0` (use every core) is set unless already set. On vLLM's CPU
 build, for an MLA target, the stand-ins of draftsmith.engines.vllm_cpu are applied first (backend
-choice and a KV block size our Llama-style draft shares); anything else runs as shipped.
+choice and a KV block size our Llama-style draft shares); anything else runs as shipped. A
+wrapped (multimodal) target such as Kimi-K2.5 is served with `language_model_only`: vLLM
+builds the wrapper around its text model, not the vision tower the text prompts never use.
 """
 
 from __future__ import annotations
@@ -123,6 +125,9 @@ def _engines(target: Path, draft: Path, bench: dict, dtype: str, max_len: int):
         "dflash" if "dflash_config" in json.loads((draft / "config.json").read_text()) else "eagle3"
     )
     spec = {"method": method, "model": str(draft), "num_speculative_tokens": bench["num_steps"]}
+    spec.update(vllm_cpu.draft_args(draft, target, dtype))  # an MLA draft's backend on CPU
+    if vllm_cpu.is_wrapped(target):  # the bench sends text only: no vision tower is built
+        common["language_model_only"] = True
     # the speculative engine last: each engine's Prometheus logger replaces the process-wide
     # vllm:* collectors, and its counters are the ones read
     base = LLM(**common)

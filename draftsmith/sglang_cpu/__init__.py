@@ -18,7 +18,8 @@ unmodified server runs on a CPU-only machine:
    to the draft backend maps, with a target-verify path (tree mask for topk > 1) and a multi-step
    draft decode backend.
 4. MLA targets (DeepSeek-V3, Kimi-K2.5) with `torch_native` (`mla.py`): the backend is added to
-   SGLang's DeepSeek attention registry so that every batch takes the absorbed MLA path.
+   SGLang's DeepSeek attention registry so that every batch takes the absorbed MLA path; the
+   MLA draft class shares the target's embedding without its CUDA synchronize.
 
 Everything else (HTTP server, scheduler, model classes, EAGLE worker, draft loading, acceptance
 counters) is SGLang's own code. The layer is loaded into every SGLang process through

@@ -10,7 +10,8 @@ PYTHONPATH). It does two things and imports nothing from sglang itself:
 2. installs a post-import hook: when SGLang's `torch_native_backend` or `draft_utils` module has
    been executed, `draftsmith.sglang_cpu.attention.install` patches it (EAGLE support); when
    its DeepSeek attention registry has, `draftsmith.sglang_cpu.mla.register` adds
-   `torch_native` to it (MLA targets).
+   `torch_native` to it (MLA targets); when its MLA draft's model file has,
+   `draftsmith.sglang_cpu.mla.install_draft` drops the draft's CUDA synchronize (MLA drafts).
 """
 
 from __future__ import annotations
@@ -25,10 +26,12 @@ TORCHVISION_SCHEMAS = {
     "torchvision::qnms": "(Tensor dets, Tensor scores, float iou_threshold) -> Tensor",
 }
 MLA_REGISTRY = "sglang.srt.models.deepseek_common.attention_backend_handler"
+MLA_DRAFT = "sglang.srt.models.kimi_k25_eagle3"
 PATCHED_MODULES = (
     "sglang.srt.layers.attention.torch_native_backend",
     "sglang.srt.speculative.draft_utils",
     MLA_REGISTRY,
+    MLA_DRAFT,
 )
 
 
@@ -58,6 +61,9 @@ def _has_schema(name: str) -> bool:
 def _patch(name: str, module) -> None:
     if name == MLA_REGISTRY:
         importlib.import_module("draftsmith.sglang_cpu.mla").register(module)
+        return
+    if name == MLA_DRAFT:
+        importlib.import_module("draftsmith.sglang_cpu.mla").install_draft(module)
         return
     attention = importlib.import_module("draftsmith.sglang_cpu.attention")
     if not hasattr(attention, "install"):

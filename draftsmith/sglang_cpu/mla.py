@@ -19,11 +19,20 @@ broadcasting. Prefill then computes the same attention as the MHA path (absorbed
 so captured states and outputs equal transformers' (tests/test_sglang_capture.py,
 tests/test_engines_mla.py).
 
-Called from the import hook (`hook.py`) when SGLang loads the registry module, inside processes
-of the sglang-cpu role only. Imports nothing itself: the module is handed in.
+MLA drafts (`Eagle3DeepseekV2ForCausalLM`, SGLang's `srt/models/kimi_k25_eagle3.py`): the class
+calls `torch.cuda.synchronize()` when the EAGLE worker shares the target's embedding with it
+(`set_embed`, `set_embed_and_head`), which CPU torch refuses (`Torch not compiled with CUDA
+enabled`) before the server serves. `install_draft` runs those two methods with
+`torch.cuda.synchronize` a no-op: on a CPU there is no device work to wait for.
+
+Called from the import hook (`hook.py`) when SGLang loads the registry module or the MLA draft's
+model file, inside processes of the sglang-cpu role only. Imports nothing from SGLang: the
+module is handed in.
 """
 
 from __future__ import annotations
+
+import functools
 
 BACKEND = "torch_native"
 MARK = "_draftsmith_sglang_cpu_mla"  # set on the patched registry class
@@ -41,3 +50,33 @@ def register(module) -> None:
 
     registry.register(BACKEND, handle_attention_torch_native)
     setattr(registry, MARK, True)
+
+
+DRAFT_CLASS = "Eagle3DeepseekV2ForCausalLM"
+DRAFT_METHODS = ("set_embed", "set_embed_and_head")
+
+
+def install_draft(module) -> None:
+    """Run the MLA draft class's embedding-sharing methods without a CUDA synchronize
+    (idempotent)."""
+    cls = getattr(module, DRAFT_CLASS)
+    if getattr(cls, MARK, False):
+        return
+    for name in DRAFT_METHODS:
+        setattr(cls, name, _without_cuda_sync(getattr(cls, name)))
+    setattr(cls, MARK, True)
+
+
+def _without_cuda_sync(method):
+    @functools.wraps(method)
+    def run(*args, **kwargs):
+        import torch
+
+        sync = torch.cuda.synchronize
+        torch.cuda.synchronize = lambda *a, **k: None
+        try:
+            return method(*args, **kwargs)
+        finally:
+            torch.cuda.synchronize = sync
+
+    return run

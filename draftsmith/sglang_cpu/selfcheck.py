@@ -6,7 +6,7 @@ Run with `draftsmith.sglang_cpu.server_env()` (validate_env does so):
 
 Prints one JSON object; `problems` lists what is wrong (empty when the layer is active): the
 CPU engine flag, `sgl_kernel` resolving to our overlay, SGLang's AMX path staying off, torchvision
-importing, the MLA registration and the EAGLE patches applied to the modules SGLang loads
+importing, the MLA registration, the MLA draft's patch and the EAGLE patches applied to the modules SGLang loads
 for speculative decoding.
 """
 
@@ -27,6 +27,7 @@ def selfcheck() -> dict:
         import sglang
         import torchvision
         from sglang.srt.layers.attention import torch_native_backend
+        from sglang.srt.models import kimi_k25_eagle3
         from sglang.srt.models.deepseek_common import attention_backend_handler
         from sglang.srt.speculative import draft_utils
         from sglang.srt.utils import common
@@ -46,6 +47,7 @@ def selfcheck() -> dict:
         "DraftBackendFactory": getattr(draft_utils.DraftBackendFactory, MARK, False),
         "AttentionBackendRegistry": mla.BACKEND
         in attention_backend_handler.AttentionBackendRegistry._handlers,
+        mla.DRAFT_CLASS: getattr(getattr(kimi_k25_eagle3, mla.DRAFT_CLASS), mla.MARK, False),
     }
     if not out["is_cpu"]:
         problems.append("sglang is_cpu() is false: SGLANG_USE_CPU_ENGINE=1 is not set")
