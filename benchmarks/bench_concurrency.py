@@ -1,8 +1,8 @@
 """Acceptance and throughput against concurrency, greedy and sampled, through the real SGLang
 (CPU) and vLLM (CPU) engines.
 
-    python benchmarks/bench_concurrency.py [--project DIR] [--levels 1 4 8 16] [--prompts 32]
-        [--max-new-tokens 64] [--temperature 0.7] [--engines sglang vllm]
+    python benchmarks/bench_concurrency.py [--project DIR] [--levels 1 4 8 16] [--prompts 16]
+        [--max-new-tokens 32] [--temperature 0.7] [--engines sglang vllm]
 
 DIR holds `results/target` and `results/draft` (a finished project). Without it, the tests' tiny
 project is trained first under benchmarks/work/concurrency (tests/trained.py's
@@ -12,7 +12,9 @@ on its greedy outputs, about a minute). Each engine runs its own bench stage fun
 $DRAFTSMITH_PYTHON_VLLM_CPU) on the same prompts: greedy at every level, then sampled at
 `--temperature` at every level. The figures are draftsmith.benchfigures' (per level: tau,
 acceptance by position, tokens/s of both sides, median and p90 time per output token, speedup,
-outputs against plain greedy at the first level).
+outputs against plain greedy at the first level). OMP_NUM_THREADS defaults to 1 here: on
+cores shared with other jobs, vLLM's two bound OpenMP threads decoded ~10x slower than one
+(measured on this script's tiny target, 1 against 12 tokens/s).
 
 Writes benchmarks/results/concurrency_<CPU kind>.{json,md,png}: the PNG is the report's
 concurrency plot (draftsmith.benchlevels) with one curve per engine and mode.
@@ -193,12 +195,13 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--project", type=Path, help="a project with results/target and results/draft")
     ap.add_argument("--levels", type=int, nargs="+", default=[1, 4, 8, 16])
-    ap.add_argument("--prompts", type=int, default=32)
-    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--prompts", type=int, default=16)
+    ap.add_argument("--max-new-tokens", type=int, default=32)
     ap.add_argument("--num-steps", type=int, default=3)
     ap.add_argument("--temperature", type=float, default=0.7)
     ap.add_argument("--engines", nargs="+", default=["sglang", "vllm"], choices=sorted(ROLES))
     args = ap.parse_args(argv)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
     from draftsmith.hardware import cpu_facts, cpu_model
 
@@ -223,6 +226,7 @@ def main(argv=None) -> None:
         "max_new_tokens": args.max_new_tokens,
         "num_steps": args.num_steps,
         "levels": args.levels,
+        "omp_num_threads": os.environ["OMP_NUM_THREADS"],
         "load_before": load_avg(),
         "runs": [],
         "versions": {},

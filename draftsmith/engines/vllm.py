@@ -146,6 +146,8 @@ def closed_loop(llm, prompts: list[list[int]], params, level: int, tag: str) -> 
             rid = f"{tag}-{i}"
             engine.add_request(rid, TokensPrompt(prompt_token_ids=prompts[i]), params(i))
             running[rid] = (i, time.perf_counter())
+        if not engine.has_unfinished_requests():
+            raise RuntimeError(f"vLLM finished no output for requests {sorted(running)}")
         for out in engine.step():
             if out.finished and out.request_id in running:
                 i, start = running.pop(out.request_id)
