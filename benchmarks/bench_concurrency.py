@@ -151,13 +151,14 @@ def md_rows(runs: list[dict]) -> list[str]:
 
 def render_md(result: dict) -> str:
     m = result["machine"]
+    loads = [x for r in result["runs"] for x in r["load_1min"]]
     lines = [
         f"# Concurrency: acceptance and throughput, SGLang and vLLM on CPU ({m['cpu_kind']})",
         "",
         f"{m['cpu']}, {m['cores']} cores **shared with other jobs** (1-min load "
-        f"{result['load_before'][0]} before, {result['load_after'][0]} after; every process at "
-        "nice 19): absolute tokens/s and milliseconds are this loaded CPU's; compare ratios and "
-        "shapes within a row group only.",
+        f"{min(loads)}-{max(loads)} at the start and end of the runs; every process at "
+        f"nice 19, OMP_NUM_THREADS {result['omp_num_threads']}): absolute tokens/s and "
+        "milliseconds are this loaded CPU's; compare ratios and shapes within a row group only.",
         "",
         f"Draft: {result['draft']}. {result['prompts']} prompts, at most "
         f"{result['max_new_tokens']} new tokens, {result['num_steps']} draft tokens per pass "
@@ -172,6 +173,11 @@ def render_md(result: dict) -> str:
     ]
     notes = sorted({n for r in result["runs"] for n in r["engine_notes"]})
     lines += [f"- {n}" for n in notes]
+    lines += [
+        f"- {r['engine']} at temperature {r['temperature']:g}: {r['wall_seconds']:.0f} s wall "
+        f"(1-min load {r['load_1min'][0]} -> {r['load_1min'][1]})"
+        for r in result["runs"]
+    ]
     lines += ["", "![throughput and tau against concurrency](" + result["png"] + ")", ""]
     return "\n".join(lines)
 
@@ -189,6 +195,23 @@ def plot(result: dict, path: Path) -> None:
     png = benchlevels.plot({"sets": sets})
     with atomic_path(path) as tmp:
         Path(tmp).write_bytes(png)
+
+
+def merge_other_engines(result: dict, path: Path, engines: list[str]) -> None:
+    """Keep the runs of the engines not run now from an earlier file with the same settings
+    (so the engines can be measured by separate invocations, side by side)."""
+    import json
+
+    if not path.is_file():
+        return
+    old = json.loads(path.read_text())
+    same = ("draft", "prompts", "max_new_tokens", "num_steps", "levels")
+    if any(old.get(k) != result[k] for k in same):
+        return
+    kept = [r for r in old["runs"] if r["engine"] not in engines]
+    result["runs"] = kept + result["runs"]
+    for r in kept:
+        result["versions"].setdefault(r["engine"], r["version"])
 
 
 def main(argv=None) -> None:
@@ -227,18 +250,19 @@ def main(argv=None) -> None:
         "num_steps": args.num_steps,
         "levels": args.levels,
         "omp_num_threads": os.environ["OMP_NUM_THREADS"],
-        "load_before": load_avg(),
         "runs": [],
         "versions": {},
     }
     for engine in args.engines:
         for temperature in (0.0, args.temperature):
+            before = load_avg()
             r = run(project, engine, args, temperature)
+            r["load_1min"] = [before[0], load_avg()[0]]
             result["runs"].append(r)
             result["versions"][engine] = r["version"]
             print(f"{engine} T={temperature}: {r['wall_seconds']:.0f} s", flush=True)
-    result["load_after"] = load_avg()
     stem = f"concurrency_{facts.kind}"
+    merge_other_engines(result, OUT / f"{stem}.json", args.engines)
     result["png"] = f"{stem}.png"
     plot(result, OUT / f"{stem}.png")
     atomic_write_json(OUT / f"{stem}.json", result)
