@@ -2,7 +2,7 @@
 (CPU) and vLLM (CPU) engines.
 
     python benchmarks/bench_concurrency.py [--project DIR] [--levels 1 4 8 16] [--prompts 16]
-        [--max-new-tokens 32] [--temperature 0.7] [--engines sglang vllm]
+        [--max-new-tokens 32] [--temperatures 0 0.7] [--engines sglang vllm]
 
 DIR holds `results/target` and `results/draft` (a finished project). Without it, the tests' tiny
 project is trained first under benchmarks/work/concurrency (tests/trained.py's
@@ -10,7 +10,7 @@ train_tiny_project: a 6-layer random-weight Llama target and a draft our own pip
 on its greedy outputs, about a minute). Each engine runs its own bench stage function
 (`bench_sets`, the bench rule's) in its role's interpreter ($DRAFTSMITH_PYTHON_SGLANG_CPU,
 $DRAFTSMITH_PYTHON_VLLM_CPU) on the same prompts: greedy at every level, then sampled at
-`--temperature` at every level. The figures are draftsmith.benchfigures' (per level: tau,
+each of `--temperatures` (0: greedy) at every level. The figures are draftsmith.benchfigures' (per level: tau,
 acceptance by position, tokens/s of both sides, median and p90 time per output token, speedup,
 outputs against plain greedy at the first level). OMP_NUM_THREADS defaults to 1 here: on
 cores shared with other jobs, vLLM's two bound OpenMP threads decoded ~10x slower than one
@@ -197,9 +197,9 @@ def plot(result: dict, path: Path) -> None:
         Path(tmp).write_bytes(png)
 
 
-def merge_other_engines(result: dict, path: Path, engines: list[str]) -> None:
-    """Keep the runs of the engines not run now from an earlier file with the same settings
-    (so the engines can be measured by separate invocations, side by side)."""
+def merge_other_engines(result: dict, path: Path, engines: list[str], temps: list[float]) -> None:
+    """Keep the runs (engine, temperature) not run now from an earlier file with the same
+    settings (so engines and temperatures can be measured by separate invocations)."""
     import json
 
     if not path.is_file():
@@ -208,7 +208,7 @@ def merge_other_engines(result: dict, path: Path, engines: list[str]) -> None:
     same = ("draft", "prompts", "max_new_tokens", "num_steps", "levels")
     if any(old.get(k) != result[k] for k in same):
         return
-    kept = [r for r in old["runs"] if r["engine"] not in engines]
+    kept = [r for r in old["runs"] if r["engine"] not in engines or r["temperature"] not in temps]
     result["runs"] = kept + result["runs"]
     for r in kept:
         result["versions"].setdefault(r["engine"], r["version"])
@@ -221,7 +221,7 @@ def main(argv=None) -> None:
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--max-new-tokens", type=int, default=32)
     ap.add_argument("--num-steps", type=int, default=3)
-    ap.add_argument("--temperature", type=float, default=0.7)
+    ap.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 0.7])
     ap.add_argument("--engines", nargs="+", default=["sglang", "vllm"], choices=sorted(ROLES))
     args = ap.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -254,7 +254,7 @@ def main(argv=None) -> None:
         "versions": {},
     }
     for engine in args.engines:
-        for temperature in (0.0, args.temperature):
+        for temperature in args.temperatures:
             before = load_avg()
             r = run(project, engine, args, temperature)
             r["load_1min"] = [before[0], load_avg()[0]]
@@ -262,7 +262,7 @@ def main(argv=None) -> None:
             result["versions"][engine] = r["version"]
             print(f"{engine} T={temperature}: {r['wall_seconds']:.0f} s", flush=True)
     stem = f"concurrency_{facts.kind}"
-    merge_other_engines(result, OUT / f"{stem}.json", args.engines)
+    merge_other_engines(result, OUT / f"{stem}.json", args.engines, args.temperatures)
     result["png"] = f"{stem}.png"
     plot(result, OUT / f"{stem}.png")
     atomic_write_json(OUT / f"{stem}.json", result)
