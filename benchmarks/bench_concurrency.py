@@ -36,10 +36,12 @@ from draftsmith.common import atomic_path, atomic_write_json, atomic_write_text 
 OUT = ROOT / "benchmarks" / "results"
 ROLES = {"sglang": "sglang-cpu", "vllm": "vllm-cpu"}
 PYTHON = {"sglang": "DRAFTSMITH_PYTHON_SGLANG_CPU", "vllm": "DRAFTSMITH_PYTHON_VLLM_CPU"}
-# a small KV pool on CPU, as config/embedded-sglang.yaml (docs/sglang.md)
+# a KV pool of 8192 tokens on CPU; no --mem-fraction-static 0.1 (config/embedded-sglang.yaml's):
+# with other jobs holding the host's memory, SGLang 0.5.23 refused to start under it
+# ("Loaded weights leave no GPU memory for the KV cache")
 SGLANG = {
     "tp_size": 1,
-    "extra_args": ["--max-total-tokens", "8192", "--mem-fraction-static", "0.1"],
+    "extra_args": ["--max-total-tokens", "8192"],
     "port": 0,
     "startup_timeout": 900,
     "request_timeout": 1800,
