@@ -186,3 +186,21 @@ def test_concurrency_report_section(tmp_path):
     assert "<h2>Concurrency</h2>" in page and "data:image/png;base64," in page
     single = {"sets": {"s": set_figures({**first, "by_concurrency": [first]})}}
     assert benchlevels.markdown(single) == [] and benchlevels.html(single, None) == ""
+    # the bench report: the section under the main table of report.md and summary.html
+    from draftsmith.bench import render_html, render_md
+
+    full = {
+        **report,
+        "method": "Method.",
+        "training": {"steps": 1, "final_loss": 1.0, "final_acc_per_pos": [0.5]},
+        "target_fingerprint": "0" * 64,
+        "draft_fingerprint": {},
+        "aux_layer_ids": [0, 1, 2],
+        "draft_vocab_size": 64,
+        "versions": {},
+    }
+    text = render_md(full)
+    assert text.index("| tau (SGLang count) |") < text.index("## Concurrency")
+    assert text.index("## Concurrency") < text.index("| s | 4 | 1.000 | -2.000 |")
+    page = render_html(full, levels_png=png)
+    assert page.count("data:image/png;base64,") == 1 and "<h2>Concurrency</h2>" in page
