@@ -148,7 +148,7 @@ def test_gemma3_served_losslessly_with_sglangs_own_states(tmp_path, monkeypatch)
           f"SGLang's states {control['tau']:.4f}")  # fmt: skip
 
 
-@pytest.mark.extended  # four server starts (greedy and sampled): about 5 minutes on 2 cores
+@pytest.mark.extended  # four server starts (greedy and sampled): 609 s on 2 cores at load 5-13
 def test_sglang_concurrency_levels_and_sampling(trained):
     """Concurrency [1, 4], greedy: SGLang's acceptance does not depend on batching (every
     output equals plain greedy at concurrency 1, on both sides; passes agree up to a float

@@ -130,8 +130,8 @@ def test_vllm_loads_a_full_vocabulary_draft(trained, tmp_path):
 def test_vllm_concurrency_levels_greedy(trained):
     """Concurrency [1, 4], greedy: vLLM's acceptance does not depend on batching (every output
     equals plain greedy at concurrency 1, on both sides, and the verification passes agree up to
-    a float near-tie). Measured: this bench call and the sampled one together 192 s on 2
-    cores at load 5-9 (one OpenMP thread; not measured unloaded)."""
+    a float near-tie). Measured: 75 s for this call on 2 cores at a load of about 5 (one
+    OpenMP thread; not measured unloaded), plus the module's draft training."""
     python = role_python("vllm-cpu")
     levels = {"concurrency": [1, 4], "backend": "vllm", "role": "vllm-cpu"}
     cfg = {"bench": {**BENCH, **levels}, "target": {"dtype": "float32"}}
@@ -147,7 +147,7 @@ def test_vllm_concurrency_levels_greedy(trained):
     print("tau greedy:", [r["tau"] for r in rows_])
 
 
-@pytest.mark.extended  # one more bench call (about 100 s at load 5-9): over CI's budget
+@pytest.mark.extended  # one more bench call (69 s at a load of about 5): over CI's budget
 def test_vllm_sampling_pinned(trained):
     """Temperature 0.3 through vLLM completes at concurrency 1 and 4, and pins what vllm-cpu
     0.32.0 does there: it accepts almost no proposal (tau under 1.02) although greedy accepts
