@@ -246,6 +246,7 @@ def text_blocks(report: dict) -> dict[str, str]:
 
 
 def render_md(report: dict, *plots: Path) -> str:
+    from draftsmith import benchlevels
     from draftsmith.benchinput import input_line
 
     text = text_blocks(report)
@@ -258,8 +259,8 @@ def render_md(report: dict, *plots: Path) -> str:
     lines.append("| " + " | ".join(table_head(report)) + " |")
     lines.append("|" + "---|" * len(table_head(report)))
     lines += ["| " + " | ".join(row) + " |" for row in table_rows(report)]
+    lines += ["", *benchlevels.markdown(report)]
     lines += [
-        "",
         text["offline"],
         "",
         *([input_line(report["input"]), ""] if "input" in report else []),
@@ -290,10 +291,13 @@ def family_html(report: dict) -> str:
     return f"<p><strong>{html.escape(FAMILY_HEAD)}</strong></p><ul>{items}</ul>"
 
 
-def render_html(report: dict, *plots: Path) -> str:
-    """One self-contained page: the table, the prose and the plots as data URIs."""
+def render_html(report: dict, *plots: Path, levels_png: bytes | None = None) -> str:
+    """One self-contained page: the table, the prose and the plots as data URIs (with the
+    concurrency section and its plot where there are several levels: draftsmith.benchlevels)."""
     import base64
     import html
+
+    from draftsmith import benchlevels
 
     text = {k: html.escape(v) for k, v in text_blocks(report).items()}
     head = "".join(f"<th>{html.escape(h)}</th>" for h in table_head(report))
@@ -316,7 +320,9 @@ def render_html(report: dict, *plots: Path) -> str:
         f"<style>{style}</style></head><body><h1>draftsmith benchmark</h1>"
         + (f"<p><strong>{html.escape(gate_line(report))}</strong></p>" if gate_line(report) else "")
         + family_html(report)
-        + f"<p>{text['method']}</p><table><tr>{head}</tr>{body}</table><p>{text['offline']}</p>"
+        + f"<p>{text['method']}</p><table><tr>{head}</tr>{body}</table>"
+        + benchlevels.html(report, levels_png)
+        + f"<p>{text['offline']}</p>"
         f"<p>Accepted-length histogram (passes accepting 0, 1, ... proposals): {text['hist']}.</p>"
         f"<p>{text['load']}</p><p>{text['training']}</p>{images}<p><small>{text['provenance']}</small></p>"
         "</body></html>\n"
@@ -452,6 +458,7 @@ def main(argv: list[str] | None = None) -> None:
 
     import matplotlib
 
+    from draftsmith import benchlevels
     from draftsmith.benchinput import screen_sets
     from draftsmith.engines import EngineError, engine, stop_guard
     from draftsmith.load import LoadMeter
@@ -502,8 +509,10 @@ def main(argv: list[str] | None = None) -> None:
     plot_hist(results, args.hist)
     plot_training(records, args.training)
     atomic_write_text(args.report_md, render_md(report, args.acceptance, args.hist, args.training))
+    levels_png = benchlevels.plot(report) if benchlevels.has_levels(report) else None
     atomic_write_text(
-        args.summary_html, render_html(report, args.acceptance, args.hist, args.training)
+        args.summary_html,
+        render_html(report, args.acceptance, args.hist, args.training, levels_png=levels_png),
     )
     atomic_write_json(args.report_json, report)
     if args.captions:

@@ -20,6 +20,11 @@ a speculative run and a plain run of the same prompts:
       "extra": {...},                      # the engine's own figures, copied into the result
     }
 
+A server engine run at several `bench.concurrency` levels adds `"by_concurrency"`: one raw
+dict per level in the format above, plus `"concurrency": c` and, per prompt, `"spec_latency"`
+and `"base_latency"` (seconds from sending the request to its last token); the set's own keys
+are its first level's. `concurrency_figures` turns them into one row per level.
+
 `emitted` counts the tokens verification passes added to the output (the prefill's token
 excluded), `accept_len_hist[a]` the passes that accepted exactly a proposals. `set_figures`
 turns that into the report's figures: the acceptance figures (`acceptance_figures`), tokens/s
@@ -150,6 +155,8 @@ def set_figures(raw: dict) -> dict:
             for p in prompts
         ]
     out.update(raw.get("extra", {}))
+    if raw.get("by_concurrency"):
+        out["by_concurrency"] = concurrency_figures(raw["by_concurrency"])
     if diffs:
         log.warning(
             "%d of %d outputs differ from the baseline's (numerics of batched vs one-token "
@@ -159,6 +166,76 @@ def set_figures(raw: dict) -> dict:
             diffs[:3],
         )
     return out
+
+
+# tau at a concurrency level "equals" the first level's within float near-ties: verification
+# passes within 1% (at least 1), as two engines' kernels differ (tests/trained.py)
+NEAR_TIE = 0.01
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The q-quantile (0..1) with linear interpolation; nan for no values."""
+    if not values:
+        return float("nan")
+    v = sorted(values)
+    x = q * (len(v) - 1)
+    lo = int(x)
+    hi = min(lo + 1, len(v) - 1)
+    return v[lo] + (v[hi] - v[lo]) * (x - lo)
+
+
+def time_per_token(prompts: list[dict], side: str) -> dict:
+    """Median and p90 over requests of one side's seconds per output token (the request's
+    whole latency, queueing and prefill included, over the tokens it generated)."""
+    tpot = [p[f"{side}_latency"] / p[f"{side}_tokens"] for p in prompts if p[f"{side}_tokens"]]
+    return {"median": percentile(tpot, 0.5), "p90": percentile(tpot, 0.9)}
+
+
+def level_figures(raw: dict, reference: list[dict]) -> dict:
+    """One concurrency level's row: acceptance, throughput, latency, speedup, and (greedy) the
+    outputs of both sides compared with the first level's plain outputs (`reference`)."""
+    f = set_figures({k: v for k, v in raw.items() if k != "by_concurrency"})
+    out = {"concurrency": int(raw["concurrency"])}
+    for key in (
+        "prompts", "tau", "tau_sglang", "verify_passes", "accept_rate_by_pos",
+        "accept_len_hist", "spec_tokens_per_s", "baseline_tokens_per_s", "speedup",
+    ):  # fmt: skip
+        out[key] = f[key]
+    out["spec_tpot"] = time_per_token(raw["prompts"], "spec")
+    out["baseline_tpot"] = time_per_token(raw["prompts"], "base")
+    if raw["sampled"]:
+        out.update(identical_to_plain=None, plain_identical_to_first=None, differing=[])
+        return out
+    ref = {p["id"]: p["base_ids"] for p in reference}
+    diffs = [
+        {"id": p["id"], "side": side, "first_difference_at": at}
+        for p in raw["prompts"]
+        for side in ("spec", "base")
+        if (at := first_difference(p[f"{side}_ids"], ref[p["id"]])) is not None
+    ]
+    out["identical_to_plain"] = sum(p["spec_ids"] == ref[p["id"]] for p in raw["prompts"])
+    out["plain_identical_to_first"] = sum(p["base_ids"] == ref[p["id"]] for p in raw["prompts"])
+    out["differing"] = diffs
+    return out
+
+
+def concurrency_figures(levels: list[dict]) -> list[dict]:
+    """One row per level (level_figures), each with its tau's change from the first level's and
+    `batch_invariant`: greedy outputs all equal to the first level's plain ones and passes
+    within NEAR_TIE of the first level's (None when sampled: outputs are not comparable)."""
+    reference = levels[0]["prompts"]
+    rows = [level_figures(raw, reference) for raw in levels]
+    first = rows[0]
+    for row in rows:
+        row["tau_change"] = row["tau"] - first["tau"]
+        if row["identical_to_plain"] is None:
+            row["batch_invariant"] = None
+            continue
+        slack = max(1, int(NEAR_TIE * first["verify_passes"]))
+        row["batch_invariant"] = (
+            not row["differing"] and abs(row["verify_passes"] - first["verify_passes"]) <= slack
+        )
+    return rows
 
 
 def bench_figures(raw_sets: dict) -> dict:

@@ -209,6 +209,13 @@ def check_config(config: dict) -> None:
             f"{bench['backend']} engine benchmarks greedy: set bench.temperature 0 or "
             f"bench.backend {engines_text('bench.temperature', ' or ')}"
         )
+    levels = concurrency_levels(bench["concurrency"])
+    if levels != [1] and not honours(bench["backend"], "bench.concurrency"):
+        raise ConfigError(
+            f"config: bench.concurrency = {bench['concurrency']}: the {bench['backend']} engine "
+            "runs one request at a time; concurrency levels are run by the "
+            f"{engines_text('bench.concurrency', ' and ')} engines: set bench.concurrency 1"
+        )
     if bench["top_p"] < 1 and bench["temperature"] == 0:
         raise ConfigError(
             f"config: bench.top_p = {bench['top_p']} applies to sampling, but bench.temperature "
@@ -228,6 +235,17 @@ def check_config(config: dict) -> None:
             f"distribution there, but capture.storage.final = {capture['final']} keeps no "
             "teacher at untrained positions: use capture.storage.final states"
         )
+
+
+def concurrency_levels(value) -> list[int]:
+    """bench.concurrency as a list of levels: a single level (the older scalar form) or the
+    list as configured, in its order (the first level is the report's main table)."""
+    levels = [int(value)] if isinstance(value, int | float | str) else [int(v) for v in value]
+    if not levels or min(levels) < 1 or len(set(levels)) != len(levels):
+        raise ConfigError(
+            f"config: bench.concurrency = {value}: needs distinct levels >= 1 (e.g. [1, 4, 8])"
+        )
+    return levels
 
 
 def honours(backend: str, setting: str) -> bool:

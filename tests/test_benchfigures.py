@@ -96,3 +96,111 @@ def test_optional_figures():
         )
     )
     assert r["accept_length"] == (1 * 1 + 1 * 3) / 2
+
+
+def level(c, prompts, **more):
+    return raw(prompts, concurrency=c, **more)
+
+
+def timed(pid, spec, base, hist, emitted, spec_latency, base_latency):
+    return {
+        **prompt(pid, spec, base, hist=hist, emitted=emitted),
+        "spec_latency": spec_latency,
+        "base_latency": base_latency,
+    }
+
+
+def test_concurrency_levels_figures():
+    """Per level: acceptance, tokens/s, time per output token (median, p90), outputs against
+    the first level's plain outputs; batch_invariant fails where a level's outputs moved."""
+    from draftsmith.benchfigures import percentile
+
+    first = level(
+        1,
+        [
+            timed("a", [1, 2, 3, 4], [1, 2, 3, 4], [0, 0, 1], 3, 0.4, 0.8),
+            timed("b", [7, 8], [7, 8], [1, 0, 0], 1, 0.2, 0.2),
+        ],
+    )
+    same = level(
+        4,
+        [
+            timed("a", [1, 2, 3, 4], [1, 2, 3, 4], [0, 0, 1], 3, 0.8, 1.6),
+            timed("b", [7, 8], [7, 8], [1, 0, 0], 1, 0.4, 0.4),
+        ],
+        spec_seconds=1.0,
+    )
+    moved = level(
+        8,
+        [
+            timed("a", [1, 2, 5, 6], [1, 2, 3, 4], [1, 1, 0], 3, 0.8, 1.6),
+            timed("b", [7, 8], [7, 9], [1, 0, 0], 1, 0.4, 0.4),
+        ],
+    )
+    r = set_figures({**first, "by_concurrency": [first, same, moved]})
+    rows = r["by_concurrency"]
+    assert [x["concurrency"] for x in rows] == [1, 4, 8]
+    assert r["tau"] == rows[0]["tau"] == 2.0
+    assert rows[1]["spec_tokens_per_s"] == 6.0 and rows[1]["speedup"] == 4.0
+    # seconds per output token: a 0.1, b 0.1 (spec, level 1); median and p90 interpolated
+    assert rows[0]["spec_tpot"] == {"median": 0.1, "p90": 0.1}
+    assert rows[1]["baseline_tpot"]["median"] == pytest.approx(0.3)
+    assert rows[1]["baseline_tpot"]["p90"] == pytest.approx(0.2 + 0.9 * 0.2)
+    assert rows[0]["batch_invariant"] and rows[1]["batch_invariant"]
+    assert rows[1]["identical_to_plain"] == 2 and rows[1]["tau_change"] == 0.0
+    assert rows[2]["batch_invariant"] is False
+    assert rows[2]["identical_to_plain"] == 1 and rows[2]["plain_identical_to_first"] == 1
+    assert {(d["id"], d["side"]) for d in rows[2]["differing"]} == {("a", "spec"), ("b", "base")}
+    assert rows[2]["tau_change"] == pytest.approx(4 / 3 - 2.0)
+    assert percentile([], 0.5) != percentile([], 0.5)  # nan
+    assert percentile([3.0, 1.0, 2.0], 0.5) == 2.0
+
+
+def test_concurrency_levels_sampled_and_passes_moved():
+    """Sampled levels compare no outputs (None); greedy levels with equal outputs but passes
+    beyond the near-tie slack are not batch invariant."""
+    a = [timed("a", [1] * 40, [1] * 40, [38, 1, 0], 39, 1.0, 1.0)]
+    b = [timed("a", [1] * 40, [1] * 40, [30, 3, 1], 39, 1.0, 1.0)]
+    r = set_figures({**level(1, a), "by_concurrency": [level(1, a), level(4, b)]})
+    assert r["by_concurrency"][1]["identical_to_plain"] == 1
+    assert r["by_concurrency"][1]["batch_invariant"] is False  # 34 passes against 39
+    s = set_figures({**level(1, a, sampled=True), "by_concurrency": [level(1, a, sampled=True)]})
+    assert s["by_concurrency"][0]["identical_to_plain"] is None
+    assert s["by_concurrency"][0]["batch_invariant"] is None
+
+
+def test_concurrency_report_section(tmp_path):
+    """report.md and summary.html get the table, the findings and (html) the plot."""
+    from draftsmith import benchlevels
+
+    first = level(1, [timed("a", [1, 2, 3, 4], [1, 2, 3, 4], [0, 0, 1], 3, 0.4, 0.8)])
+    moved = level(4, [timed("a", [1, 2, 5], [1, 2, 3, 4], [1, 1, 0], 2, 0.4, 0.8)])
+    sets = {"s": set_figures({**first, "by_concurrency": [first, moved]})}
+    report = {"sets": sets, "engine_notes": ["an engine note"]}
+    md = "\n".join(benchlevels.markdown(report))
+    assert "| s | 4 |" in md and "an engine note" in md
+    assert "s at concurrency 4: acceptance moved with the batch" in md
+    png = benchlevels.plot(report)
+    assert png[:4] == b"\x89PNG"
+    page = benchlevels.html(report, png)
+    assert "<h2>Concurrency</h2>" in page and "data:image/png;base64," in page
+    single = {"sets": {"s": set_figures({**first, "by_concurrency": [first]})}}
+    assert benchlevels.markdown(single) == [] and benchlevels.html(single, None) == ""
+    # the bench report: the section under the main table of report.md and summary.html
+    from draftsmith.bench import render_html, render_md
+
+    full = {
+        **report,
+        "method": "Method.",
+        "training": {"steps": 1, "final_loss": 1.0, "final_acc_per_pos": [0.5]},
+        "target_fingerprint": "0" * 64,
+        "draft_fingerprint": {},
+        "aux_layer_ids": [0, 1, 2],
+        "draft_vocab_size": 64,
+        "versions": {},
+    }
+    text = render_md(full)
+    assert text.index("| tau (SGLang count) |") < text.index("## Concurrency")
+    assert text.index("## Concurrency") < text.index("| s | 4 | 1.000 | -2.000 |")
+    page = render_html(full, levels_png=png)
+    assert page.count("data:image/png;base64,") == 1 and "<h2>Concurrency</h2>" in page

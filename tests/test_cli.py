@@ -16,6 +16,7 @@ LIBRARY = {
     "__init__",
     "benchfigures",
     "benchinput",
+    "benchlevels",
     "capture_base",
     "checkpoint",
     "common",

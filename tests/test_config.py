@@ -256,8 +256,23 @@ def test_bench_sampling_keys_at_default_change_no_params(tiny_target: Path):
 
 def test_bench_sampling_keys_fail_at_parse_time_where_they_cannot_apply(tiny_target: Path):
     check_config(with_defaults(tiny_config(tiny_target, bench={"temperature": 0.7})))
-    hot = {"temperature": 0.7, "backend": "sglang", "role": "sglang-cpu"}
-    with pytest.raises(ConfigError, match=r"bench.temperature = 0.7 .* sglang engine"):
+    for backend, role in (("sglang", "sglang-cpu"), ("vllm", "vllm-cpu")):  # server sampling
+        hot = {"temperature": 0.7, "backend": backend, "role": role}
         check_config(with_defaults(tiny_config(tiny_target, bench=hot)))
     with pytest.raises(ConfigError, match=r"bench.top_p = 0.9 .*bench.temperature is 0"):
         check_config(with_defaults(tiny_config(tiny_target, bench={"top_p": 0.9})))
+
+
+def test_bench_concurrency_levels(tiny_target: Path):
+    """bench.concurrency: a level (the older scalar) or a list of levels for the server
+    engines; the hf engine, one request at a time, is refused a list at parse time."""
+    from draftsmith.config import concurrency_levels
+
+    assert concurrency_levels(1) == [1] and concurrency_levels([1, 4, 16]) == [1, 4, 16]
+    with pytest.raises(ConfigError, match="distinct levels"):
+        concurrency_levels([4, 4])
+    server = {"backend": "vllm", "role": "vllm-cpu", "concurrency": [1, 4, 8, 16]}
+    check_config(with_defaults(tiny_config(tiny_target, bench=server)))
+    check_config(with_defaults(tiny_config(tiny_target, bench={"concurrency": [1]})))
+    with pytest.raises(ConfigError, match=r"bench.concurrency = \[1, 4\]: the hf engine"):
+        check_config(with_defaults(tiny_config(tiny_target, bench={"concurrency": [1, 4]})))

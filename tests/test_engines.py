@@ -73,7 +73,7 @@ def test_workflow_declaration_is_checked(monkeypatch, tmp_path):
         engines.needs("fake")
     fake.write_text('WORKFLOW = {"honours": ["bench.temperature"]}\n')
     assert engines.needs("fake")["gpus"] == 1
-    assert engines.honoured_by("bench.temperature") == ["hf", "fake"]
+    assert engines.honoured_by("bench.temperature") == ["hf", "sglang", "vllm", "fake"]
     assert "draftsmith_fake_decl" not in sys.modules
 
 
@@ -87,13 +87,15 @@ def test_check_config_asks_the_declarations(monkeypatch, tmp_path):
     (tmp_path / "draftsmith_fake_sampler.py").write_text(
         'WORKFLOW = {"honours": ["bench.temperature"]}\n'
     )
+    (tmp_path / "draftsmith_fake_greedy.py").write_text("WORKFLOW = {}\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.setitem(engines.ENGINES, "fake", "draftsmith_fake_sampler")
+    monkeypatch.setitem(engines.ENGINES, "greedy", "draftsmith_fake_greedy")
     cfg = with_defaults({"target": {"source": "embedded"}, "bench": {"temperature": 0.5}})
     cfg["bench"]["backend"] = "fake"
     check_config(cfg)
-    cfg["bench"]["backend"] = "vllm"
+    cfg["bench"]["backend"] = "greedy"
     with pytest.raises(
-        ConfigError, match="only the hf and fake engine .* bench.backend hf or fake"
+        ConfigError, match="only the hf and sglang and vllm and fake engine .* bench.backend hf or"
     ):
         check_config(cfg)

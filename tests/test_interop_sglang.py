@@ -146,3 +146,45 @@ def test_gemma3_served_losslessly_with_sglangs_own_states(tmp_path, monkeypatch)
     assert abs(control["tau"] - theirs["tau"]) <= 0.01 * theirs["tau"], (control, theirs)
     print(f"Gemma-3 tau: ours {ours['tau']:.4f}, SGLang {theirs['tau']:.4f}, ours fed "
           f"SGLang's states {control['tau']:.4f}")  # fmt: skip
+
+
+@pytest.mark.extended  # four server starts (greedy and sampled): 609 s on 2 cores at load 5-13
+def test_sglang_concurrency_levels_and_sampling(trained):
+    """Concurrency [1, 4], greedy: SGLang's acceptance does not depend on batching (every
+    output equals plain greedy at concurrency 1, on both sides; passes agree up to a float
+    near-tie). Temperature 1.0 completes at both levels with a tau in (1, K + 1], and pins what
+    SGLang 0.5.23 does on CPU: it verifies greedily whatever the temperature
+    (eagle_utils._verify_uses_greedy is true on CPU), so a speculative output whose sampled
+    prefill token is greedy's is greedy's whole. A new SGLang version fails here on purpose:
+    check the behaviour again and update engines/sglang.py's CPU_GREEDY_VERIFY."""
+    from draftsmith.engines.sglang import CPU_GREEDY_VERIFY
+
+    python = role_python("sglang-cpu")
+    bench = {**BENCH, "concurrency": [1, 4], "backend": "sglang"}
+    full = {"bench": bench, "sglang": SGLANG, "target": {"dtype": "float32"}}
+    greedy = run_bench(trained, "sglang", "results/draft", full, python)["res"]["s"]
+    levels = greedy["by_concurrency"]
+    assert [r["concurrency"] for r in levels] == [1, 4]
+    for r in levels:
+        assert r["identical_to_plain"] == len(PROMPTS), r
+        assert r["plain_identical_to_first"] == len(PROMPTS), r
+        assert r["batch_invariant"], r
+    assert levels[0]["tau"] > 1.05
+    hot = {**bench, "temperature": 1.0, "top_p": 1.0}
+    run = run_bench(trained, "sglang", "results/draft", {**full, "bench": hot}, python)
+    for r in run["res"]["s"]["by_concurrency"]:
+        assert r["identical_to_plain"] is None
+        assert 1.0 < r["tau"] <= BENCH["num_steps"] + 1, r
+    assert run["info"]["engine_notes"] == [CPU_GREEDY_VERIFY]
+    assert "sglang==0.5.23\n" in (ROOT / "envs" / "sglang-cpu.txt").read_text(), (
+        "another SGLang: check CPU_GREEDY_VERIFY again"
+    )
+    want = {p["id"]: p["output_ids"] for p in greedy["per_prompt"]}
+    same_start = [
+        p for p in run["res"]["s"]["per_prompt"] if p["output_ids"][:1] == want[p["id"]][:1]
+    ]
+    assert same_start, "no sampled prefill token equal to greedy's: nothing pinned"
+    for p in same_start:
+        assert p["output_ids"] == want[p["id"]], p["id"]
+    print(f"{len(same_start)}/{len(PROMPTS)} sampled starts equal greedy's; tau sampled",
+          [r["tau"] for r in run["res"]["s"]["by_concurrency"]])  # fmt: skip

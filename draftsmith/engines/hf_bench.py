@@ -177,11 +177,12 @@ def method_text(bench: dict, device: str, threads: int, algorithm: str = "eagle3
 def bench_sets(sets: dict, cfg: dict, *, target, draft, threads: int):
     """The bench stage: speculative and greedy generation of every set, in this process."""
     from draftsmith.common import set_threads
+    from draftsmith.config import concurrency_levels
 
     bench = cfg["bench"]
     if bench["topk"] != 1:
         raise SystemExit(f"bench.topk {bench['topk']}: the hf engine decodes chains (top-k 1)")
-    if bench["concurrency"] != 1:
+    if concurrency_levels(bench["concurrency"]) != [1]:
         raise SystemExit(
             f"bench.concurrency {bench['concurrency']}: the hf engine runs batch size 1"
         )

@@ -36,9 +36,11 @@ from draftsmith.server import Supervisor, http_json, run_requests
 
 log = logging.getLogger("draftsmith.engines.sglang")
 # what the workflow needs from this engine (draftsmith.engines.NEEDS, read without importing
-# this module): the `sglang` section's result keys in its jobs' params, sglang.tp_size GPUs per
-# job, and for capture the patched SGLang (rule patch_sglang, rules/sglang.smk)
+# this module): sampling and concurrency levels in the bench, the `sglang` section's result keys
+# in its jobs' params, sglang.tp_size GPUs per job, and for capture the patched SGLang (rule
+# patch_sglang, rules/sglang.smk)
 WORKFLOW = {
+    "honours": ["bench.temperature", "bench.concurrency"],
     "settings": "sglang",
     "gpus": "sglang.tp_size",
     "gpus_why": "one SGLang server, sglang.tp_size {n}",
@@ -283,63 +285,77 @@ def server_accept_length(url: str) -> float | None:
     return None if value is None else float(value)
 
 
-def serve_sets(spec, sets_ids: dict, sampling: dict, bench: dict, s: dict, speculative: bool):
-    """One server for every set: a warm-up request, then each set timed at bench.concurrency.
-
-    Returns name -> {"answers", "seconds", "server_accept_length"} plus the supervisor stats.
-    A set during which the server was restarted is run again (timing and counters whole).
-    """
-    timeout = float(s["request_timeout"])
-    first = next(iter(sets_ids.values()))[0]
-    out = {}
+def timed_sender(sampling: dict, timeout: float):
+    """send(url, ids) for run_requests: the answer with `latency`, the seconds from sending the
+    request to its answer (queueing in the server included, waiting in our pool excluded)."""
 
     def send(url, ids):
-        return generate(url, {"input_ids": ids, "sampling_params": sampling}, timeout)
+        t0 = time.perf_counter()
+        answer = generate(url, {"input_ids": ids, "sampling_params": sampling}, timeout)
+        answer["latency"] = time.perf_counter() - t0
+        return answer
 
+    return send
+
+
+def serve_sets(spec, sets_ids: dict, sampling: dict, bench: dict, s: dict, speculative: bool):
+    """One server for every set: a warm-up request, then each set timed at every
+    bench.concurrency level in turn.
+
+    Returns (name, level) -> {"answers", "seconds", "server_accept_length"} plus the supervisor
+    stats. A level during which the server was restarted is run again (timing and counters
+    whole).
+    """
+    from draftsmith.config import concurrency_levels
+
+    timeout = float(s["request_timeout"])
+    first = next(iter(sets_ids.values()))[0]
+    send = timed_sender(sampling, timeout)
+    out = {}
     with Supervisor(spec, retries=s["retries"]) as sup:
-        warm = {**sampling, "max_new_tokens": min(16, sampling["max_new_tokens"])}
+        warm = timed_sender(
+            {**sampling, "max_new_tokens": min(16, sampling["max_new_tokens"])}, timeout
+        )
         verifies = 0  # verify passes this launch served so far (its counters cover them all)
         warmed = 0  # the launch the last warm-up ran on
         for name, prompts in sets_ids.items():
-            while True:
-                if warmed != sup.launches:  # first set, or a relaunched server
-                    w = run_requests(
-                        sup,
-                        [first],
-                        lambda url, ids: generate(
-                            url, {"input_ids": ids, "sampling_params": warm}, timeout
-                        ),
-                        concurrency=1,
-                    )
-                    warmed = sup.launches
-                    verifies = w[0]["meta_info"].get("spec_verify_ct", 0)
-                launches = sup.launches
-                before = server_accept_length(sup.url) if speculative else None
-                t0 = time.perf_counter()
-                answers = run_requests(sup, prompts, send, concurrency=int(bench["concurrency"]))
-                seconds = time.perf_counter() - t0
-                if sup.launches == launches:
-                    break
-                log.warning("%s: the server restarted during the set; running it again", name)
-            figures = {"answers": answers, "seconds": seconds, "server_accept_length": None}
-            if speculative:
-                after = server_accept_length(sup.url)
-                n = sum(a["meta_info"].get("spec_verify_ct", 0) for a in answers)
-                if after is not None and n:
-                    figures["server_accept_length"] = (
-                        after * (verifies + n) - (before or 0.0) * verifies
-                    ) / n
-                verifies += n
-            out[name] = figures
-            log.info("%s: %d prompts in %.1f s (%s)", name, len(prompts), seconds, spec.name)
+            for level in concurrency_levels(bench["concurrency"]):
+                while True:
+                    if warmed != sup.launches:  # first set, or a relaunched server
+                        w = run_requests(sup, [first], warm, concurrency=1)
+                        warmed = sup.launches
+                        verifies = w[0]["meta_info"].get("spec_verify_ct", 0)
+                    launches = sup.launches
+                    before = server_accept_length(sup.url) if speculative else None
+                    t0 = time.perf_counter()
+                    answers = run_requests(sup, prompts, send, concurrency=level)
+                    seconds = time.perf_counter() - t0
+                    if sup.launches == launches:
+                        break
+                    log.warning("%s: the server restarted during the set; running it again", name)
+                figures = {"answers": answers, "seconds": seconds, "server_accept_length": None}
+                if speculative:
+                    after = server_accept_length(sup.url)
+                    n = sum(a["meta_info"].get("spec_verify_ct", 0) for a in answers)
+                    if after is not None and n:
+                        figures["server_accept_length"] = (
+                            after * (verifies + n) - (before or 0.0) * verifies
+                        ) / n
+                    verifies += n
+                out[name, level] = figures
+                log.info(
+                    "%s at concurrency %d: %d prompts in %.1f s (%s)",
+                    name, level, len(prompts), seconds, spec.name,
+                )  # fmt: skip
         stats = sup.stats()
     return out, stats
 
 
 def set_measurements(prompts, ids, base: dict, spec: dict, stops, k: int) -> dict:
-    """The raw measurements of one set (draftsmith.benchfigures) from both servers' answers:
-    SGLang's per-request counters (completion_tokens, spec_verify_ct, the accepted-drafts
-    histogram), the outputs cut at the first stop token."""
+    """The raw measurements of one set at one concurrency level (draftsmith.benchfigures) from
+    both servers' answers: SGLang's per-request counters (completion_tokens, spec_verify_ct,
+    the accepted-drafts histogram), the outputs cut at the first stop token, each request's
+    latency."""
     measured = []
     for i, (b, sp) in enumerate(zip(base["answers"], spec["answers"], strict=True)):
         meta = sp["meta_info"]
@@ -357,6 +373,8 @@ def set_measurements(prompts, ids, base: dict, spec: dict, stops, k: int) -> dic
                 "base_ids": cut_at_stop(b["output_ids"], stops)[0],
                 "spec_tokens": tokens,
                 "base_tokens": int(b["meta_info"]["completion_tokens"]),
+                "spec_latency": sp["latency"],
+                "base_latency": b["latency"],
                 "verify_passes": int(meta.get("spec_verify_ct", 0)),
                 "accept_len_hist": mine,
                 # the first token comes from the prefill, not a verification pass
@@ -372,6 +390,22 @@ def set_measurements(prompts, ids, base: dict, spec: dict, stops, k: int) -> dic
         "figures": ["accept_length"],
         "extra": {"server_accept_length": spec["server_accept_length"]},
     }
+
+
+def set_levels(prompts, ids, base: dict, spec: dict, stops, bench: dict) -> dict:
+    """A set's raw measurements: its first level's, with every level under `by_concurrency`."""
+    from draftsmith.config import concurrency_levels
+
+    k, sampled = int(bench["num_steps"]), float(bench.get("temperature", 0)) > 0
+    levels = [
+        {
+            **set_measurements(prompts, ids, base[c], spec[c], stops, k),
+            "concurrency": c,
+            "sampled": sampled,
+        }
+        for c in concurrency_levels(bench["concurrency"])
+    ]
+    return {**levels[0], "by_concurrency": levels}
 
 
 def check_server_counter(name: str, raw: dict) -> None:
@@ -391,12 +425,28 @@ def check_server_counter(name: str, raw: dict) -> None:
         )
 
 
+# What SGLang 0.5.23 does at temperature > 0 on CPU (pinned by tests/test_bench_concurrency_sglang.py):
+# eagle_utils._verify_uses_greedy returns True for is_cpu, so verification commits the target's
+# argmax; only the prefill's token is sampled
+CPU_GREEDY_VERIFY = (
+    "SGLang 0.5.23 on CPU verifies speculative tokens greedily at any temperature "
+    "(sglang.srt.speculative.eagle_utils._verify_uses_greedy: is_cpu): past the prefill's "
+    "sampled token the speculative output is the target's greedy continuation, so its tau is "
+    "greedy acceptance, not speculative sampling's"
+)
+
+
 def method_text(bench: dict, role: str, threads: int) -> str:
+    from draftsmith.config import concurrency_levels
+
     where = f"CPU ({threads} threads, role {role})" if role == CPU_ROLE else f"role {role}"
+    t = float(bench.get("temperature", 0))
+    how = f"sampling at temperature {t}, top-p {bench.get('top_p', 1.0)}" if t > 0 else "greedy"
+    levels = ", ".join(map(str, concurrency_levels(bench["concurrency"])))
     return (
         f"SGLang EAGLE-3 speculative decoding ({bench['num_steps']} steps, top-k "
-        f"{bench['topk']}), greedy, at most {bench['max_new_tokens']} new tokens per prompt, "
-        f"{bench['concurrency']} request(s) at a time, on {where}: the target is served once "
+        f"{bench['topk']}), {how}, at most {bench['max_new_tokens']} new tokens per prompt, "
+        f"{levels} request(s) in flight at a time, on {where}: the target is served once "
         "without and once with --speculative-algorithm EAGLE3 and the trained draft, the same "
         "prompts through /generate on both, a warm-up request excluded. tau (SGLang count) = "
         "sum(completion_tokens) / sum(meta_info.spec_verify_ct); tau excludes each prompt's "
@@ -424,7 +474,8 @@ def bench_sets(sets: dict, cfg: dict, *, target, draft, threads: int):
     }
     sampling = {
         "max_new_tokens": int(bench["max_new_tokens"]),
-        "temperature": 0.0,
+        "temperature": float(bench.get("temperature", 0)),  # x-omit-default: absent at 0
+        "top_p": float(bench.get("top_p", 1.0)),
         "stop_token_ids": sorted(stops),
     }
     # our own warm-up request replaces SGLang's start-up one, so the speculative server's
@@ -441,17 +492,27 @@ def bench_sets(sets: dict, cfg: dict, *, target, draft, threads: int):
     eagle.name = "sglang-eagle3"
     base, base_stats = serve_sets(plain, sets_ids, sampling, bench, s, speculative=False)
     spec, spec_stats = serve_sets(eagle, sets_ids, sampling, bench, s, speculative=True)
-    k = int(bench["num_steps"])
-    results = {
-        name: set_measurements(
-            sets_ids[name], [r["id"] for r in sets[name]], base[name], spec[name], stops, k
-        )
-        for name in sets
-    }
+    results = {}
+    for name in sets:
+        b = {c: v for (n, c), v in base.items() if n == name}
+        sp = {c: v for (n, c), v in spec.items() if n == name}
+        ids = [r["id"] for r in sets[name]]
+        results[name] = set_levels(sets_ids[name], ids, b, sp, stops, bench)
     for name, raw in results.items():
-        check_server_counter(name, raw)
+        for level in raw["by_concurrency"]:
+            check_server_counter(f"{name} at concurrency {level['concurrency']}", level)
     role = bench["role"]
+    info_sampling = {}
+    if sampling["temperature"] > 0:
+        info_sampling["sampling"] = {
+            "temperature": sampling["temperature"],
+            "top_p": sampling["top_p"],
+            "seeded": False,
+        }
+        if role == CPU_ROLE:
+            info_sampling["engine_notes"] = [CPU_GREEDY_VERIFY]
     return results, {
+        **info_sampling,
         "backend": "sglang",
         "device": "cpu" if role == CPU_ROLE else "server",
         "threads": threads,

