@@ -37,6 +37,7 @@ from draftsmith.common import (
     init_logging,
     merge_run,
     parse_cfg,
+    remove_stale_temps,
     set_threads,
     sha256_file,
     versions,
@@ -153,6 +154,8 @@ def train_segment(cfg: dict, args, progress: Progress) -> None:
     key = segment_key(cfg, shard_paths, args.vocab, args.target, precision, args.segment, args.prev)
     run_dir = args.state / key
     run_dir.mkdir(parents=True, exist_ok=True)
+    remove_stale_temps(run_dir, ".tmp-step-")  # staging dirs of a killed job
+    remove_stale_temps(args.out.parent, f".tmp-{args.out.name}-")
     segment = parse_segment(args.segment)
     data, (first, end) = segment_data(
         cfg, inputs, shard_paths, args.tokens, segment, run_dir, device
