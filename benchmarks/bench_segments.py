@@ -37,6 +37,7 @@ from draftsmith.common import atomic_write_json, atomic_write_text  # noqa: E402
 from draftsmith.hardware import cpu_facts  # noqa: E402
 from draftsmith.load import machine_busy_seconds, own_cpu_seconds  # noqa: E402
 
+TIMEOUT = 7200  # seconds per snakemake run: shared, loaded cores can be 10x slower than idle
 STAGES = {"capture": "capture", "segment_capture": "capture", "train": "train"}
 STAGES["segment_train"] = "train"
 
@@ -112,7 +113,8 @@ def prepare(work: Path, target: Path, segment_rows: int, epochs: int) -> Path:
     """A project with target, rows, token files and vocabulary built (shared by both modes)."""
     base = work / "base"
     write_config(base, bench_config(target, False, segment_rows, epochs))
-    snakemake(base, "--cores", "2", "results/vocab/vocab.safetensors", "results/hidden/plan.json")
+    targets = ("results/vocab/vocab.safetensors", "results/hidden/plan.json")
+    snakemake(base, "--cores", "2", *targets, timeout=TIMEOUT)
     return base
 
 
@@ -132,7 +134,7 @@ def run_mode(base: Path, work: Path, keep: bool, target, segment_rows, epochs) -
     shutil.rmtree(work / "benchmarks" / "jobs", ignore_errors=True)
     busy0, own0, t0 = machine_busy_seconds(), own_cpu_seconds(), time.monotonic()
     with DiskPeak(work / "results") as disk:
-        snakemake(work, "--cores", "2", "results/draft")
+        snakemake(work, "--cores", "2", "results/draft", timeout=TIMEOUT)
     wall = time.monotonic() - t0
     busy1, own1 = machine_busy_seconds(), own_cpu_seconds()
     other = None if busy0 is None or busy1 is None else busy1 - busy0 - (own1 - own0)
@@ -195,8 +197,11 @@ def main() -> None:
     args = ap.parse_args()
     from draftsmith.tinymodel import make_tiny_target
 
-    shutil.rmtree(args.work, ignore_errors=True)
-    target = make_tiny_target(args.work / "model")
+    for mode in ("offline", "segments"):  # the two runs start from the shared base each time
+        shutil.rmtree(args.work / mode, ignore_errors=True)
+    target = args.work / "model"  # kept between invocations: the base resumes where it stopped
+    if not (target / "config.json").is_file():
+        make_tiny_target(target)
     base = prepare(args.work, target, args.segment_rows, args.epochs)
     runs = [
         run_mode(base, args.work / mode, keep, target, args.segment_rows, args.epochs)
