@@ -13,7 +13,7 @@ twice from that point, each in its own copy:
 
 For each it records the wall time of the run, the seconds of each job (Snakemake's benchmark
 files) summed per stage, and the peak of shard bytes on disk, sampled every 20 ms while the run
-goes (`DiskPeak`; a peak shorter than that could be missed, but a shard lives until its segment
+goes under results/hidden (offline) or results/segments (`DiskPeak`; a peak shorter than that could be missed, but a shard lives until its segment
 is trained). It checks the two drafts for bit-identical tensors, and states the load of the
 machine during each run (draftsmith.load). Writes benchmarks/results/segments_<CPU kind>.{json,md}.
 """
@@ -133,7 +133,7 @@ def run_mode(base: Path, work: Path, keep: bool, target, segment_rows, epochs) -
     write_config(work, bench_config(target, keep, segment_rows, epochs))
     shutil.rmtree(work / "benchmarks" / "jobs", ignore_errors=True)
     busy0, own0, t0 = machine_busy_seconds(), own_cpu_seconds(), time.monotonic()
-    with DiskPeak(work / "results") as disk:
+    with DiskPeak(work / "results" / ("hidden" if keep else "segments")) as disk:
         snakemake(work, "--cores", "2", "results/draft", timeout=TIMEOUT)
     wall = time.monotonic() - t0
     busy1, own1 = machine_busy_seconds(), own_cpu_seconds()
@@ -163,7 +163,7 @@ def render(record: dict) -> str:
         "benchmark files summed per stage; other CPU is the other processes' CPU seconds per "
         "wall second during the run (loaded shared cores: compare within a row, not across hosts).",
         "",
-        "| mode | wall s | capture jobs s | train jobs s | peak shard bytes on disk | files at once | other CPU |",
+        "| mode | wall s | capture jobs s | train jobs s | peak shard bytes on disk | shard files at once | other CPU |",
         "|---|---:|---:|---:|---:|---:|---:|",
     ]
     for r in record["runs"]:
