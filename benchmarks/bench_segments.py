@@ -13,7 +13,7 @@ twice from that point, each in its own copy:
 
 For each it records the wall time of the run, the seconds of each job (Snakemake's benchmark
 files) summed per stage, and the peak of shard bytes on disk, sampled every 20 ms while the run
-goes under results/hidden (offline) or results/segments (`DiskPeak`; a peak shorter than that could be missed, but a shard lives until its segment
+goes, shards only: results/hidden/ offline, results/segments/epoch*/ (`DiskPeak`; a peak shorter than that could be missed, but a shard lives until its segment
 is trained). It checks the two drafts for bit-identical tensors, and states the load of the
 machine during each run (draftsmith.load). Writes benchmarks/results/segments_<CPU kind>.{json,md}.
 """
@@ -43,17 +43,18 @@ STAGES["segment_train"] = "train"
 
 
 class DiskPeak:
-    """Sample the bytes and count of *.safetensors files under a directory in a thread."""
+    """Sample, in a thread, the bytes and count of the shard files `pattern` matches under
+    `root` (staging files of a shard being written, `.tmp-<name>.safetensors-*`, included)."""
 
-    def __init__(self, root: Path, every: float = 0.02):
-        self.root, self.every = root, every
+    def __init__(self, root: Path, pattern: str, every: float = 0.02):
+        self.root, self.pattern, self.every = root, pattern, every
         self.peak_bytes = self.peak_files = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def _sample(self) -> None:
         total = files = 0
-        for p in self.root.rglob("*.safetensors"):
+        for p in self.root.glob(self.pattern):
             try:
                 total += p.stat().st_size
                 files += 1
@@ -133,7 +134,8 @@ def run_mode(base: Path, work: Path, keep: bool, target, segment_rows, epochs) -
     write_config(work, bench_config(target, keep, segment_rows, epochs))
     shutil.rmtree(work / "benchmarks" / "jobs", ignore_errors=True)
     busy0, own0, t0 = machine_busy_seconds(), own_cpu_seconds(), time.monotonic()
-    with DiskPeak(work / "results" / ("hidden" if keep else "segments")) as disk:
+    where = ("hidden", "*.safetensors*") if keep else ("segments", "epoch*/*.safetensors*")
+    with DiskPeak(work / "results" / where[0], where[1]) as disk:
         snakemake(work, "--cores", "2", "results/draft", timeout=TIMEOUT)
     wall = time.monotonic() - t0
     busy1, own1 = machine_busy_seconds(), own_cpu_seconds()
