@@ -22,6 +22,7 @@ include: "rules/data.smk"
 include: "rules/hidden.smk"
 include: "rules/sglang.smk"
 include: "rules/train.smk"
+include: "rules/segments.smk"
 include: "rules/bench.smk"
 
 

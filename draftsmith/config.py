@@ -235,6 +235,35 @@ def check_config(config: dict) -> None:
             f"distribution there, but capture.storage.final = {capture['final']} keeps no "
             "teacher at untrained positions: use capture.storage.final states"
         )
+    check_segments(config)
+
+
+def check_segments(config: dict) -> None:
+    """train.segment_rows and capture.keep false (segment mode, draftsmith.segments)."""
+    train, data = config["train"], config["data"]
+    rows = train.get("segment_rows", 0)
+    if rows and rows % data["rows_per_shard"]:
+        raise ConfigError(
+            f"config: train.segment_rows = {rows} is not a multiple of data.rows_per_shard = "
+            f"{data['rows_per_shard']}: a segment is made of whole row ranges"
+        )
+    if config["capture"].get("keep", True):
+        return
+    if not rows:
+        raise ConfigError(
+            "config: capture.keep = false (segment mode) needs train.segment_rows > 0, the rows "
+            "captured and trained on at a time"
+        )
+    if train["nproc"] != 1:
+        raise ConfigError(
+            f"config: capture.keep = false trains in one process per segment; train.nproc = "
+            f"{train['nproc']} is for offline training (capture.keep true)"
+        )
+    if train.get("eval_rows", 0):
+        raise ConfigError(
+            f"config: train.eval_rows = {train['eval_rows']} scores the final draft on held-out "
+            "rows of every shard, which capture.keep = false deletes: set train.eval_rows 0"
+        )
 
 
 def concurrency_levels(value) -> list[int]:

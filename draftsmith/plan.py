@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 
 from draftsmith.common import atomic_write_json, parse_cfg
-from draftsmith.config import aux_layer_count, aux_layer_ids
+from draftsmith.config import aux_layer_count, aux_layer_ids, range_name
 
 
 class PlanError(ValueError):
@@ -147,22 +147,54 @@ def upper_bound(cfg: dict, ranges: list[tuple[int, int]], text_cfg: dict) -> str
     dtype = cap["dtype"]
     storage = Storage.from_config(cap.get("storage"))
     n_aux = aux_layer_count(cap["aux_layer_ids"])
-    total = tokens = 0
+    sizes, tokens = {}, 0
     for a, b in ranges:
         n = (b - a) * max_len
         trained = n if storage.final != "states" else None
-        total += shard_bytes(b - a, n, hidden, dtype, storage, trained, vocab, n_aux)
+        sizes[range_name(a, b)] = shard_bytes(
+            b - a, n, hidden, dtype, storage, trained, vocab, n_aux
+        )
         tokens += n
-    rows = sum(b - a for a, b in ranges)
-    return (
+    total, rows = sum(sizes.values()), sum(b - a for a, b in ranges)
+    text = (
         f"hidden-state shards (upper bound, every row at data.max_length {max_len}): "
         f"{len(ranges)} ranges, {rows} rows, <= {tokens} tokens x "
         f"{round(total / max(1, tokens))} B/token (storage {storage.name(dtype)}, hidden "
         f"{hidden}) = at most {human(total)}"
     )
+    if cap.get("keep", True):
+        return text
+    from draftsmith.segments import bound_text, peak_bytes
+
+    train = cfg["train"]
+    return (
+        f"{text}\n  {bound_text(peak_bytes(sizes, train['segment_rows'], train['epochs']), human)}"
+    )
+
+
+def segmented(cfg: dict, plan: dict) -> None:
+    """Segment mode (capture.keep false): the shards on disk at once are at most two
+    segments' (draftsmith.segments), which is what must fit; the plan says so."""
+    if cfg["capture"].get("keep", True):
+        return
+    from draftsmith.segments import peak_bytes
+
+    train = cfg["train"]
+    sizes = {s["range"]: s["bytes"] for s in plan["shards"]}
+    plan["segments"] = peak_bytes(sizes, train["segment_rows"], train["epochs"])
+    plan["pending_bytes"] = plan["segments"]["peak_bytes"]
+    plan["fits"] = plan["pending_bytes"] <= plan["free_bytes"]
 
 
 def summary(plan: dict) -> str:
+    if "segments" in plan:
+        from draftsmith.segments import bound_text
+
+        return f"{offline_summary(plan)}\n  {bound_text(plan['segments'], human)}"
+    return offline_summary(plan)
+
+
+def offline_summary(plan: dict) -> str:
     return (
         f"hidden-state shards: {len(plan['shards'])} ranges, {plan['rows']} rows, "
         f"{plan['tokens']} tokens x {plan['bytes_per_token']} B/token "
@@ -190,6 +222,7 @@ def main(argv: list[str] | None = None) -> None:
         plan = make_plan(cfg, args.tokens, args.target, args.out.parent)
     except (PlanError, ValueError) as e:
         raise SystemExit(f"error: {e}") from None
+    segmented(cfg, plan)
     print(summary(plan))
     print(summary(plan), file=sys.stderr)
     if not plan["fits"]:

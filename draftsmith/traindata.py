@@ -27,6 +27,7 @@ from draftsmith.config import aux_layer_ids
 from draftsmith.layout import LayoutError, read_pieces, text_config
 from draftsmith.offline import split_rows
 from draftsmith.repair import discard_refused_shards
+from draftsmith.segments import pack_order, packs_per_batch, plan_segmented, segment_of
 from draftsmith.shards import ShardError, open_shard, verify_cached
 from draftsmith.storage import StorageError, check_draft_vocab
 from draftsmith.ttt import teacher_ok
@@ -83,27 +84,24 @@ def prove_shards(shards, stamp_dir: Path) -> None:
 def plan_epochs(lengths: list[int], cfg: dict) -> tuple[list[list[list[list[int]]]], int]:
     """Per epoch: batches -> packs -> row indices (seeded, independent of the process count)."""
     pack_len = max(lengths)
-    packs_per_batch = cfg["batch_tokens"] // pack_len
-    if packs_per_batch < 1:
-        raise SystemExit(
-            f"train.batch_tokens {cfg['batch_tokens']} is smaller than the longest "
-            f"row ({pack_len} tokens); raise it"
-        )
+    per_batch = packs_per_batch(pack_len, cfg)
     plans = []
     for epoch in range(cfg["epochs"]):
         gen = torch.Generator().manual_seed(cfg["seed"] * 1_000_003 + epoch)
         order = torch.randperm(len(lengths), generator=gen).tolist()
-        batches, packs, fill = [], [[] for _ in range(packs_per_batch)], [0] * packs_per_batch
-        for r in order:
-            i = next((i for i, f in enumerate(fill) if f + lengths[r] <= pack_len), None)
-            if i is None:
-                batches.append([p for p in packs if p])
-                packs, fill, i = [[] for _ in range(packs_per_batch)], [0] * packs_per_batch, 0
-            packs[i].append(r)
-            fill[i] += lengths[r]
-        if any(fill):
-            batches.append([p for p in packs if p])
-        plans.append(batches)
+        plans.append(pack_order(order, lengths, pack_len, per_batch))
+    return plans, pack_len
+
+
+def plan_rows(rows, names: list[str], tcfg: dict):
+    """(plans, pack_len) of the training rows: by segment (draftsmith.segments) when
+    train.segment_rows is set, else every row shuffled per epoch (`plan_epochs`)."""
+    lengths = [b - a for _, a, b in rows]
+    seg_rows = tcfg.get("segment_rows", 0)  # x-omit-default: absent at 0
+    if not seg_rows:
+        return plan_epochs(lengths, tcfg)
+    segs = [segment_of(names[s], seg_rows) for s, _, _ in rows]
+    plans, pack_len, _ = plan_segmented(lengths, segs, tcfg)
     return plans, pack_len
 
 
@@ -158,19 +156,11 @@ def check_inputs(
 ) -> Inputs:
     """Target pieces, vocabulary and shards, with layer ids and target checked against the
     manifests and each shard's sha256 proven (rank 0)."""
-    target_cfg = text_config(json.loads((target_dir / "config.json").read_text()))
-    ids = aux_layer_ids(cfg["capture"]["aux_layer_ids"], int(target_cfg["num_hidden_layers"]))
-    d2t, t2d = load_vocab(vocab_path)
-    if d2t.shape[0] != cfg["draft"]["vocab_size"]:
-        raise SystemExit(
-            f"{vocab_path}: {d2t.shape[0]} draft tokens, draft.vocab_size is "
-            f"{cfg['draft']['vocab_size']}"
-        )
-    heads = target_tensors(target_dir)
-    expect = {"aux_layer_ids": ids, "hidden_size": int(target_cfg["hidden_size"])}
-    meta_file = target_dir / "draftsmith_target.json"
-    if meta_file.exists():
-        expect["target_fingerprint"] = json.loads(meta_file.read_text())["fingerprint"]
+    frozen = frozen_inputs(cfg, vocab_path, target_dir)
+    d2t = frozen.d2t
+    expect = {"aux_layer_ids": frozen.aux_ids, "hidden_size": int(frozen.target_cfg["hidden_size"])}
+    if frozen.fingerprint is not None:
+        expect["target_fingerprint"] = frozen.fingerprint
     try:
         shards = [open_shard(p, expect=expect) for p in shard_paths]
         for s in shards:  # a top-k teacher over the draft vocabulary must be over this one
@@ -182,7 +172,27 @@ def check_inputs(
             prove_shards(shards, state_root / "verified")
     except ShardError as e:
         raise discard_refused_shards(e, shard_paths) from None  # the next run rebuilds them
-    return Inputs(target_cfg, ids, d2t, t2d, heads, expect.get("target_fingerprint"), shards)
+    frozen.shards = shards
+    return frozen
+
+
+def frozen_inputs(cfg: dict, vocab_path: Path, target_dir: Path) -> Inputs:
+    """What training reads besides the shards: target config and pieces, the vocabulary
+    (checked against draft.vocab_size), the target's fingerprint; `shards` left empty."""
+    target_cfg = text_config(json.loads((target_dir / "config.json").read_text()))
+    ids = aux_layer_ids(cfg["capture"]["aux_layer_ids"], int(target_cfg["num_hidden_layers"]))
+    d2t, t2d = load_vocab(vocab_path)
+    if d2t.shape[0] != cfg["draft"]["vocab_size"]:
+        raise SystemExit(
+            f"{vocab_path}: {d2t.shape[0]} draft tokens, draft.vocab_size is "
+            f"{cfg['draft']['vocab_size']}"
+        )
+    heads = target_tensors(target_dir)
+    meta_file = target_dir / "draftsmith_target.json"
+    fingerprint = None
+    if meta_file.exists():
+        fingerprint = json.loads(meta_file.read_text())["fingerprint"]
+    return Inputs(target_cfg, ids, d2t, t2d, heads, fingerprint, [])
 
 
 def prepare_run(
@@ -211,7 +221,7 @@ def prepare_run(
     ]
     # x-omit-default: absent at 0 (every row trains, as before the key existed)
     rows, held = split_rows(rows, int(tcfg.get("eval_rows", 0)))
-    plans, pack_len = plan_epochs([b - a for _, a, b in rows], tcfg)
+    plans, pack_len = plan_rows(rows, names, tcfg)
     total = sum(len(p) for p in plans)
     total = min(total, tcfg["max_steps"]) if tcfg["max_steps"] else total
     return Data(names, ok, rows, plans, pack_len, total, all_positions, held)

@@ -60,6 +60,8 @@ if N_TRAIN_ROWS == 0:
         "config: data.sources yield no training rows (see data.heldout_rows)"
     )
 RANGES = row_ranges(N_TRAIN_ROWS, config["data"]["rows_per_shard"])
+# capture.keep false: segment mode (rules/segments.smk) instead of rules capture and train
+KEEP_SHARDS = config["capture"]["keep"]
 
 # target.source: path: checked and digested at every DAG build (stat + safetensors headers, no
 # tensor data), so a bad path is an error even when results/target exists, and a rewritten
@@ -405,3 +407,60 @@ def run_caption(name):
     outputs in the working directory. Not a param: it changes no result.
     """
     return str(Path("results", "bench", "captions", f"{name}.rst").resolve())
+
+
+def segment_plan_keys():
+    """Segment mode: the train keys the shard plan needs for its disk bound; {} offline."""
+    return {} if KEEP_SHARDS else {"train": ("segment_rows", "epochs")}
+
+
+# Segment mode's order (draftsmith.segments): (epoch, segment), epoch-major.
+if not KEEP_SHARDS:
+    from draftsmith.segments import (
+        global_order,
+        segment_name,
+        segment_of,
+        segment_ranges,
+    )
+
+    SEG_ROWS = config["train"]["segment_rows"]
+    SEGMENT_RANGES = segment_ranges(RANGES, SEG_ROWS)
+    SEGMENT_ORDER = global_order(config["train"]["epochs"], len(SEGMENT_RANGES))
+
+
+def segment_ckpt(i):
+    """The checkpoint directory of index i of the segment order."""
+    return f"results/segments/ckpt/{segment_name(*SEGMENT_ORDER[i])}"
+
+
+def segment_index(epoch, segment):
+    """Index of (epoch, segment) in the order; an error for one the config has not."""
+    if (epoch, segment) not in SEGMENT_ORDER:
+        raise ValueError(
+            f"epoch {epoch}, segment {segment}: not in this config's {len(SEGMENT_RANGES)} "
+            f"segments x {config['train']['epochs']} epochs"
+        )
+    return SEGMENT_ORDER.index((epoch, segment))
+
+
+def segment_gate(wildcards):
+    """Input function of segment_capture: the capture of index i waits for the training of
+    index i - 2 (at most two segments' shards on disk)."""
+    i = segment_index(int(wildcards.epoch), segment_of(wildcards.rows, SEG_ROWS))
+    return {"after": segment_ckpt(i - 2)} if i >= 2 else {}
+
+
+def segment_train_inputs(wildcards):
+    """The segment's shards and manifests of its epoch, and the previous index's checkpoint."""
+    epoch, seg = int(wildcards.epoch), int(wildcards.seg)
+    i = segment_index(epoch, seg)
+    ranges = SEGMENT_RANGES[seg]
+    found = {
+        "shards": [
+            f"results/segments/epoch{epoch:03d}/{r}.safetensors" for r in ranges
+        ],
+        "manifests": [f"results/segments/epoch{epoch:03d}/{r}.json" for r in ranges],
+    }
+    if i >= 1:
+        found["prev"] = segment_ckpt(i - 1)
+    return found

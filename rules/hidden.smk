@@ -28,51 +28,55 @@ rule hidden_plan:
         mem_mb=1000,
         runtime=5,
     params:
-        cfg=cfg_json("capture", "target"),
+        cfg=cfg_json("capture", "target", **segment_plan_keys()),
     shell:
         "$DRAFTSMITH_PY_CAPTURE -m draftsmith.plan --cfg {params.cfg:q} --target {input.target} "
         "--out {output} {input.tokens} 2> {log}"
 
 
-rule capture:
-    input:
-        configured_range,
-        unpack(capture_engine_inputs),
-        unpack(capture_vocab_input),
-        tokens="results/tokens/{rows}.safetensors",
-        target="results/target",
-        stamp=stamp("capture"),
-    output:
-        shard="results/hidden/{rows}.safetensors",
-        manifest="results/hidden/{rows}.json",
-    log:
-        "logs/capture/{rows}.log",
-    benchmark:
-        "benchmarks/jobs/capture/{rows}.tsv"
-    conda:
-        role_env("capture")
-    threads: 2
-    resources:
-        **gpu_resources("capture"),
-        mem_mb=6000,
-        runtime=60,
-    params:
-        cfg=cfg_json("capture", "target", server_of="capture"),
-        # the capture engine's own inputs as options (engine_input_args); the param keeps its
-        # first name, since the shell command below is part of the rule's code (renaming it
-        # would make every shard stale)
-        patched=engine_input_args,
-        vocab=lambda w, input: (
-            f"--vocab {input.vocab}" if "vocab" in input.keys() else ""
-        ),
-    shell:
-        "$DRAFTSMITH_PY_CAPTURE -m draftsmith.capture --cfg {params.cfg:q} --tokens {input.tokens} "
-        "--target {input.target} --out {output.shard} --threads {threads} {params.patched} "
-        "{params.vocab} > {log} 2>&1"
+# offline (capture.keep true): every shard kept; segment mode: rules/segments.smk
+if KEEP_SHARDS:
 
+    rule capture:
+        input:
+            configured_range,
+            unpack(capture_engine_inputs),
+            unpack(capture_vocab_input),
+            tokens="results/tokens/{rows}.safetensors",
+            target="results/target",
+            stamp=stamp("capture"),
+        output:
+            shard="results/hidden/{rows}.safetensors",
+            manifest="results/hidden/{rows}.json",
+        log:
+            "logs/capture/{rows}.log",
+        benchmark:
+            "benchmarks/jobs/capture/{rows}.tsv"
+        conda:
+            role_env("capture")
+        threads: 2
+        resources:
+            **gpu_resources("capture"),
+            mem_mb=6000,
+            runtime=60,
+        params:
+            cfg=cfg_json("capture", "target", server_of="capture"),
+            # the capture engine's own inputs as options (engine_input_args); the param keeps its
+            # first name, since the shell command below is part of the rule's code (renaming it
+            # would make every shard stale)
+            patched=engine_input_args,
+            vocab=lambda w, input: (
+                f"--vocab {input.vocab}" if "vocab" in input.keys() else ""
+            ),
+        shell:
+            "$DRAFTSMITH_PY_CAPTURE -m draftsmith.capture --cfg {params.cfg:q} --tokens {input.tokens} "
+            "--target {input.target} --out {output.shard} --threads {threads} {params.patched} "
+            "{params.vocab} > {log} 2>&1"
 
-rule hidden:
-    input:
-        expand("results/hidden/{rows}.{ext}", rows=RANGES, ext=("safetensors", "json")),
-        "results/hidden/plan.json",
-    localrule: True
+    rule hidden:
+        input:
+            expand(
+                "results/hidden/{rows}.{ext}", rows=RANGES, ext=("safetensors", "json")
+            ),
+            "results/hidden/plan.json",
+        localrule: True

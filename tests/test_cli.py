@@ -45,6 +45,7 @@ LIBRARY = {
     "regenerate_base",
     "repair",
     "sampling",
+    "segments",
     "server",
     "serving",
     "shard_writer",

@@ -209,7 +209,8 @@ def test_params_leave_out_neutral_defaults_and_other_modes_storage_keys():
     schema = yaml.safe_load((ROOT / "schemas" / "config.schema.yaml").read_text())
     neutral = neutral_defaults(schema)
     assert neutral["regenerate"] == {"dtype": "float32", "thinking": "template"}
-    assert neutral["train"] == {"eval_rows": 0, "loss_positions": "assistant"}
+    assert neutral["train"] == {"eval_rows": 0, "loss_positions": "assistant", "segment_rows": 0}
+    assert neutral["capture"] == {"keep": True}
     storage = {"aux": "dtype", "final": "states", "scale_block": 0, "topk": 32}
     cfg = {
         "regenerate": {"backend": "hf", "dtype": "float32", "seed": 0},

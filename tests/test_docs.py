@@ -108,7 +108,7 @@ def test_architecture_lists_every_rule_by_its_file():
     actual = {}
     for path in [ROOT / "Snakefile", *sorted((ROOT / "rules").glob("*.smk"))]:
         name = str(path.relative_to(ROOT))
-        actual[name] = set(re.findall(r"^rule (\w+):", path.read_text(), flags=re.M))
+        actual[name] = set(re.findall(r"^\s*rule (\w+):", path.read_text(), flags=re.M))
     assert documented == actual
 
 
