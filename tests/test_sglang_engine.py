@@ -81,11 +81,12 @@ def test_cut_at_stop():
     assert eng.cut_at_stop([5, 6], {2}) == ([5, 6], False)
 
 
-def answer(ids, verify=0, hist=None):
+def answer(ids, verify=0, hist=None, latency=0.5):
+    """An answer as the engine's `send` returns it: SGLang's JSON plus the request's seconds."""
     meta = {"completion_tokens": len(ids)}
     if verify:
         meta.update(spec_verify_ct=verify, spec_correct_drafts_histogram=hist)
-    return {"output_ids": ids, "meta_info": meta}
+    return {"output_ids": ids, "meta_info": meta, "latency": latency}
 
 
 def test_set_figures_from_sglang_counters():
