@@ -31,6 +31,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
+from draftsmith.benchlevels import HEAD  # noqa: E402
 from draftsmith.common import atomic_path, atomic_write_json, atomic_write_text  # noqa: E402
 
 OUT = ROOT / "benchmarks" / "results"
@@ -123,21 +124,8 @@ def load_avg() -> list[float]:
     return [round(x, 2) for x in os.getloadavg()]
 
 
-MD_HEAD = (
-    "engine",
-    "temperature",
-    "concurrency",
-    "tau",
-    "tau change",
-    "accept rate by position",
-    "tok/s spec",
-    "tok/s plain",
-    "speedup",
-    "ms/token spec (median / p90)",
-    "ms/token plain (median / p90)",
-    "spec = plain greedy",
-    "plain = first level's",
-)
+# the report's per-level columns (draftsmith.benchlevels), with the engine and temperature first
+MD_HEAD = ("engine", "temperature", *HEAD[1:])
 
 
 def md_rows(runs: list[dict]) -> list[str]:
