@@ -15,11 +15,17 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 from roles import role_python
 from test_interop_sglang import BENCH as SGLANG_BENCH
 from test_interop_sglang import SGLANG
-from trained import IDS, PROMPTS, assert_same_acceptance, rows, run_bench, train_tiny_project
+from trained import (
+    IDS,
+    PROMPTS,
+    assert_same_acceptance,
+    chain_acceptance,
+    run_bench,
+    train_tiny_project,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.extended]
 
@@ -49,29 +55,14 @@ def acceptance_without(root, switch: str | None) -> dict:
     """Our engine's figures on PROMPTS (BENCH's settings) with the exported draft's `switch`
     dropped: "fc_norm" (aux states go into fc un-normed) or "norm_output" (the pre-norm output
     is fed back); None: the draft as exported."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from draftsmith import specdec
-    from draftsmith.export import load_export
-    from draftsmith.prompts import prompt_turns
+    def drop(_model, draft) -> None:
+        if switch == "fc_norm":
+            draft.project = lambda aux: draft.fc(aux)
+        elif switch == "norm_output":
+            draft.feedback = lambda out: out
 
-    model = AutoModelForCausalLM.from_pretrained(root / "results" / "target").float().eval()
-    tok = AutoTokenizer.from_pretrained(root / "results" / "target")
-    draft = load_export(root / "results" / "draft")
-    if switch == "fc_norm":
-        draft.project = lambda aux: draft.fc(aux)
-    elif switch == "norm_output":
-        draft.feedback = lambda out: out
-    stops, traces = specdec.stop_ids(model, tok), []
-    for row in rows(PROMPTS):
-        ids = specdec.prompt_ids(tok, prompt_turns(row))
-        with torch.no_grad():
-            traces.append(
-                specdec.speculative_generate(
-                    model, draft, ids, BENCH["max_new_tokens"], stops, BENCH["num_steps"], IDS
-                )
-            )
-    return specdec.summarize(traces)
+    return chain_acceptance(root, BENCH, drop)
 
 
 def test_either_switch_dropped_changes_acceptance(trained, ours):

@@ -19,7 +19,7 @@ from trained import (
     PROMPTS,
     ROOT,
     assert_same_acceptance,
-    rows,
+    chain_acceptance,
     run_bench,
     train_tiny_project,
 )
@@ -96,26 +96,9 @@ def gemma3_states_as_sglang_captures(model, monkeypatch) -> None:
 def acceptance_fed_sglangs_states(root, monkeypatch) -> dict:
     """Our engine's figures on PROMPTS (BENCH's settings), its draft fed the states SGLang's
     Gemma-3 model captures."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from draftsmith import specdec
-    from draftsmith.export import load_export
-    from draftsmith.prompts import prompt_turns
-
-    model = AutoModelForCausalLM.from_pretrained(root / "results" / "target").float().eval()
-    tok = AutoTokenizer.from_pretrained(root / "results" / "target")
-    draft = load_export(root / "results" / "draft")
-    gemma3_states_as_sglang_captures(model, monkeypatch)
-    stops, traces = specdec.stop_ids(model, tok), []
-    for row in rows(PROMPTS):
-        ids = specdec.prompt_ids(tok, prompt_turns(row))
-        with torch.no_grad():
-            traces.append(
-                specdec.speculative_generate(
-                    model, draft, ids, BENCH["max_new_tokens"], stops, BENCH["num_steps"], IDS
-                )
-            )
-    return specdec.summarize(traces)
+    return chain_acceptance(
+        root, BENCH, lambda model, _draft: gemma3_states_as_sglang_captures(model, monkeypatch)
+    )
 
 
 @pytest.mark.extended  # training + two server starts: about 6 minutes on 2 cores

@@ -164,6 +164,32 @@ def run_bench(
     return out
 
 
+def chain_acceptance(root: Path, bench: dict, adjust=None) -> dict:
+    """Our engine's figures on PROMPTS with `root`'s target and exported draft (`bench`:
+    num_steps, max_new_tokens), after `adjust(model, draft)` where a test alters either."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from draftsmith import specdec
+    from draftsmith.export import load_export
+    from draftsmith.prompts import prompt_turns
+
+    model = AutoModelForCausalLM.from_pretrained(root / "results" / "target").float().eval()
+    tok = AutoTokenizer.from_pretrained(root / "results" / "target")
+    draft = load_export(root / "results" / "draft")
+    if adjust is not None:
+        adjust(model, draft)
+    stops, traces = specdec.stop_ids(model, tok), []
+    for row in rows(PROMPTS):
+        ids = specdec.prompt_ids(tok, prompt_turns(row))
+        with torch.no_grad():
+            traces.append(
+                specdec.speculative_generate(
+                    model, draft, ids, bench["max_new_tokens"], stops, bench["num_steps"], IDS
+                )
+            )
+    return specdec.summarize(traces)
+
+
 def assert_same_acceptance(theirs: dict, ours: dict, label: str = "") -> None:
     """Two engines' acceptance counters on the same prompts: equal up to a near-tie.
 
