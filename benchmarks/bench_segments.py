@@ -28,6 +28,8 @@ import threading
 import time
 from pathlib import Path
 
+import yaml
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
@@ -110,6 +112,15 @@ def bench_config(target: Path, keep: bool, segment_rows: int, epochs: int) -> di
     )
 
 
+def default_config(keep: bool, segment_rows: int) -> dict:
+    """The embedded default (every other key the schema's) with segment_rows and keep set."""
+    return {
+        "target": {"source": "embedded"},
+        "capture": {"keep": keep},
+        "train": {"segment_rows": segment_rows},
+    }
+
+
 def prepare(work: Path, target: Path, segment_rows: int, epochs: int) -> Path:
     """A project with target, rows, token files and vocabulary built (shared by both modes)."""
     base = work / "base"
@@ -129,14 +140,23 @@ def job_seconds(work: Path) -> dict[str, float]:
     return out
 
 
-def run_mode(base: Path, work: Path, keep: bool, target, segment_rows, epochs) -> dict:
+def heldout(work: Path) -> dict | None:
+    """The bench report's held-out figures (default mode builds everything, bench included)."""
+    path = work / "results" / "bench" / "report.json"
+    if not path.is_file():
+        return None
+    sets = json.loads(path.read_text()).get("sets", {})
+    return {k: {"tau": v.get("tau"), "speedup": v.get("speedup")} for k, v in sets.items()}
+
+
+def run_mode(base: Path, work: Path, keep: bool, cfg: dict, targets: tuple[str, ...]) -> dict:
     shutil.copytree(base, work, symlinks=True)
-    write_config(work, bench_config(target, keep, segment_rows, epochs))
+    write_config(work, cfg)
     shutil.rmtree(work / "benchmarks" / "jobs", ignore_errors=True)
     busy0, own0, t0 = machine_busy_seconds(), own_cpu_seconds(), time.monotonic()
     where = ("hidden", "*.safetensors*") if keep else ("segments", "epoch*/*.safetensors*")
     with DiskPeak(work / "results" / where[0], where[1]) as disk:
-        snakemake(work, "--cores", "2", "results/draft", timeout=TIMEOUT)
+        snakemake(work, "--cores", "2", *targets, timeout=TIMEOUT)
     wall = time.monotonic() - t0
     busy1, own1 = machine_busy_seconds(), own_cpu_seconds()
     other = None if busy0 is None or busy1 is None else busy1 - busy0 - (own1 - own0)
@@ -149,6 +169,7 @@ def run_mode(base: Path, work: Path, keep: bool, target, segment_rows, epochs) -
         "peak_shard_files": disk.peak_files,
         "plan": plan.get("segments", {"offline_bytes": plan["total_bytes"]}),
         "other_cpu_s_per_wall_s": None if other is None else round(max(0.0, other) / wall, 2),
+        "heldout": heldout(work),
     }
 
 
@@ -158,10 +179,15 @@ def render(record: dict) -> str:
     lines = [
         f"# Segment mode against offline training ({record['cpu']['kind']})",
         "",
-        f"CPU: {record['cpu']['model']} ({record['cpu']['describe']}), 2 cores. Tiny random "
-        f"6-layer Llama (hidden 64), {record['rows']} training rows in ranges of 16, "
+        f"CPU: {record['cpu']['model']} ({record['cpu']['describe']}), 2 cores. "
+        + (
+            "The embedded default (SmolLM2-135M-Instruct, every key the schema's), "
+            if record.get("project") == "embedded default"
+            else "Tiny random 6-layer Llama (hidden 64), fp32 training, "
+        )
+        + f"{record['rows']} training rows, "
         f"train.segment_rows {record['segment_rows']} ({bound['segments']} segments), "
-        f"{record['epochs']} epochs, `hf` capture, fp32 training. Job seconds are Snakemake's "
+        f"{record['epochs']} epochs, `hf` capture. Job seconds are Snakemake's "
         "benchmark files summed per stage; other CPU is the other processes' CPU seconds per "
         "wall second during the run (loaded shared cores: compare within a row, not across hosts).",
         "",
@@ -187,7 +213,58 @@ def render(record: dict) -> str:
         f"- Drafts bit-identical: {record['bit_identical']}; training losses equal: "
         f"{record['losses_equal']}.",
     ]
+    for r in record["runs"]:
+        if r.get("heldout"):
+            figures = ", ".join(
+                f"{k} tau {v['tau']:.4f} speedup {v['speedup']:.2f}x"
+                for k, v in r["heldout"].items()
+            )
+            lines.append(f"- Held-out bench, {r['mode']}: {figures}.")
     return "\n".join(lines) + "\n"
+
+
+def tiny_runs(args) -> tuple[Path, list[dict]]:
+    """The tiny project: a shared base up to the token files, then both modes from it."""
+    from draftsmith.tinymodel import make_tiny_target
+
+    target = args.work / "model"  # kept between invocations: the base resumes where it stopped
+    if not (target / "config.json").is_file():
+        make_tiny_target(target)
+    base = prepare(args.work, target, args.segment_rows, args.epochs)
+    runs = [
+        run_mode(
+            base,
+            args.work / mode,
+            keep,
+            bench_config(target, keep, args.segment_rows, args.epochs),
+            ("results/draft",),
+        )
+        for mode, keep in (("offline", True), ("segments", False))
+    ]
+    return base, runs
+
+
+def default_runs(args) -> tuple[Path, list[dict]]:
+    """The embedded default from a finished build (benchmarks/bench_default.py's work
+    directory): offline re-trains its kept shards in segment order (capture seconds: the
+    build's own capture jobs), segment mode captures every segment again each epoch. Both
+    build everything, the held-out bench included."""
+    base = args.default
+    capture_s = sum(
+        float(t.read_text().splitlines()[1].split("\t")[0])
+        for t in (base / "benchmarks" / "jobs" / "capture").glob("*.tsv")
+    )
+    runs = []
+    for mode, keep in (("offline", True), ("segments", False)):
+        run = run_mode(base, args.work / mode, keep, default_config(keep, args.segment_rows), ())
+        if keep:
+            run["job_s"]["capture"] = round(capture_s, 1)
+            run["peak_shard_bytes"] = sum(
+                p.stat().st_size for p in (base / "results" / "hidden").glob("*.safetensors")
+            )
+            run["peak_shard_files"] = len(list((base / "results" / "hidden").glob("*.safetensors")))
+        runs.append(run)
+    return base, runs
 
 
 def main() -> None:
@@ -195,23 +272,19 @@ def main() -> None:
     ap.add_argument("--work", type=Path, default=ROOT / "benchmarks" / "work" / "segments")
     ap.add_argument("--segment-rows", type=int, default=16)
     ap.add_argument("--epochs", type=int, default=2)
+    ap.add_argument("--default", type=Path, help="a finished build of the embedded default")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     args = ap.parse_args()
-    from draftsmith.tinymodel import make_tiny_target
-
     for mode in ("offline", "segments"):  # the two runs start from the shared base each time
         shutil.rmtree(args.work / mode, ignore_errors=True)
-    target = args.work / "model"  # kept between invocations: the base resumes where it stopped
-    if not (target / "config.json").is_file():
-        make_tiny_target(target)
-    base = prepare(args.work, target, args.segment_rows, args.epochs)
-    runs = [
-        run_mode(base, args.work / mode, keep, target, args.segment_rows, args.epochs)
-        for mode, keep in (("offline", True), ("segments", False))
-    ]
+    if args.default:  # the run's own epochs: the schema's default
+        schema = yaml.safe_load((ROOT / "schemas" / "config.schema.yaml").read_text())
+        args.epochs = schema["properties"]["train"]["properties"]["epochs"]["default"]
+    base, runs = default_runs(args) if args.default else tiny_runs(args)
     f = cpu_facts()
     record = {
         "cpu": {**f.as_dict(), "describe": f.describe()},
+        "project": "embedded default" if args.default else "tiny",
         "rows": json.loads((base / "results" / "hidden" / "plan.json").read_text())["rows"],
         "segment_rows": args.segment_rows,
         "epochs": args.epochs,
@@ -221,7 +294,7 @@ def main() -> None:
         ),
         "losses_equal": losses(args.work / "offline") == losses(args.work / "segments"),
     }
-    name = f"segments_{record['cpu']['kind']}"
+    name = f"segments{'_default' if args.default else ''}_{record['cpu']['kind']}"
     atomic_write_json(args.out / f"{name}.json", record)
     atomic_write_text(args.out / f"{name}.md", render(record))
     print(render(record))
