@@ -492,6 +492,7 @@ def heldout_tau(run: Path, results: Path, cfg: dict, threads: int) -> dict:
     from draftsmith.bench import load_sets
     from draftsmith.engines.hf import load_models
     from draftsmith.prompts import prompt_turns
+    from draftsmith.settings import job
     from draftsmith.specdec import prompt_ids, speculative_generate, stop_ids, summarize
 
     done = run / "tau.json"
@@ -500,7 +501,8 @@ def heldout_tau(run: Path, results: Path, cfg: dict, threads: int) -> dict:
     torch.set_num_threads(threads)
     model, tokenizer, draft = load_models(results / "target", run / "draft", cfg, "cpu")
     bench = cfg["bench"]
-    rows = load_sets({**cfg, "bench": {**bench, "humaneval_size": 0, "files": []}})["heldout"]
+    only = {**cfg, "bench": {**bench, "humaneval_size": 0, "files": []}}
+    rows = load_sets(job(only, ("bench",)))["heldout"]
     stops, aux_ids = stop_ids(model, tokenizer), list(draft.config.aux_layer_ids)
     traces = [
         speculative_generate(

@@ -70,8 +70,9 @@ def run_one(cfg: dict, draft: str) -> dict:
     from draftsmith.bench import load_sets
     from draftsmith.benchfigures import set_figures
     from draftsmith.engines import engine as get
+    from draftsmith.settings import job
 
-    sets = load_sets(cfg)
+    sets = load_sets(job(cfg, ("bench",)))
     t0 = time.perf_counter()
     raw, info = get("bench", cfg["bench"]["backend"])(
         sets, cfg, target="results/target", draft=draft, threads=2

@@ -33,6 +33,7 @@ import json
 import logging
 from pathlib import Path
 
+from draftsmith import settings
 from draftsmith.benchfigures import bench_figures
 from draftsmith.common import (
     atomic_path,
@@ -47,43 +48,41 @@ from draftsmith.common import (
 from draftsmith.gate import GateError, check_gate, gate, gate_line  # noqa: F401 (re-exported)
 from draftsmith.offline import bench_entry as offline_estimate
 from draftsmith.offline import text as offline_text
+from draftsmith.settings import BenchSettings, JobSettings
 
 log = logging.getLogger("draftsmith.bench")
 
 # ---------------------------------------------------------------- benchmark sets
 
 
-def load_sets(cfg: dict, skipped: dict | None = None) -> dict[str, list[dict]]:
+def load_sets(job: JobSettings, skipped: dict | None = None) -> dict[str, list[dict]]:
     """name -> conversations (each {"id", "source", "conversations"}), in report order;
-    `skipped`, when given, gets each file set's bad-row counts (draftsmith.benchinput)."""
+    `skipped`, when given, gets each file set's bad-row counts (draftsmith.benchinput). The
+    held-out rows come from the data section as given (draftsmith.prompts.load_sources)."""
     from draftsmith.prompts import SourceError, load_humaneval, load_sources, read_source
 
-    bench = cfg["bench"]
+    bench = job.bench
     sets: dict[str, list[dict]] = {}
     try:
-        if bench["heldout_size"]:
-            heldout = load_sources(cfg).heldout
-            if bench["heldout_size"] > len(heldout):
+        if bench.heldout_size:
+            heldout = load_sources(job.given).heldout
+            if bench.heldout_size > len(heldout):
                 raise SystemExit(
-                    f"bench.heldout_size={bench['heldout_size']} but data.heldout_rows holds "
+                    f"bench.heldout_size={bench.heldout_size} but data.heldout_rows holds "
                     f"only {len(heldout)} rows; raise data.heldout_rows or lower heldout_size"
                 )
-            sets["heldout"] = heldout[: bench["heldout_size"]]
-        if bench["humaneval_size"]:
-            sets["humaneval"] = load_humaneval(bench["humaneval_size"])
-        for spec in bench["files"]:
-            name = spec["name"]
+            sets["heldout"] = heldout[: bench.heldout_size]
+        if bench.humaneval_size:
+            sets["humaneval"] = load_humaneval(bench.humaneval_size)
+        for spec in bench.files:
+            name = spec.name
             if not name or name in sets:
                 raise SystemExit(f"bench.files: set name {name!r} is empty or used twice")
             rows, report = read_source(
-                {
-                    "format": spec["format"],
-                    "path": spec["path"],
-                    "max_rows": spec["size"],
-                }
+                {"format": spec.format, "path": spec.path, "max_rows": spec.size}
             )
             if not rows:
-                raise SystemExit(f"bench.files: {spec['path']} has no valid rows ({report})")
+                raise SystemExit(f"bench.files: {spec.path} has no valid rows ({report})")
             sets[name] = rows
             if skipped is not None:
                 skipped[name] = report
@@ -455,6 +454,7 @@ def main(argv: list[str] | None = None) -> None:
     # run settings only for the sections this job was given (not the trainer's train keys,
     # which would hide the draft's own train section from the report and its captions)
     cfg = merge_run(cfg, args.run, sections=tuple(cfg))
+    job = settings.job(cfg, ("bench",))
 
     import matplotlib
 
@@ -465,33 +465,32 @@ def main(argv: list[str] | None = None) -> None:
     from draftsmith.target import fingerprint
 
     matplotlib.use("Agg")
-    bench = cfg["bench"]
-    # x-omit-default: absent at 0; the Snakefile refuses the same (config.check_config)
-    refuse_sampling(bench)
+    bench = job.bench
+    refuse_sampling(bench)  # the Snakefile refuses the same (config.check_config)
     skipped: dict[str, dict] = {}
-    sets = load_sets(cfg, skipped)
+    sets = load_sets(job, skipped)
     sets, screened = screen_sets(sets, skipped, args.target, cfg)
     records = read_metrics(args.metrics)
     try:
-        bench_sets = engine("bench", bench["backend"])
+        bench_sets = engine("bench", bench.backend)
     except EngineError as e:
         raise SystemExit(str(e)) from None
-    log.info("sets: %s; backend %s", {n: len(r) for n, r in sets.items()}, bench["backend"])
+    log.info("sets: %s; backend %s", {n: len(r) for n, r in sets.items()}, bench.backend)
     meter = LoadMeter()
-    with stop_guard("bench", bench["backend"]), meter.phase("run"):
+    with stop_guard("bench", bench.backend), meter.phase("run"):
         measured, info = bench_sets(
             sets, cfg, target=args.target, draft=args.draft, threads=args.threads
         )
     results = bench_figures(measured)
     judge_speedups(results, meter.summary(), int(info.get("threads") or args.threads or 1))
     log_figures(results)
-    verdict = check_gate(results, float(bench["tau_floor"]))
+    verdict = check_gate(results, float(bench.tau_floor))
     if not verdict["passed"]:
-        if not bench["smoke"]:
+        if not bench.smoke:
             raise GateError(verdict["message"])
         log.warning("bench.smoke is true: not enforcing the gate. %s", verdict["message"])
     report = {
-        "gate": {**verdict, "smoke": bool(bench["smoke"])},
+        "gate": {**verdict, "smoke": bench.smoke},
         "sets": results,
         "config": {**training_config(args.draft), **cfg},
         **info,
@@ -521,16 +520,14 @@ def main(argv: list[str] | None = None) -> None:
         write_captions(report, args.captions)
 
 
-def refuse_sampling(bench: dict) -> None:
+def refuse_sampling(bench: BenchSettings) -> None:
     """bench.temperature > 0 on an engine that benchmarks greedy only (the Snakefile refuses the
-    same: config.check_config; x-omit-default: absent at 0)."""
+    same: config.check_config)."""
     from draftsmith.config import engines_text, honours
 
-    if float(bench.get("temperature", 0)) > 0 and not honours(
-        bench["backend"], "bench.temperature"
-    ):
+    if bench.temperature > 0 and not honours(bench.backend, "bench.temperature"):
         raise SystemExit(
-            f"bench.temperature {bench['temperature']}: the {bench['backend']} engine benchmarks "
+            f"bench.temperature {bench.temperature}: the {bench.backend} engine benchmarks "
             f"greedy only; sampling runs in the {engines_text('bench.temperature', ' or ')} engine"
         )
 

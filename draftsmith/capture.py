@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from draftsmith import settings
 from draftsmith.capture_base import CaptureError
 from draftsmith.common import init_logging, merge_run, parse_cfg, versions
 from draftsmith.config import aux_layer_ids, parse_range
@@ -129,29 +130,28 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--run", default="", help="run settings JSON (default: $DRAFTSMITH_RUN)")
     args = ap.parse_args(argv)
     log = init_logging("draftsmith.capture")
-    cfg = merge_run(parse_cfg(args.cfg), args.run)
-    if "capture" not in cfg:
-        raise SystemExit("--cfg has no `capture` section")
+    job = settings.job(merge_run(parse_cfg(args.cfg), args.run), ("capture",))
     from draftsmith.engines import stop_guard
 
-    with stop_guard("capture", cfg["capture"]["backend"]):
-        run(args, cfg, log)
+    with stop_guard("capture", job.capture.backend):
+        run(args, job, log)
 
 
-def run(args, cfg: dict, log) -> None:
-    """The capture job after its arguments: storage checks, the engine's shard, the log."""
-    cap = cfg["capture"]
-    dtype = cap["dtype"]
+def run(args, job: settings.JobSettings, log) -> None:
+    """The capture job after its arguments: storage checks, the engine's shard, the log. The
+    engine gets the sections as given (`job.given`), its seam's contract."""
+    cap = job.capture
+    dtype = cap.dtype
     if dtype not in STORAGE_DTYPES:
         raise SystemExit(f"capture.dtype {dtype!r} is not one of {list(STORAGE_DTYPES)}")
     try:
-        storage = Storage.from_config(cap.get("storage"))
+        storage = Storage.from_config(cap.storage.as_dict())
     except StorageError as e:
         raise SystemExit(f"error: {e}") from None
     from draftsmith import target as tgt
     from draftsmith.engines import engine, engine_inputs
 
-    declared = engine_inputs(cap["backend"], "capture")
+    declared = engine_inputs(cap.backend, "capture")
     extra = {n: getattr(args, n) for n in declared if getattr(args, n) is not None}
     extra["draft_ids"] = draft_vocab_ids(storage, args.vocab)
 
@@ -167,11 +167,11 @@ def run(args, cfg: dict, log) -> None:
             )
         text_cfg = tgt.target_config(args.target)
         n_layers = int(text_cfg["num_hidden_layers"])
-        ids = aux_layer_ids(cap["aux_layer_ids"], n_layers)
+        ids = aux_layer_ids(cap.aux_layer_ids, n_layers)
         need = shard_size(tokens, text_cfg, dtype, storage, len(ids))
         check_free_space(args.out, need)
         fp = tgt.fingerprint(args.target)
-        capture_range = engine("capture", cap["backend"])
+        capture_range = engine("capture", cap.backend)
         log.info(
             "%s: %d rows, %d tokens, aux ids %s of %d layers, storage %s, backend %s",
             args.out.stem,
@@ -180,11 +180,11 @@ def run(args, cfg: dict, log) -> None:
             ids,
             n_layers,
             storage.name(dtype),
-            cap["backend"],
+            cap.backend,
         )
         manifest = capture_range(
             tokens,
-            cfg,
+            job.given,
             target=args.target,
             out=args.out,
             ids=ids,

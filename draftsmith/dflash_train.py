@@ -18,38 +18,31 @@ final state are read: the shards' teacher part goes unused.
 
 from __future__ import annotations
 
-from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
-import yaml
 from torch import nn
 
 from draftsmith.dflash_model import DFlashConfig, DFlashDraft
 
-
-def dflash_cfg(cfg: dict) -> dict:
-    """draft.dflash over the schema's default (x-omit-default: a job's config lacks the section
-    at its default)."""
-    path = Path(__file__).resolve().parents[1] / "schemas" / "config.schema.yaml"
-    schema = yaml.safe_load(path.read_text())
-    default = schema["properties"]["draft"]["properties"]["dflash"]["default"]
-    return {**default, **((cfg.get("draft") or {}).get("dflash") or {})}
+if TYPE_CHECKING:
+    from draftsmith.settings import JobSettings
 
 
-def build_draft(cfg: dict, inputs) -> DFlashDraft:
+def build_draft(job: JobSettings, inputs) -> DFlashDraft:
     """The draft for the target of `inputs` (draftsmith.traindata.Inputs): block size
     train.ttt_steps + 1, the configured aux layer ids (capture.aux_layer_ids)."""
-    d = dflash_cfg(cfg)
+    d = job.draft.dflash
     dcfg = DFlashConfig.from_target_config(
         inputs.target_cfg,
         inputs.aux_ids,
-        layers=d["layers"],
-        block_size=cfg["train"]["ttt_steps"] + 1,
-        mask_token_id=d["mask_token_id"],
+        layers=d.layers,
+        block_size=job.train.ttt_steps + 1,
+        mask_token_id=d.mask_token_id,
     )
     draft = DFlashDraft(dcfg)
-    if cfg["draft"]["init_from_target"]:
+    if job.draft.init_from_target:
         with torch.no_grad():  # the target's final norm, as it applies it, before its lm_head
             from draftsmith.families import effective_norm_weight
 
@@ -126,10 +119,10 @@ class DFlashObjective(nn.Module):
         return torch.stack(ce), torch.stack(correct)
 
 
-def objective(draft: DFlashDraft, cfg: dict, inputs, device) -> DFlashObjective:
-    heads, d = inputs.heads, dflash_cfg(cfg)
+def objective(draft: DFlashDraft, job: JobSettings, inputs, device) -> DFlashObjective:
+    heads, d = inputs.heads, job.draft.dflash
     embed, lm_head = heads["embed"].to(device), heads["lm_head"].to(device)
-    return DFlashObjective(draft, embed, lm_head, d["anchors"], d["decay"])
+    return DFlashObjective(draft, embed, lm_head, d.anchors, d.decay)
 
 
 def batch_losses(model, b, aux: torch.Tensor, gen: torch.Generator, device):

@@ -47,11 +47,15 @@ import logging
 import math
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from draftsmith.common import atomic_write_json
 from draftsmith.model import Eagle3Draft, TTTCache, block_causal_mask
+
+if TYPE_CHECKING:
+    from draftsmith.settings import BenchSettings
 
 log = logging.getLogger("draftsmith.train")
 
@@ -230,7 +234,7 @@ def write(path: Path, report: dict) -> None:
     log.info("offline acceptance estimate -> %s: tau_est %s", path, report.get("tau_est_by_k"))
 
 
-def for_run(cfg: dict, draft: Eagle3Draft, inputs, rows: list, path: Path) -> None:
+def for_run(steps: int, draft: Eagle3Draft, inputs, rows: list, path: Path) -> None:
     """The trainer's call: estimate on the held-out rows (K = train.ttt_steps) and write it;
     without held-out rows, a file that says why there is no estimate."""
     if not rows:
@@ -239,7 +243,6 @@ def for_run(cfg: dict, draft: Eagle3Draft, inputs, rows: list, path: Path) -> No
     t0 = time.perf_counter()
     device = next(draft.parameters()).device
     embed = inputs.heads["embed"].to(device)
-    steps = int(cfg["train"]["ttt_steps"])
     found = estimate(draft, embed, inputs.heads["lm_head"], inputs.shards, rows, steps)
     write(path, {**found, "seconds": round(time.perf_counter() - t0, 2)})
 
@@ -293,7 +296,7 @@ def text(cmp: dict | None) -> str:
     )
 
 
-def bench_entry(path: Path | None, sets: dict, bench: dict) -> dict | None:
+def bench_entry(path: Path | None, sets: dict, bench: BenchSettings) -> dict | None:
     """report.json's `offline_estimate`: `compare` of the training run's file (None without)."""
     if path is None:
         return None
@@ -301,5 +304,4 @@ def bench_entry(path: Path | None, sets: dict, bench: dict) -> dict | None:
         offline = json.loads(Path(path).read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise SystemExit(f"{path}: cannot read the offline acceptance estimate ({e})") from None
-    sampling = float(bench.get("temperature", 0)) > 0  # x-omit-default: absent at 0
-    return compare(offline, sets, int(bench["num_steps"]), sampling)
+    return compare(offline, sets, bench.num_steps, bench.temperature > 0)

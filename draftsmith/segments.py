@@ -19,7 +19,12 @@ Nothing here imports torch at module level (the Snakefile imports it when it par
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from draftsmith.config import parse_range
+
+if TYPE_CHECKING:
+    from draftsmith.settings import TrainSettings
 
 
 def segment_of(range_name: str, segment_rows: int) -> int:
@@ -66,17 +71,17 @@ def pack_order(order: list[int], lengths: list[int], pack_len: int, per_batch: i
     return batches
 
 
-def packs_per_batch(pack_len: int, tcfg: dict) -> int:
-    per_batch = tcfg["batch_tokens"] // pack_len
+def packs_per_batch(pack_len: int, tcfg: TrainSettings) -> int:
+    per_batch = tcfg.batch_tokens // pack_len
     if per_batch < 1:
         raise SystemExit(
-            f"train.batch_tokens {tcfg['batch_tokens']} is smaller than the longest "
+            f"train.batch_tokens {tcfg.batch_tokens} is smaller than the longest "
             f"row ({pack_len} tokens); raise it"
         )
     return per_batch
 
 
-def plan_segmented(lengths: list[int], segs: list[int], tcfg: dict):
+def plan_segmented(lengths: list[int], segs: list[int], tcfg: TrainSettings):
     """(plans, pack_len, bounds): plans[epoch] = batches -> packs -> row indices; bounds[epoch]
     [segment] = (first batch, end batch) of that segment in the epoch. `segs[r]` is row r's
     segment; a segment with no training row gets an empty slice."""
@@ -87,10 +92,10 @@ def plan_segmented(lengths: list[int], segs: list[int], tcfg: dict):
     n_seg = max(segs) + 1
     members = [[r for r, s in enumerate(segs) if s == k] for k in range(n_seg)]
     plans, bounds = [], []
-    for epoch in range(tcfg["epochs"]):
+    for epoch in range(tcfg.epochs):
         batches, where = [], []
         for k, rows in enumerate(members):
-            gen = torch.Generator().manual_seed((tcfg["seed"] * 1_000_003 + epoch) * 10_007 + k)
+            gen = torch.Generator().manual_seed((tcfg.seed * 1_000_003 + epoch) * 10_007 + k)
             order = [rows[i] for i in torch.randperm(len(rows), generator=gen).tolist()]
             start = len(batches)
             batches += pack_order(order, lengths, pack_len, per_batch)

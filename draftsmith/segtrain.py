@@ -42,10 +42,11 @@ from draftsmith.common import (
     sha256_file,
     versions,
 )
-from draftsmith.config import execution_defaults
 from draftsmith.hardware import cpu_facts, resolve_precision
 from draftsmith.offline import for_run as offline_estimate
 from draftsmith.segments import plan_segmented, segment_of, step_span
+from draftsmith.settings import JobSettings
+from draftsmith.settings import job as job_settings
 from draftsmith.stopping import stop_promptly
 from draftsmith.train import (
     Progress,
@@ -55,6 +56,7 @@ from draftsmith.train import (
     finish,
     log_stop,
     pick_device,
+    recorded,
     resume,
     step_helpers,
     train_step,
@@ -86,9 +88,9 @@ def parse_segment(name: str) -> tuple[int, int]:
         raise SystemExit(f"--segment {name!r}: expected epochEEE-segSSSS") from None
 
 
-def segment_data(cfg, inputs, shard_paths, token_files, segment, run_dir, device):
+def segment_data(job: JobSettings, inputs, shard_paths, token_files, segment, run_dir, device):
     """(Data whose rows index this job's shards, [first, end) global steps of the segment)."""
-    tcfg, seg_rows = cfg["train"], cfg["train"]["segment_rows"]
+    tcfg, seg_rows = job.train, job.train.segment_rows
     names, rows = token_rows(token_files)
     local = {p.stem: i for i, p in enumerate(shard_paths)}
     for p, sh in zip(shard_paths, inputs.shards, strict=True):
@@ -99,14 +101,14 @@ def segment_data(cfg, inputs, shard_paths, token_files, segment, run_dir, device
     segs = [segment_of(names[g], seg_rows) for g, _, _ in rows]
     plans, pack_len, bounds = plan_segmented([b - a for _, a, b in rows], segs, tcfg)
     total = sum(len(p) for p in plans)
-    total = min(total, tcfg["max_steps"]) if tcfg["max_steps"] else total
+    total = min(total, tcfg.max_steps) if tcfg.max_steps else total
     span = step_span(plans, bounds, *segment, total)
     in_job = [(local.get(names[g], -1), a, b) for g, a, b in rows]
     b0, b1 = bounds[segment[0]][segment[1]]
     if any(in_job[r][0] < 0 for batch in plans[segment[0]][b0:b1] for pack in batch for r in pack):
         raise SystemExit(f"segment {segment}: its batches read rows outside --shards")
     job_names = [p.stem for p in shard_paths]
-    all_positions = tcfg.get("loss_positions", "assistant") == "all"
+    all_positions = tcfg.loss_positions == "all"
     ok = teacher_flags(
         inputs.shards, job_names, inputs.heads, inputs.t2d, run_dir, 0, 1, device, all_positions
     )
@@ -143,40 +145,42 @@ def start_from(run_dir: Path, key: str, draft, opt, prev: Path | None, first: in
     return pos
 
 
-def train_segment(cfg: dict, args, progress: Progress) -> None:
+def train_segment(job: JobSettings, args, progress: Progress) -> None:
     """Run one (epoch, segment) and write its checkpoint to args.out."""
     facts = cpu_facts()
     device = pick_device(args.device)
     torch.use_deterministic_algorithms(True, warn_only=True)
-    precision, why = resolve_precision(cfg["train"]["precision"], device.type, facts)
+    precision, why = resolve_precision(job.train.precision, device.type, facts)
     shard_paths = sorted(args.shards)
-    inputs = check_inputs(cfg, shard_paths, args.vocab, args.target, args.state, 0)
-    key = segment_key(cfg, shard_paths, args.vocab, args.target, precision, args.segment, args.prev)
+    inputs = check_inputs(job, shard_paths, args.vocab, args.target, args.state, 0)
+    key = segment_key(
+        job.given, shard_paths, args.vocab, args.target, precision, args.segment, args.prev
+    )
     run_dir = args.state / key
     run_dir.mkdir(parents=True, exist_ok=True)
     remove_stale_temps(run_dir, ".tmp-step-")  # staging dirs of a killed job
     remove_stale_temps(args.out.parent, f".tmp-{args.out.name}-")
     segment = parse_segment(args.segment)
     data, (first, end) = segment_data(
-        cfg, inputs, shard_paths, args.tokens, segment, run_dir, device
+        job, inputs, shard_paths, args.tokens, segment, run_dir, device
     )
-    draft, opt = build_draft(cfg, inputs, device)
+    draft, opt = build_draft(job, inputs, device)
     pos = start_from(run_dir, key, draft, opt, args.prev, first)
     progress.__dict__.update(pos.__dict__)
     pos = progress
-    s = step_helpers(cfg, inputs, draft, opt, device, precision, 1)
+    s = step_helpers(job, inputs, draft, opt, device, precision, 1)
     before = sum(len(p) for p in data.plans[: segment[0]])
     log.info("segment %s: steps %d..%d of %d, run %s", args.segment, first, end, data.total, key)
-    meta = {"key": key, "segment": args.segment, "config": cfg, "total_steps": data.total}
+    meta = {"key": key, "segment": args.segment, "config": job.given, "total_steps": data.total}
     meta["precision"] = {"resolved": precision, "why": why, "cpu": facts.as_dict()}
     meta["pack_len"] = data.pack_len
     while pos.step < end:
         pos.epoch, pos.batch = segment[0], pos.step - before
-        record = train_step(s, cfg, inputs, data, pos, 0, 1)
+        record = train_step(s, job.train, inputs, data, pos, 0, 1)
         pos.step, pos.batch = pos.step + 1, pos.batch + 1
         with open(run_dir / "metrics.jsonl", "a") as f:
             f.write(json.dumps(record) + "\n")
-        if checkpoint_due(cfg["train"], pos, end):
+        if checkpoint_due(job.train, pos, end):
             save_checkpoint(
                 run_dir, pos.step, draft, opt, {**meta, "epoch": pos.epoch, "batch": pos.batch}
             )
@@ -192,10 +196,10 @@ def train_segment(cfg: dict, args, progress: Progress) -> None:
     log.info("segment %s done at step %d -> %s", args.segment, pos.step, args.out)
 
 
-def export_last(cfg: dict, args) -> None:
+def export_last(job: JobSettings, args) -> None:
     """The draft of the last segment's checkpoint, exported as draftsmith.train exports."""
-    inputs = frozen_inputs(cfg, args.vocab, args.target)
-    draft, opt = build_draft(cfg, inputs, torch.device("cpu"))
+    inputs = frozen_inputs(job, args.vocab, args.target)
+    draft, opt = build_draft(job, inputs, torch.device("cpu"))
     meta = load_checkpoint(args.ckpt, draft, opt)
     if meta["step"] != meta["total_steps"]:
         raise SystemExit(f"{args.ckpt}: step {meta['step']} of {meta['total_steps']}: not the last")
@@ -203,19 +207,20 @@ def export_last(cfg: dict, args) -> None:
     manifests = {p.stem: json.loads(p.read_text()) for p in sorted(args.manifests)}
     provenance = {
         "key": meta["key"],
-        "config": cfg,
+        "config": job.given,
         "total_steps": meta["total_steps"],
         "pack_len": meta["pack_len"],
-        "precision": {"configured": cfg["train"]["precision"], **meta["precision"]},
-        "segments": {"segment_rows": cfg["train"]["segment_rows"], "last": meta["segment"]},
+        "precision": {"configured": job.train.precision, **meta["precision"]},
+        "segments": {"segment_rows": job.train.segment_rows, "last": meta["segment"]},
         "shards": {n: m.get("tensor_sha256") for n, m in manifests.items()},
         "vocab_sha256": sha256_file(args.vocab),
         "target_fingerprint": inputs.fingerprint,
         "versions": versions(),
     }
-    offline_estimate(cfg, draft, inputs, [], args.offline)  # eval_rows is 0 here (config)
+    steps = job.train.ttt_steps
+    offline_estimate(steps, draft, inputs, [], args.offline)  # eval_rows is 0 here (config)
     longest = max(b - a for _, a, b in rows)
-    finish(draft, provenance, args.target, args.out, args.ckpt, args.metrics, longest)
+    finish(draft, provenance, steps, (args.target, args.out, args.ckpt, args.metrics), longest)
 
 
 def parse_args(argv):
@@ -251,20 +256,17 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     init_logging("draftsmith.train")
     cfg = merge_run(parse_cfg(args.cfg), sections=("train",))
-    for section in ("train", "draft", "capture"):
-        if section not in cfg:
-            raise SystemExit(f"--cfg has no {section!r} section")
-    cfg["train"] = {**execution_defaults("train"), **cfg["train"]}
-    if not cfg["train"].get("segment_rows"):
+    job = recorded(job_settings(cfg, ("train", "draft", "capture")))
+    if not job.train.segment_rows:
         raise SystemExit("--cfg: train.segment_rows is not set (segment mode needs it)")
     set_threads(args.threads)
     if args.command == "export":
-        export_last(cfg, args)
+        export_last(job, args)
         return
     progress = Progress()
     with stop_promptly("draftsmith.train", lambda sig: log_stop(progress)):
         bound_cpu_memory()
-        train_segment(cfg, args, progress)
+        train_segment(job, args, progress)
 
 
 if __name__ == "__main__":

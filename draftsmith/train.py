@@ -47,7 +47,7 @@ import resource
 import shutil
 import time
 from contextlib import nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -81,6 +81,8 @@ from draftsmith.layout import text_config
 from draftsmith.model import DraftConfig, Eagle3Draft
 from draftsmith.offline import for_run as offline_estimate
 from draftsmith.repair import keep_last_good
+from draftsmith.settings import JobSettings, TrainSettings
+from draftsmith.settings import job as job_settings
 from draftsmith.stopping import stop_promptly
 from draftsmith.traindata import (  # noqa: F401 (target_tensors, run_key: public here too)
     Data,
@@ -146,40 +148,40 @@ class Progress:
     run_dir: Path | None = None
 
 
-def build_draft(cfg: dict, inputs: Inputs, device):
+def build_draft(job: JobSettings, inputs: Inputs, device):
     """The seeded draft (lm_head and norm from the target's with draft.init_from_target) and
     its optimizer."""
-    torch.manual_seed(cfg["train"]["seed"])
-    attention = cfg["draft"].get("attention", "llama")  # x-omit-default
-    own = algorithms.part(algorithms.of_config(cfg), "TRAINER")
+    torch.manual_seed(job.train.seed)
+    attention, algorithm = job.draft.attention, algorithms.get(job.draft.algorithm)
+    own = algorithms.part(algorithm, "TRAINER")
     if own is not None:  # an algorithm with its own draft module (dflash)
         if attention != "llama":
             raise SystemExit(
                 f"error: draft.attention {attention!r}: the "
-                f"{algorithms.of_config(cfg).NAME} draft has no attention variant"
+                f"{algorithm.NAME} draft has no attention variant"
             )
-        draft = own.build_draft(cfg, inputs).to(device)
-        return draft, torch.optim.AdamW(draft.parameters(), lr=cfg["train"]["lr"], weight_decay=0.0)
+        draft = own.build_draft(job, inputs).to(device)
+        return draft, torch.optim.AdamW(draft.parameters(), lr=job.train.lr, weight_decay=0.0)
     try:
         dcfg = DraftConfig.from_target_config(
             inputs.target_cfg,
-            cfg["draft"]["vocab_size"],
+            job.draft.vocab_size,
             inputs.aux_ids,
             attention=attention,
-            algorithm=algorithms.of_config(cfg).NAME,  # draft.algorithm (x-omit-default)
+            algorithm=algorithm.NAME,
         )
     except ValueError as e:  # e.g. draft.attention mla for a target without MLA fields
         raise SystemExit(f"error: {e}") from None
     draft = Eagle3Draft(dcfg)
     draft.set_vocab(inputs.d2t, inputs.t2d)
     hot = inputs.d2t + torch.arange(inputs.d2t.shape[0])
-    if cfg["draft"]["init_from_target"]:
+    if job.draft.init_from_target:
         with torch.no_grad():
             draft.lm_head.weight.copy_(inputs.heads["lm_head"][hot])
             # a Gemma-style target applies its norm as 1 + w; the draft's norm is x * w
             draft.norm.weight.copy_(effective_norm_weight(inputs.heads["norm"], inputs.target_cfg))
     draft.to(device)
-    opt = torch.optim.AdamW(draft.parameters(), lr=cfg["train"]["lr"], weight_decay=0.0)
+    opt = torch.optim.AdamW(draft.parameters(), lr=job.train.lr, weight_decay=0.0)
     return draft, opt
 
 
@@ -214,12 +216,13 @@ class Step:
     own: object = None  # the algorithm's TRAINER module (dflash), None for EAGLE-3's
 
 
-def train_step(s: Step, cfg: dict, inputs: Inputs, data: Data, pos: Progress, rank, world) -> dict:
+def train_step(
+    s: Step, tcfg: TrainSettings, inputs: Inputs, data: Data, pos: Progress, rank, world
+) -> dict:
     """One optimizer step on batch `pos.batch` of epoch `pos.epoch`; its metrics record."""
-    tcfg, steps = cfg["train"], cfg["train"]["ttt_steps"]
-    hidden = s.draft.config.target_hidden_size
+    steps, hidden = tcfg.ttt_steps, s.draft.config.target_hidden_size
     t0 = time.perf_counter()
-    lr = lr_at(pos.step, data.total, tcfg["lr"], tcfg["warmup_ratio"])
+    lr = lr_at(pos.step, data.total, tcfg.lr, tcfg.warmup_ratio)
     for g in s.opt.param_groups:
         g["lr"] = lr
     packs = [
@@ -231,9 +234,9 @@ def train_step(s: Step, cfg: dict, inputs: Inputs, data: Data, pos: Progress, ra
     ]
     b = pack_batch(packs, steps, len(inputs.aux_ids) * hidden, hidden)
     aux = b.aux
-    gen = torch.Generator().manual_seed(tcfg["seed"] * 7919 + pos.step * 104729 + rank)
-    if tcfg["noise_std"] > 0:
-        aux = aux + (torch.rand(aux.shape, generator=gen) * 2 - 1) * tcfg["noise_std"] * 3**0.5
+    gen = torch.Generator().manual_seed(tcfg.seed * 7919 + pos.step * 104729 + rank)
+    if tcfg.noise_std > 0:
+        aux = aux + (torch.rand(aux.shape, generator=gen) * 2 - 1) * tcfg.noise_std * 3**0.5
     if s.own is not None:  # the algorithm's own objective (dflash)
         with s.autocast:
             ce, correct, counts, weights = s.own.batch_losses(s.model, b, aux, gen, s.device)
@@ -274,24 +277,24 @@ def train_step(s: Step, cfg: dict, inputs: Inputs, data: Data, pos: Progress, ra
     }
 
 
-def checkpoint_due(tcfg: dict, pos: Progress, total: int) -> bool:
+def checkpoint_due(tcfg: TrainSettings, pos: Progress, total: int) -> bool:
     """At the end, every `checkpoint_every` steps, and once `checkpoint_seconds` have passed
     since the last one (a stop then loses at most about that much work on any CPU)."""
-    every, seconds = tcfg["checkpoint_every"], tcfg["checkpoint_seconds"]
+    every, seconds = tcfg.checkpoint_every, tcfg.checkpoint_seconds
     if pos.step == total or (every and pos.step % every == 0):
         return True
     return bool(seconds) and time.monotonic() - pos.saved_at >= seconds
 
 
-def step_helpers(cfg: dict, inputs: Inputs, draft, opt, device, precision: str, world) -> Step:
+def step_helpers(job: JobSettings, inputs: Inputs, draft, opt, device, precision: str, world):
     hot = inputs.d2t + torch.arange(inputs.d2t.shape[0])
     draft_index = torch.full((inputs.t2d.shape[0],), -1, dtype=torch.long)
     draft_index[hot] = torch.arange(hot.shape[0])  # target id -> draft id (top-k teachers)
-    own = algorithms.part(algorithms.of_config(cfg), "TRAINER")
+    own = algorithms.part(algorithms.get(job.draft.algorithm), "TRAINER")
     if own is not None:
-        model = own.objective(draft, cfg, inputs, device)
+        model = own.objective(draft, job, inputs, device)
     else:
-        model = TTTObjective(draft, cfg["train"]["ttt_steps"])
+        model = TTTObjective(draft, job.train.ttt_steps)
     if world > 1:
         model = torch.nn.parallel.DistributedDataParallel(model, broadcast_buffers=False)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16")
@@ -308,14 +311,14 @@ def step_helpers(cfg: dict, inputs: Inputs, draft, opt, device, precision: str, 
     )
 
 
-def layer_ids(cfg: dict, target_dir: Path) -> list[int]:
+def layer_ids(job: JobSettings, target_dir: Path) -> list[int]:
     """capture.aux_layer_ids resolved for the target (SGLang numbering)."""
     n = text_config(json.loads((Path(target_dir) / "config.json").read_text()))["num_hidden_layers"]
-    return aux_layer_ids(cfg["capture"]["aux_layer_ids"], int(n))
+    return aux_layer_ids(job.capture.aux_layer_ids, int(n))
 
 
 def train(
-    cfg: dict,
+    job: JobSettings,
     shard_paths: list[Path],
     vocab_path: Path,
     target_dir: Path,
@@ -326,32 +329,30 @@ def train(
     progress: Progress | None = None,
     offline_path: Path | None = None,
 ) -> None:
-    tcfg = cfg["train"]
+    tcfg = job.train
     facts = cpu_facts()  # before the process group: it queries the CPU (cpuinfo, AMX)
     rank, world = dist_info()
     device = pick_device(device)
     torch.use_deterministic_algorithms(True, warn_only=True)
-    precision, why = resolve_precision(tcfg["precision"], device.type, facts)
+    precision, why = resolve_precision(tcfg.precision, device.type, facts)
     log.info("precision %s (%s)", precision, why)
-
-    # x-omit-default: a config without the key gets warnings only, as before it
     try:
-        serve_gate(target_dir, cfg["draft"].get("serve_check", "warn"), layer_ids(cfg, target_dir))
+        serve_gate(target_dir, job.draft.serve_check, layer_ids(job, target_dir))
     except (ExportError, ValueError) as e:
         raise SystemExit(str(e)) from None
-    inputs = check_inputs(cfg, shard_paths, vocab_path, target_dir, state_root, rank)
+    inputs = check_inputs(job, shard_paths, vocab_path, target_dir, state_root, rank)
     if world > 1:
         torch.distributed.barrier()
-    key = run_key(cfg, shard_paths, vocab_path, target_dir, precision)
+    key = run_key(job.given, shard_paths, vocab_path, target_dir, precision)
     run_dir = state_root / key
     run_dir.mkdir(parents=True, exist_ok=True)
-    data = prepare_run(cfg, inputs, shard_paths, run_dir, rank, world, device)
-    draft, opt = build_draft(cfg, inputs, device)
+    data = prepare_run(job, inputs, shard_paths, run_dir, rank, world, device)
+    draft, opt = build_draft(job, inputs, device)
     pos = resume(run_dir, key, draft, opt, rank)
     if progress is not None:  # the stop watcher's view of this run
         progress.__dict__.update(pos.__dict__)
         pos = progress
-    s = step_helpers(cfg, inputs, draft, opt, device, precision, world)
+    s = step_helpers(job, inputs, draft, opt, device, precision, world)
     log.info(
         "run %s: %d rows, %d steps, pack length %d, %d process(es), device %s, precision %s",
         key,
@@ -367,7 +368,7 @@ def train(
         if pos.batch >= len(data.plans[pos.epoch]):
             pos.epoch, pos.batch = pos.epoch + 1, 0
             continue
-        record = train_step(s, cfg, inputs, data, pos, rank, world)
+        record = train_step(s, tcfg, inputs, data, pos, rank, world)
         pos.step, pos.batch = pos.step + 1, pos.batch + 1
         if rank == 0:
             with open(run_dir / "metrics.jsonl", "a") as f:
@@ -375,35 +376,36 @@ def train(
             bar.update(1)
             bar.set_postfix(loss=f"{record['loss']:.3f}", acc0=f"{record['acc_per_pos'][0]:.2f}")
             if checkpoint_due(tcfg, pos, data.total):
-                meta = {"key": key, "epoch": pos.epoch, "batch": pos.batch, "config": cfg}
+                meta = {"key": key, "epoch": pos.epoch, "batch": pos.batch, "config": job.given}
                 save_checkpoint(run_dir, pos.step, draft, opt, {**meta, "total_steps": data.total})
                 pos.saved_step, pos.saved_at = pos.step, time.monotonic()
     bar.close()
     if rank == 0:
         provenance = run_provenance(
-            cfg, key, data, (precision, why, facts), inputs, (shard_paths, vocab_path)
+            job, key, data, (precision, why, facts), inputs, (shard_paths, vocab_path)
         )
         longest = max((end - start for _, start, end in data.rows), default=0)
         if offline_path is not None:  # on the train.eval_rows rows (draftsmith.offline)
-            offline_estimate(cfg, draft, inputs, data.eval_rows, offline_path)
-        finish(draft, provenance, target_dir, out_dir, run_dir, metrics_path, longest)
+            offline_estimate(tcfg.ttt_steps, draft, inputs, data.eval_rows, offline_path)
+        paths = (target_dir, out_dir, run_dir, metrics_path)
+        finish(draft, provenance, tcfg.ttt_steps, paths, longest)
     if world > 1:
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()
 
 
-def run_provenance(cfg, key, data, precision, inputs, paths) -> dict:
+def run_provenance(job: JobSettings, key, data, precision, inputs, paths) -> dict:
     """What the exported draft records of its run: config, steps, the precision as resolved
     (`precision`: resolved, why, CPU facts), the sha256 of each shard and of the vocabulary
     (`paths`: shard paths, vocabulary path) and the target's fingerprint."""
     (resolved, why, facts), (shard_paths, vocab_path) = precision, paths
     return {
         "key": key,
-        "config": cfg,
+        "config": job.given,
         "total_steps": data.total,
         "pack_len": data.pack_len,
         "precision": {
-            "configured": cfg["train"]["precision"],
+            "configured": job.train.precision,
             "resolved": resolved,
             "why": why,
             "cpu": facts.as_dict(),
@@ -417,9 +419,11 @@ def run_provenance(cfg, key, data, precision, inputs, paths) -> dict:
     }
 
 
-def finish(draft, provenance: dict, target_dir, out_dir, run_dir, metrics_path, longest) -> None:
-    """Export the draft (SGLang layout, atomically) and copy the run's metrics out; say what
-    the target family means for it (RoPE not carried, engines that cannot serve it)."""
+def finish(draft, provenance: dict, num_tokens: int, paths, longest: int) -> None:
+    """Export the draft (SGLang layout, atomically; `num_tokens` = train.ttt_steps) and copy the
+    run's metrics out (`paths`: target, out and run directories, metrics file); say what the
+    target family means for it (RoPE not carried, engines that cannot serve it)."""
+    target_dir, out_dir, run_dir, metrics_path = paths
     family = target_family(target_dir, draft.config, longest)
     say_family(out_dir, family)
     export_draft(
@@ -428,7 +432,7 @@ def finish(draft, provenance: dict, target_dir, out_dir, run_dir, metrics_path, 
         {**provenance, "versions": versions()},
         embed=target_embedding(target_dir),
         verifier=verifier_ref(target_dir),
-        num_tokens=provenance["config"]["train"]["ttt_steps"],
+        num_tokens=num_tokens,
         family=family,
     )
     keep_last_good(out_dir)  # <out>.last-good/: outlives a failed rebuild
@@ -494,6 +498,14 @@ def log_stop(pos: Progress) -> None:
     )
 
 
+def recorded(job: JobSettings) -> JobSettings:
+    """`job` whose `given` train section (what provenance and checkpoints record) carries the
+    x-execution train keys a hand run's --cfg and DRAFTSMITH_RUN lack, at the schema's
+    defaults: the record the trainer wrote before the typed settings."""
+    train = {**execution_defaults("train"), **job.given["train"]}
+    return replace(job, given={**job.given, "train": train})
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(
         prog="python -m draftsmith.train",
@@ -513,10 +525,7 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     init_logging("draftsmith.train")
     cfg = merge_run(parse_cfg(args.cfg), sections=("train",))  # the x-execution train keys
-    for section in ("train", "draft", "capture"):
-        if section not in cfg:
-            raise SystemExit(f"--cfg has no {section!r} section")
-    cfg["train"] = {**execution_defaults("train"), **cfg["train"]}
+    job = recorded(job_settings(cfg, ("train", "draft", "capture")))
     progress = Progress()
     # under torchrun (WORLD_SIZE > 1) the elastic agent stops its workers itself (SIGTERM, whose
     # default action ends a rank at once)
@@ -530,7 +539,7 @@ def main(argv: list[str] | None = None) -> None:
         set_threads(args.threads)
         bound_cpu_memory()
         train(
-            cfg,
+            job,
             sorted(args.shards),
             args.vocab,
             args.target,

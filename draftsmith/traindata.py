@@ -17,6 +17,7 @@ import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -32,6 +33,9 @@ from draftsmith.shards import ShardError, open_shard, verify_cached
 from draftsmith.storage import StorageError, check_draft_vocab
 from draftsmith.ttt import teacher_ok
 from draftsmith.vocab import load_vocab
+
+if TYPE_CHECKING:
+    from draftsmith.settings import JobSettings, TrainSettings
 
 # train keys that do not change the result (and so do not change the run key)
 NON_SEMANTIC = ("role", "checkpoint_every", "checkpoint_seconds")
@@ -81,23 +85,23 @@ def prove_shards(shards, stamp_dir: Path) -> None:
     )
 
 
-def plan_epochs(lengths: list[int], cfg: dict) -> tuple[list[list[list[list[int]]]], int]:
+def plan_epochs(lengths: list[int], tcfg: TrainSettings) -> tuple[list, int]:
     """Per epoch: batches -> packs -> row indices (seeded, independent of the process count)."""
     pack_len = max(lengths)
-    per_batch = packs_per_batch(pack_len, cfg)
+    per_batch = packs_per_batch(pack_len, tcfg)
     plans = []
-    for epoch in range(cfg["epochs"]):
-        gen = torch.Generator().manual_seed(cfg["seed"] * 1_000_003 + epoch)
+    for epoch in range(tcfg.epochs):
+        gen = torch.Generator().manual_seed(tcfg.seed * 1_000_003 + epoch)
         order = torch.randperm(len(lengths), generator=gen).tolist()
         plans.append(pack_order(order, lengths, pack_len, per_batch))
     return plans, pack_len
 
 
-def plan_rows(rows, names: list[str], tcfg: dict):
+def plan_rows(rows, names: list[str], tcfg: TrainSettings):
     """(plans, pack_len) of the training rows: by segment (draftsmith.segments) when
     train.segment_rows is set, else every row shuffled per epoch (`plan_epochs`)."""
     lengths = [b - a for _, a, b in rows]
-    seg_rows = tcfg.get("segment_rows", 0)  # x-omit-default: absent at 0
+    seg_rows = tcfg.segment_rows
     if not seg_rows:
         return plan_epochs(lengths, tcfg)
     segs = [segment_of(names[s], seg_rows) for s, _, _ in rows]
@@ -152,11 +156,11 @@ class Data:
 
 
 def check_inputs(
-    cfg: dict, shard_paths: list[Path], vocab_path: Path, target_dir: Path, state_root: Path, rank
+    job: JobSettings, shard_paths: list[Path], vocab_path: Path, target_dir: Path, state_root, rank
 ) -> Inputs:
     """Target pieces, vocabulary and shards, with layer ids and target checked against the
     manifests and each shard's sha256 proven (rank 0)."""
-    frozen = frozen_inputs(cfg, vocab_path, target_dir)
+    frozen = frozen_inputs(job, vocab_path, target_dir)
     d2t = frozen.d2t
     expect = {"aux_layer_ids": frozen.aux_ids, "hidden_size": int(frozen.target_cfg["hidden_size"])}
     if frozen.fingerprint is not None:
@@ -176,16 +180,15 @@ def check_inputs(
     return frozen
 
 
-def frozen_inputs(cfg: dict, vocab_path: Path, target_dir: Path) -> Inputs:
+def frozen_inputs(job: JobSettings, vocab_path: Path, target_dir: Path) -> Inputs:
     """What training reads besides the shards: target config and pieces, the vocabulary
     (checked against draft.vocab_size), the target's fingerprint; `shards` left empty."""
     target_cfg = text_config(json.loads((target_dir / "config.json").read_text()))
-    ids = aux_layer_ids(cfg["capture"]["aux_layer_ids"], int(target_cfg["num_hidden_layers"]))
+    ids = aux_layer_ids(job.capture.aux_layer_ids, int(target_cfg["num_hidden_layers"]))
     d2t, t2d = load_vocab(vocab_path)
-    if d2t.shape[0] != cfg["draft"]["vocab_size"]:
+    if d2t.shape[0] != job.draft.vocab_size:
         raise SystemExit(
-            f"{vocab_path}: {d2t.shape[0]} draft tokens, draft.vocab_size is "
-            f"{cfg['draft']['vocab_size']}"
+            f"{vocab_path}: {d2t.shape[0]} draft tokens, draft.vocab_size is {job.draft.vocab_size}"
         )
     heads = target_tensors(target_dir)
     meta_file = target_dir / "draftsmith_target.json"
@@ -196,15 +199,14 @@ def frozen_inputs(cfg: dict, vocab_path: Path, target_dir: Path) -> Inputs:
 
 
 def prepare_run(
-    cfg: dict, inputs: Inputs, shard_paths: list[Path], run_dir: Path, rank, world, device
+    job: JobSettings, inputs: Inputs, shard_paths: list[Path], run_dir: Path, rank, world, device
 ) -> Data:
     """Teacher flags (cached in the run dir) and the data plan of every epoch."""
-    tcfg = cfg["train"]
+    tcfg = job.train
     names = [p.stem for p in shard_paths]
     if rank == 0:
         remove_stale_temps(run_dir, ".tmp-step-")  # staging dirs of a killed run
-    # x-omit-default: absent from the job's config at its default (config.neutral_defaults)
-    all_positions = tcfg.get("loss_positions", "assistant") == "all"
+    all_positions = tcfg.loss_positions == "all"
     finals = {s.storage.final for s in inputs.shards}
     if all_positions and finals != {"states"}:
         raise SystemExit(
@@ -219,11 +221,10 @@ def prepare_run(
         for s, sh in enumerate(inputs.shards)
         for a, b in zip(sh.row_offsets[:-1].tolist(), sh.row_offsets[1:].tolist(), strict=True)
     ]
-    # x-omit-default: absent at 0 (every row trains, as before the key existed)
-    rows, held = split_rows(rows, int(tcfg.get("eval_rows", 0)))
+    rows, held = split_rows(rows, tcfg.eval_rows)
     plans, pack_len = plan_rows(rows, names, tcfg)
     total = sum(len(p) for p in plans)
-    total = min(total, tcfg["max_steps"]) if tcfg["max_steps"] else total
+    total = min(total, tcfg.max_steps) if tcfg.max_steps else total
     return Data(names, ok, rows, plans, pack_len, total, all_positions, held)
 
 

@@ -48,6 +48,7 @@ LIBRARY = {
     "segments",
     "server",
     "serving",
+    "settings",
     "shard_writer",
     "specdec",
     "stopping",

@@ -74,7 +74,7 @@ def test_draft_dflash_at_its_default_stales_nothing():
     from snakemake.utils import validate
 
     from draftsmith.config import neutral_defaults, sections_json
-    from draftsmith.dflash_train import dflash_cfg
+    from draftsmith.settings import DFlashSettings, section
 
     path = Path(__file__).resolve().parents[1] / "schemas" / "config.schema.yaml"
     neutral = neutral_defaults(yaml.safe_load(path.read_text()))
@@ -85,12 +85,9 @@ def test_draft_dflash_at_its_default_stales_nothing():
         params.append(json.loads(sections_json(cfg, ["draft"], neutral=neutral))["draft"])
     assert "dflash" not in params[0]
     assert params[1]["dflash"] == {"layers": 2, "anchors": 32, "mask_token_id": -1, "decay": 7.0}
-    assert dflash_cfg({"draft": {}}) == {
-        "layers": 1,
-        "anchors": 32,
-        "mask_token_id": -1,
-        "decay": 7.0,
-    }
+    assert section("draft", {}).dflash == DFlashSettings(
+        layers=1, anchors=32, mask_token_id=-1, decay=7.0
+    )
 
 
 def test_shapes_and_the_block_sees_only_its_context_and_itself():

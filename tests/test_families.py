@@ -92,6 +92,7 @@ def test_convention_read_from_config():
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_initialised_draft_norm_scales_like_the_targets(family):
     """build_draft with init_from_target: the draft's final norm computes the target's."""
+    from draftsmith.settings import job
     from draftsmith.train import build_draft
 
     model = tiny_model(family)
@@ -112,7 +113,7 @@ def test_initialised_draft_norm_scales_like_the_targets(family):
         "draft": {"vocab_size": vocab // 2, "init_from_target": True},
         "train": {"seed": 0, "lr": 1e-3},
     }
-    draft, _ = build_draft(cfg, inputs, torch.device("cpu"))
+    draft, _ = build_draft(job(cfg, ("train", "draft")), inputs, torch.device("cpu"))
     x = torch.randn(3, 5, SMALL["hidden_size"]) * 4
     with torch.no_grad():
         want = model.model.norm(x)

@@ -18,9 +18,11 @@ from draftsmith.segments import (
     segment_ranges,
     step_span,
 )
+from draftsmith.settings import section
 from draftsmith.traindata import plan_epochs, plan_rows
 
-TCFG = {"epochs": 3, "seed": 5, "batch_tokens": 64, "max_steps": 0}
+TRAIN = {"epochs": 3, "seed": 5, "batch_tokens": 64, "max_steps": 0}
+TCFG = section("train", TRAIN)
 
 
 def rows_of(n_ranges: int, per_range: int, gen_seed: int = 0):
@@ -59,7 +61,7 @@ def test_batches_stay_within_a_segment_and_cover_every_row_each_epoch():
 def test_offline_order_is_the_old_one_without_segment_rows_and_by_segment_with_it():
     names, rows, lengths = rows_of(4, 8)
     assert plan_rows(rows, names, TCFG) == plan_epochs(lengths, TCFG)
-    cfg = {**TCFG, "segment_rows": 16}
+    cfg = section("train", {**TRAIN, "segment_rows": 16})
     plans, pack_len = plan_rows(rows, names, cfg)
     want, _, _ = plan_segmented(lengths, [s // 2 for s, _, _ in rows], cfg)
     assert (plans, pack_len) == (want, max(lengths))

@@ -1,0 +1,252 @@
+"""Typed settings of the train, draft, capture and bench sections, filled once per job.
+
+A job gets its config sections as `--cfg` JSON (the rules' params, validated at parse time)
+without the keys the schema marks x-omit-default while they are at their default and without
+the x-execution keys (those come as DRAFTSMITH_RUN, draftsmith.common.merge_run). `job(cfg,
+sections)` turns what the job received into frozen dataclasses, each missing key filled with
+the schema's default, read from schemas/config.schema.yaml: the dataclasses below carry no
+default of their own, and tests/test_settings.py fails when their fields or types and the
+schema's properties disagree. An unknown key is an error, as in the schema's validation.
+
+Arrays become tuples (the settings are frozen); numbers keep the type they came with (an
+integer `lr` stays an int), so the arithmetic is the dict's. The sections as received stay
+available as `JobSettings.given`: run keys hash them and provenance records them, exactly as
+before the typed settings.
+"""
+
+from __future__ import annotations
+
+import types
+import typing
+from dataclasses import dataclass, fields, is_dataclass
+from pathlib import Path
+
+from draftsmith.config import ConfigError
+
+SCHEMA_PATH = Path(__file__).resolve().parents[1] / "schemas" / "config.schema.yaml"
+
+
+@dataclass(frozen=True)
+class TrainSettings:
+    """The `train` section (schemas/config.schema.yaml describes each key)."""
+
+    role: str
+    ttt_steps: int
+    epochs: int
+    lr: float
+    warmup_ratio: float
+    batch_tokens: int
+    max_steps: int
+    eval_rows: int
+    segment_rows: int
+    seed: int
+    checkpoint_every: int
+    checkpoint_seconds: float
+    noise_std: float
+    loss_positions: str
+    nproc: int
+    precision: str
+
+
+@dataclass(frozen=True)
+class DFlashSettings:
+    """`draft.dflash`."""
+
+    layers: int
+    anchors: int
+    mask_token_id: int
+    decay: float
+
+
+@dataclass(frozen=True)
+class DraftSettings:
+    """The `draft` section."""
+
+    algorithm: str
+    attention: str
+    vocab_size: int
+    init_from_target: bool
+    serve_check: str
+    dflash: DFlashSettings
+
+
+@dataclass(frozen=True)
+class StorageSettings:
+    """`capture.storage` (draftsmith.storage.Storage is the mode built from it)."""
+
+    aux: str
+    scale_block: int
+    final: str
+    topk: int
+    topk_vocab: str
+
+    def as_dict(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+@dataclass(frozen=True)
+class CaptureSettings:
+    """The `capture` section."""
+
+    keep: bool
+    backend: str
+    concurrency: int
+    retries: int
+    role: str
+    aux_layer_ids: str | tuple[int, ...]
+    dtype: str
+    storage: StorageSettings
+    batch_tokens: int
+
+
+@dataclass(frozen=True)
+class BenchFile:
+    """One entry of `bench.files`."""
+
+    name: str
+    path: str
+    format: str
+    size: int
+
+
+@dataclass(frozen=True)
+class BenchSettings:
+    """The `bench` section."""
+
+    backend: str
+    role: str
+    num_steps: int
+    topk: int
+    num_draft_tokens: int
+    concurrency: int | tuple[int, ...]
+    max_new_tokens: int
+    temperature: float
+    top_p: float
+    seed: int
+    tau_floor: float
+    smoke: bool
+    heldout_size: int
+    humaneval_size: int
+    files: tuple[BenchFile, ...]
+
+
+SECTIONS = {
+    "train": TrainSettings,
+    "draft": DraftSettings,
+    "capture": CaptureSettings,
+    "bench": BenchSettings,
+}
+
+
+@dataclass(frozen=True)
+class JobSettings:
+    """A job's config: `given`, the sections as the job received them (what run keys hash and
+    provenance records), and the typed sections it asked for (None for the others)."""
+
+    given: dict
+    train: TrainSettings | None
+    draft: DraftSettings | None
+    capture: CaptureSettings | None
+    bench: BenchSettings | None
+
+
+def load_schema() -> dict:
+    """schemas/config.schema.yaml of the workflow beside the package."""
+    import yaml
+
+    return yaml.safe_load(SCHEMA_PATH.read_text())
+
+
+def job(cfg: dict, sections, schema: dict | None = None) -> JobSettings:
+    """The typed `sections` of a job's config `cfg` (its --cfg JSON after merge_run); a missing
+    section, an unknown key or a value of the wrong type ends the job naming it."""
+    missing = [s for s in sections if s not in cfg]
+    if missing:
+        raise SystemExit(f"--cfg has no {missing[0]!r} section")
+    schema = load_schema() if schema is None else schema
+    typed = {name: None for name in SECTIONS}
+    try:
+        for name in sections:
+            typed[name] = section(name, cfg[name], schema)
+    except ConfigError as e:
+        raise SystemExit(f"--cfg: {e}") from None
+    return JobSettings(given=cfg, **typed)
+
+
+def section(name: str, given: dict | None, schema: dict | None = None):
+    """The settings dataclass of section `name` from its keys `given`, defaults filled."""
+    schema = load_schema() if schema is None else schema
+    return fill(SECTIONS[name], given, schema["properties"][name], name)
+
+
+def fill(cls, given: dict | None, spec: dict, where: str):
+    """An instance of dataclass `cls` from `given` (a mapping of the object schema `spec`),
+    each key it lacks at the schema's default; unknown keys and wrong types are ConfigErrors."""
+    if given is not None and not isinstance(given, dict):
+        raise ConfigError(f"config: {where} must be an object, got {given!r}")
+    given = given or {}
+    props = spec["properties"]
+    names = [f.name for f in fields(cls)]
+    unknown = sorted(set(given) - set(names))
+    if unknown:
+        raise ConfigError(
+            f"config: {where}: unknown key(s) {', '.join(unknown)} (the keys are "
+            f"{', '.join(names)}; schemas/config.schema.yaml)"
+        )
+    hints = typing.get_type_hints(cls)
+    values = {}
+    for name in names:
+        prop = props[name]
+        value = given[name] if name in given else prop["default"]
+        values[name] = typed(value, hints[name], prop, f"{where}.{name}")
+    return cls(**values)
+
+
+def typed(value, hint, prop: dict, where: str):
+    """`value` as type `hint` (arrays as tuples, objects as their dataclass); a value that
+    does not fit is a ConfigError naming the key."""
+    options = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
+    for option in options:
+        ok, out = _as(value, option, prop, where)
+        if ok:
+            return out
+    shown = " or ".join(_type_name(o) for o in options)
+    raise ConfigError(f"config: {where} = {value!r} is not {shown}")
+
+
+def _as(value, hint, prop: dict, where: str):
+    """(fits, converted) of `value` for one non-union type `hint`."""
+    if is_dataclass(hint):
+        if not isinstance(value, dict):
+            return False, None
+        return True, fill(hint, value, _option(prop, "object"), where)
+    if typing.get_origin(hint) is tuple:
+        if not isinstance(value, list | tuple):
+            return False, None
+        item, items = typing.get_args(hint)[0], _option(prop, "array").get("items", {})
+        return True, tuple(typed(v, item, items, f"{where}[{i}]") for i, v in enumerate(value))
+    if hint is bool:
+        return isinstance(value, bool), value
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool), value
+    if hint is float:
+        return isinstance(value, int | float) and not isinstance(value, bool), value
+    return isinstance(value, hint), value
+
+
+def _option(prop: dict, kind: str) -> dict:
+    """The member of a oneOf of type `kind` (the property itself when it has no oneOf)."""
+    for option in prop.get("oneOf", []):
+        if option.get("type") == kind:
+            return option
+    return prop
+
+
+def _type_name(hint) -> str:
+    if typing.get_origin(hint) is tuple:
+        return f"a list (each {_type_name(typing.get_args(hint)[0])})"
+    if is_dataclass(hint):
+        return "an object"
+    return {int: "an integer", float: "a number", bool: "true or false", str: "a string"}.get(
+        hint, str(hint)
+    )

@@ -1,0 +1,200 @@
+"""Typed settings (draftsmith.settings): the dataclasses match the schema key for key and type
+for type, carry no defaults of their own, and fill a job's sections so that they equal the
+validated config the Snakefile built. Fast: no workflow."""
+
+from __future__ import annotations
+
+import copy
+import json
+import types
+import typing
+from dataclasses import MISSING, dataclass, fields, is_dataclass
+from pathlib import Path
+
+import pytest
+import yaml
+
+from draftsmith import settings
+from draftsmith.common import merge_run
+from draftsmith.config import (
+    ConfigError,
+    execution_keys,
+    neutral_defaults,
+    sections_json,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+SCHEMA = yaml.safe_load((ROOT / "schemas" / "config.schema.yaml").read_text())
+SCALARS = {"integer": int, "number": float, "boolean": bool, "string": str}
+
+
+def problems(cls, spec: dict, where: str) -> list[str]:
+    """How dataclass `cls` disagrees with the object schema `spec`: keys one has and the other
+    lacks, types that differ (recursively), fields with a default of their own."""
+    props, hints = spec["properties"], typing.get_type_hints(cls)
+    names = [f.name for f in fields(cls)]
+    found = [f"{where}.{k}: in the schema, not in {cls.__name__}" for k in props if k not in names]
+    found += [f"{where}.{k}: in {cls.__name__}, not in the schema" for k in names if k not in props]
+    for f in fields(cls):
+        if f.default is not MISSING or f.default_factory is not MISSING:
+            found.append(f"{where}.{f.name}: a default in {cls.__name__} (the schema's only)")
+        if f.name in props:
+            found += type_problems(hints[f.name], props[f.name], f"{where}.{f.name}")
+    return found
+
+
+def type_problems(hint, prop: dict, where: str) -> list[str]:
+    """Schema type -> annotation: integer int, number float, boolean bool, string str, array
+    tuple[item, ...], object with properties a dataclass, oneOf the union in the same order."""
+    options = prop["oneOf"] if "oneOf" in prop else [prop]
+    hints = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
+    if len(options) != len(hints):
+        return [f"{where}: {hint} for {len(options)} schema type(s)"]
+    found = []
+    for option, h in zip(options, hints, strict=True):
+        kind = option.get("type")
+        if kind in SCALARS:
+            if h is not SCALARS[kind]:
+                found.append(f"{where}: {h} for schema type {kind}")
+        elif kind == "array":
+            args = typing.get_args(h)
+            if typing.get_origin(h) is not tuple or len(args) != 2 or args[1] is not Ellipsis:
+                found.append(f"{where}: {h} for an array (want tuple[item, ...])")
+            else:
+                found += type_problems(args[0], option["items"], f"{where}[]")
+        elif kind == "object" and "properties" in option:
+            if not is_dataclass(h):
+                found.append(f"{where}: {h} for an object with properties (want a dataclass)")
+            else:
+                found += problems(h, option, where)
+        elif kind == "object":
+            if h is not dict:
+                found.append(f"{where}: {h} for an object (want dict)")
+        else:
+            found.append(f"{where}: schema type {kind!r} has no rule here")
+    return found
+
+
+@pytest.mark.parametrize("name", sorted(settings.SECTIONS))
+def test_the_dataclasses_match_the_schema(name):
+    found = problems(settings.SECTIONS[name], SCHEMA["properties"][name], name)
+    assert not found, "\n".join(found)
+
+
+def test_the_check_sees_a_missing_key_a_wrong_type_and_a_default():
+    @dataclass(frozen=True)
+    class Short:
+        ttt_steps: float  # integer in the schema
+        lr: float = 0.001  # a default of its own
+        made_up: int = 0
+
+    found = "\n".join(problems(Short, SCHEMA["properties"]["train"], "train"))
+    assert "train.epochs: in the schema, not in Short" in found
+    assert "train.made_up: in Short, not in the schema" in found
+    assert "train.ttt_steps: <class 'float'> for schema type integer" in found
+    assert "train.lr: a default in Short" in found
+    spec = {"properties": {"ids": {"oneOf": [{"type": "string"}, {"type": "array"}]}}}
+
+    @dataclass(frozen=True)
+    class Ids:
+        ids: str | list
+
+    assert problems(Ids, spec, "x") == [
+        "x.ids: <class 'list'> for an array (want tuple[item, ...])"
+    ]
+
+
+def plain(value):
+    """A settings value as the config holds it: dataclasses as dicts, tuples as lists."""
+    if is_dataclass(value):
+        return {f.name: plain(getattr(value, f.name)) for f in fields(value)}
+    if isinstance(value, tuple):
+        return [plain(v) for v in value]
+    return value
+
+
+def validated(cfg: dict) -> dict:
+    from snakemake.utils import validate
+
+    out = copy.deepcopy(cfg)
+    validate(out, str(ROOT / "schemas" / "config.schema.yaml"))
+    return out
+
+
+CONFIGS = [
+    {},
+    {
+        "train": {"eval_rows": 8, "loss_positions": "all", "lr": 1, "checkpoint_every": 7},
+        "draft": {"algorithm": "dflash", "dflash": {"layers": 2}},
+        "capture": {"aux_layer_ids": [1, 2, 3], "storage": {"final": "topk", "topk": 8}},
+        "bench": {
+            "backend": "sglang",
+            "concurrency": [1, 4],
+            "temperature": 0.5,
+            "files": [{"name": "x", "path": "x.jsonl"}],
+        },
+    },
+]
+
+
+@pytest.mark.parametrize("cfg", CONFIGS, ids=["default", "changed"])
+def test_a_jobs_params_fill_to_the_validated_config(cfg):
+    """What a job receives (its params: x-omit-default keys left out at their default, the
+    x-execution keys never but in DRAFTSMITH_RUN, capture.storage keys of other modes dropped)
+    fills back to the validated config, every section and key."""
+    full = validated(cfg)
+    neutral, execution = neutral_defaults(SCHEMA), execution_keys(SCHEMA)
+    names = tuple(settings.SECTIONS)
+    given = json.loads(sections_json(full, names, neutral=neutral, execution=execution))
+    assert "checkpoint_every" not in given["train"]
+    run = {s: {k: full[s][k] for k in keys} for s, keys in execution.items()}
+    given = merge_run(given, json.dumps(run), sections=names)  # as DRAFTSMITH_RUN brings them
+    job = settings.job(given, names, SCHEMA)
+    assert job.given is given
+    for name in names:
+        assert plain(getattr(job, name)) == full[name], name
+
+
+def test_values_keep_their_type_and_arrays_are_tuples():
+    train = settings.section("train", {"lr": 1, "noise_std": 0.5}, SCHEMA)
+    assert train.lr == 1 and type(train.lr) is int  # the arithmetic is the dict's
+    capture = settings.section("capture", {"aux_layer_ids": [5, 1, 3]}, SCHEMA)
+    assert capture.aux_layer_ids == (5, 1, 3)
+    assert settings.section("capture", {}, SCHEMA).aux_layer_ids == "auto"
+    bench = settings.section("bench", {"files": [{"name": "a", "path": "p"}]}, SCHEMA)
+    assert bench.files == (settings.BenchFile(name="a", path="p", format="prompt", size=0),)
+    assert settings.section("draft", {}, SCHEMA).dflash == settings.DFlashSettings(
+        layers=1, anchors=32, mask_token_id=-1, decay=7.0
+    )
+    with pytest.raises(AttributeError):
+        train.lr = 2  # frozen
+
+
+@pytest.mark.parametrize(
+    ("name", "given", "needle"),
+    [
+        ("train", {"learning_rate": 0.1}, "train: unknown key(s) learning_rate"),
+        ("capture", {"storage": {"bits": 4}}, "capture.storage: unknown key(s) bits"),
+        ("train", {"epochs": "3"}, "train.epochs = '3' is not an integer"),
+        ("train", {"epochs": True}, "train.epochs = True is not an integer"),
+        ("capture", {"aux_layer_ids": [1, "x"]}, "capture.aux_layer_ids[1] = 'x'"),
+        ("bench", {"concurrency": 1.5}, "bench.concurrency = 1.5 is not an integer or a list"),
+        ("bench", {"files": [{"name": "a", "path": "p", "rows": 3}]}, "bench.files[0]: unknown"),
+    ],
+)
+def test_unknown_keys_and_wrong_types_are_errors(name, given, needle):
+    with pytest.raises(ConfigError) as e:
+        settings.section(name, given, SCHEMA)
+    assert needle in str(e.value)
+
+
+def test_a_job_without_a_section_or_with_a_bad_key_ends_naming_it():
+    with pytest.raises(SystemExit, match="--cfg has no 'draft' section"):
+        settings.job({"train": {}}, ("train", "draft"), SCHEMA)
+    with pytest.raises(SystemExit, match="--cfg: config: train: unknown key"):
+        settings.job({"train": {"nope": 1}}, ("train",), SCHEMA)
+    job = settings.job({"train": {}, "bench": {}}, ("train",), SCHEMA)
+    assert (
+        job.bench is None
+        and job.train.epochs == SCHEMA["properties"]["train"]["properties"]["epochs"]["default"]
+    )
