@@ -146,8 +146,8 @@ def render_md(result: dict) -> str:
         f"# Concurrency: acceptance and throughput, SGLang and vLLM on CPU ({m['cpu_kind']})",
         "",
         f"{m['cpu']}, {m['cores']} cores **shared with other jobs** (1-min load "
-        f"{min(loads)}-{max(loads)} at the start and end of the runs; every process at "
-        f"nice 19, OMP_NUM_THREADS {result['omp_num_threads']}): absolute tokens/s and "
+        f"{min(loads)}-{max(loads)} at the start and end of the runs; this run at "
+        f"nice {result.get('nice', 19)}, OMP_NUM_THREADS {result['omp_num_threads']}): absolute tokens/s and "
         "milliseconds are this loaded CPU's; compare ratios and shapes within a row group only.",
         "",
         f"Draft: {result['draft']}. {result['prompts']} prompts, at most "
@@ -240,6 +240,7 @@ def main(argv=None) -> None:
         "num_steps": args.num_steps,
         "levels": args.levels,
         "omp_num_threads": os.environ["OMP_NUM_THREADS"],
+        "nice": os.nice(0),
         "runs": [],
         "versions": {},
     }
