@@ -305,6 +305,74 @@ def write_tiktoken_tokenizer(path: str | Path, reserved: int = 16, merges: int =
     }
 
 
+def tiny_config(arch: str, vocab: int, hidden_size: int, num_layers: int, tokenizer, engine_shapes):
+    """The transformers config of a tiny target of family `arch` (llama, deepseek_v3,
+    gemma3_text) with the tokenizer's special token ids."""
+    special = {
+        "bos_token_id": tokenizer.bos_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+        "pad_token_id": tokenizer.pad_token_id,
+    }
+    if arch == "llama":
+        from transformers import LlamaConfig
+
+        return LlamaConfig(
+            vocab_size=vocab,
+            hidden_size=hidden_size,
+            intermediate_size=2 * hidden_size,
+            num_hidden_layers=num_layers,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=hidden_size // 4,
+            max_position_embeddings=2048,
+            rms_norm_eps=1e-5,
+            rope_theta=10000.0,
+            tie_word_embeddings=True,
+            **special,
+        )
+    if arch == "deepseek_v3":
+        from transformers import DeepseekV3Config
+
+        return DeepseekV3Config(
+            vocab_size=vocab,
+            hidden_size=hidden_size,
+            intermediate_size=2 * hidden_size,
+            moe_intermediate_size=hidden_size,
+            num_hidden_layers=num_layers,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            n_shared_experts=1,
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            n_group=1,
+            topk_group=1,
+            first_k_dense_replace=1,
+            **deepseek_shapes(engine_shapes),
+            **DEEPSEEK_MOE_KEYS,
+            max_position_embeddings=2048,
+            tie_word_embeddings=False,
+            **special,
+        )
+    if arch == "gemma3_text":
+        from transformers import Gemma3TextConfig
+
+        return Gemma3TextConfig(  # every 6th layer global, the others a sliding window
+            vocab_size=vocab,
+            hidden_size=hidden_size,
+            intermediate_size=2 * hidden_size,
+            num_hidden_layers=num_layers,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=hidden_size // 4,
+            query_pre_attn_scalar=hidden_size // 4,
+            sliding_window=16,  # binds within a tiny run
+            max_position_embeddings=2048,
+            tie_word_embeddings=True,
+            **special,
+        )
+    raise ValueError(f"unknown tiny arch {arch!r}")
+
+
 def make_tiny_target(
     path: str | Path,
     arch: str = "llama",
@@ -331,71 +399,7 @@ def make_tiny_target(
     else:
         tokenizer = make_tokenizer()
         vocab = len(tokenizer)
-    if arch == "llama":
-        from transformers import LlamaConfig
-
-        config = LlamaConfig(
-            vocab_size=vocab,
-            hidden_size=hidden_size,
-            intermediate_size=2 * hidden_size,
-            num_hidden_layers=num_layers,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=hidden_size // 4,
-            max_position_embeddings=2048,
-            rms_norm_eps=1e-5,
-            rope_theta=10000.0,
-            tie_word_embeddings=True,
-            bos_token_id=tokenizer.bos_token_id,
-            eos_token_id=tokenizer.eos_token_id,
-            pad_token_id=tokenizer.pad_token_id,
-        )
-    elif arch == "deepseek_v3":
-        from transformers import DeepseekV3Config
-
-        config = DeepseekV3Config(
-            vocab_size=vocab,
-            hidden_size=hidden_size,
-            intermediate_size=2 * hidden_size,
-            moe_intermediate_size=hidden_size,
-            num_hidden_layers=num_layers,
-            num_attention_heads=4,
-            num_key_value_heads=4,
-            n_shared_experts=1,
-            n_routed_experts=4,
-            num_experts_per_tok=2,
-            n_group=1,
-            topk_group=1,
-            first_k_dense_replace=1,
-            **deepseek_shapes(engine_shapes),
-            **DEEPSEEK_MOE_KEYS,
-            max_position_embeddings=2048,
-            tie_word_embeddings=False,
-            bos_token_id=tokenizer.bos_token_id,
-            eos_token_id=tokenizer.eos_token_id,
-            pad_token_id=tokenizer.pad_token_id,
-        )
-    elif arch == "gemma3_text":
-        from transformers import Gemma3TextConfig
-
-        config = Gemma3TextConfig(  # every 6th layer global, the others a sliding window
-            vocab_size=vocab,
-            hidden_size=hidden_size,
-            intermediate_size=2 * hidden_size,
-            num_hidden_layers=num_layers,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=hidden_size // 4,
-            query_pre_attn_scalar=hidden_size // 4,
-            sliding_window=16,  # binds within a tiny run
-            max_position_embeddings=2048,
-            tie_word_embeddings=True,
-            bos_token_id=tokenizer.bos_token_id,
-            eos_token_id=tokenizer.eos_token_id,
-            pad_token_id=tokenizer.pad_token_id,
-        )
-    else:
-        raise ValueError(f"unknown tiny arch {arch!r}")
+    config = tiny_config(arch, vocab, hidden_size, num_layers, tokenizer, engine_shapes)
     if engine_shapes and arch != "deepseek_v3":
         raise ValueError("engine_shapes: only for arch deepseek_v3 (the MLA engine kernels)")
     torch.manual_seed(seed)
