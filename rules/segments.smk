@@ -42,8 +42,10 @@ if not KEEP_SHARDS:
             vocab=lambda w, input: (
                 f"--vocab {input.vocab}" if "vocab" in input.keys() else ""
             ),
+            server=segment_server_args,
         shell:
             "$DRAFTSMITH_PY_CAPTURE -m draftsmith.segcapture --reference-dir state/segments "
+            "{params.server} "
             "--cfg {params.cfg:q} --tokens {input.tokens} --target {input.target} "
             "--out {output.shard} --threads {threads} {params.patched} {params.vocab} "
             "> {log} 2>&1"
