@@ -359,12 +359,19 @@ def _terminate(signum, _frame):
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = list(sys.argv[1:] if argv is None else argv)
-    if len(args) != 2 or args[0] != "host":
-        raise SystemExit("usage: python -m draftsmith.sharedserver host <dir>")
+    import argparse
+
+    ap = argparse.ArgumentParser(
+        prog="python -m draftsmith.sharedserver",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    ap.add_argument("command", choices=["host"], help="run the host of a shared server")
+    ap.add_argument("dir", type=Path, help="its directory, with spec.json (<root>/<key>)")
+    args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="[host] %(message)s", stream=sys.stdout)
     try:
-        code = Host(Path(args[1])).run()
+        code = Host(args.dir).run()
     except Terminated as e:
         code = e.code
     raise SystemExit(code)

@@ -205,10 +205,12 @@ def stamp(stage):
 # draftsmith.common.merge_run). Every other key of a server engine's section is part of the
 # params of the stages that use the engine (server_cfg).
 RUN_KEYS = execution_keys(_SCHEMA)
-# sglang.capture_server auto: `run` (one server for the run's segment captures) on a CPU capture
-# role, `job` on a GPU one (the schema says why); jobs get the resolved value in DRAFTSMITH_RUN
-if config["sglang"]["capture_server"] == "auto":
-    config["sglang"]["capture_server"] = (
+# <capture engine settings>.capture_server auto: `run` (one server for the run's segment
+# captures) on a CPU capture role, `job` on a GPU one (the schema says why); jobs get the
+# resolved value in DRAFTSMITH_RUN
+_capture_settings = config.get(engine_needs("capture")["settings"] or "", {})
+if _capture_settings.get("capture_server") == "auto":
+    _capture_settings["capture_server"] = (
         "job" if role_gpus(role_of("capture")) else "run"
     )
 

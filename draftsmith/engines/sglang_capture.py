@@ -1,7 +1,8 @@
 """Capture backend `sglang`: a patched SGLang server prefills every row and dumps its states.
 
 The server is the pinned SGLang with the capture patch (`rule patch_sglang`, overlay first on
-its PYTHONPATH), started once per job in SGLang's capture-only mode: aux capture at the
+its PYTHONPATH), started once per job (segment mode with `sglang.capture_server: run`: once per
+run, draftsmith.sharedserver, `capture_server`) in SGLang's capture-only mode: aux capture at the
 configured ids without a draft (`--enable-return-aux-hidden-states --speculative-algorithm
 EAGLE3 --return-aux-hidden-state-layer-ids ...`, which calls each model's
 `set_eagle3_layers_to_capture`), radix cache, chunked prefill and the overlap scheduler off
