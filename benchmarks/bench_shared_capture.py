@@ -160,7 +160,7 @@ def render(record: dict) -> str:
     lines = [
         f"# One SGLang capture server per run against one per capture job ({record['cpu']['kind']})",
         "",
-        f"CPU: {record['cpu']['model']} ({record['cpu']['describe']}), 2 cores shared with "
+        f"CPU: {record['cpu']['describe']}, 2 cores shared with "
         f"other work (1-min load average at start/end of each run in the table; figures are "
         f"upper bounds). Segment mode on a tiny random 6-layer Llama, {record['rows']} training "
         f"rows, 2 segments x {record['epochs']} epochs = {record['n_captures']} capture jobs "
@@ -182,6 +182,9 @@ def render(record: dict) -> str:
     saved = job["job_s"]["capture"] - run["job_s"]["capture"]
     lines += [
         "",
+        f"- Start-up seconds paid: {sum(run['startup_s']):.0f} s with one server per run, "
+        f"{sum(job['startup_s']):.0f} s with one per job; the difference is the start-ups of "
+        f"{job['server_launches'] - run['server_launches']} servers.",
         f"- Capture job seconds saved: {saved:.0f} s of {job['job_s']['capture']:.0f} s "
         f"({record['n_captures']} captures, {run['server_launches']} launch instead of "
         f"{job['server_launches']}); run wall time saved: {job['wall_s'] - run['wall_s']:.0f} s.",
@@ -189,6 +192,11 @@ def render(record: dict) -> str:
         f"work here is about a second, so start-up is nearly all of a per-job capture.",
         "- Re-captures bit-identical to the first capture in both modes: "
         f"{record['bit_identical']}.",
+        "- The server kept up between captures used "
+        f"{run['server_cpu_s_without_capture']:.1f} CPU s in {run['wall_s_without_capture']:.0f} "
+        "s without a capture job (SGLang's scheduler blocks when idle): training between "
+        "captures does not pay for it; the train jobs' seconds differ with the load of the "
+        "shared cores (load column).",
     ]
     return "\n".join(lines) + "\n"
 
@@ -199,7 +207,13 @@ def main() -> None:
     ap.add_argument("--epochs", type=int, default=2)
     ap.add_argument("--rows", type=int, default=32, help="training rows (ranges of 16)")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    ap.add_argument("--render", action="store_true", help="only rewrite the .md from the .json")
     args = ap.parse_args()
+    if args.render:
+        name = f"shared_capture_{cpu_facts().kind}"
+        record = json.loads((args.out / f"{name}.json").read_text())
+        atomic_write_text(args.out / f"{name}.md", render(record))
+        return
     python = os.environ.get("DRAFTSMITH_PYTHON_SGLANG_CPU", "")
     if not Path(python).is_file():
         raise SystemExit("set DRAFTSMITH_PYTHON_SGLANG_CPU to the sglang-cpu role's interpreter")
