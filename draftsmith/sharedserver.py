@@ -112,7 +112,7 @@ class SharedServer:
                          "scratch_root": scratch_root or tempfile.gettempdir()}  # fmt: skip
         self.info: dict = {}
         self.restarts, self.started_host, self.wait_seconds = 0, False, 0.0
-        self._users = None
+        self._users = self._host = None
         self._old_handlers: dict = {}
         self.server = self  # run_rows stops `sup.server` on an error: here that is the lease
 
@@ -181,7 +181,7 @@ class SharedServer:
                 stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
                 start_new_session=True,  # outlives this job; the run's end stops it
             )  # fmt: skip
-        self.started_host = True
+        self.started_host, self._host = True, proc
         log.info("%s: started the run's server host (pid %d)", self.spec.name, proc.pid)
 
     def _wait(self, done) -> dict:
@@ -191,8 +191,10 @@ class SharedServer:
             info = read_json(self.dir / "host.json")
             if info and done(info):
                 return info
-            if info.get("state") in ("failed", "stopped") or (
-                info and not pid_alive(info["host_pid"], str(self.dir))
+            if (
+                info.get("state") in ("failed", "stopped")
+                or (info and not pid_alive(info["host_pid"], str(self.dir)))
+                or (not info and self._host is not None and self._host.poll() is not None)
             ):
                 raise ServerError(
                     f"{self.spec.name}: the run's shared server is {info.get('state', 'gone')}"

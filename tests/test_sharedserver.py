@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from test_server import PROGRAM
 
-from draftsmith.server import ServerSpec, http_json, server_processes
+from draftsmith.server import ServerError, ServerSpec, http_json, server_processes
 from draftsmith.sharedserver import SCRATCH, SharedServer, pid_alive
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -185,3 +185,16 @@ def test_snakemake_service_cannot_express_the_segment_order(tmp_path):
     out = run.stdout + run.stderr
     assert run.returncode != 0, out[-2000:]
     assert "depends on rule(s) train from outside the group" in out, out[-2000:]
+
+
+def test_a_server_that_cannot_start_fails_the_lease_with_its_log(tmp_path, owner):
+    bad = ServerSpec(
+        name="prog",
+        command=lambda port: [sys.executable, "-c", "print('error: unknown flag --nope'); exit(3)"],
+        startup_timeout=30,
+    )
+    t0 = time.monotonic()
+    with pytest.raises(ServerError, match="unknown flag --nope"):
+        with SharedServer(bad, tmp_path / "servers", owner=owner.pid, idle_timeout=60, retries=0):
+            pass
+    assert time.monotonic() - t0 < 25  # at once, not after the start-up timeout
