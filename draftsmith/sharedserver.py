@@ -8,8 +8,8 @@ own: it leases the run's. The first job that needs one starts a *host*,
 a small process in a session of its own (Snakemake stopping the job does not stop it) that
 launches the server with `draftsmith.server.Server` (guard process, process group, health,
 log) and owns it; the jobs only send requests. Its directory, `<root>/<key>` (key: the
-server's argv and the environment it sets, so a job never uses a server launched with other
-settings), holds:
+server's argv, which holds every setting of the config, so a job never uses a server launched
+with other settings), holds:
 
 - `spec.json`: what to launch (written by the job that starts the host);
 - `host.json`: written by the host only, atomically: its pid, its run (`owner`, the Snakemake
@@ -60,13 +60,16 @@ POLL = 0.5
 
 
 def template(spec: ServerSpec) -> dict:
-    """The launch of `spec` as JSON: argv with "{port}", the environment it sets beyond ours."""
+    """The launch of `spec` as JSON: its name and argv, with "{port}" where the port goes."""
     argv = [a.replace(str(PORT_MARK), "{port}") for a in spec.command(PORT_MARK)]
-    env = {k: v for k, v in spec.env.items() if os.environ.get(k) != v}
-    return {"name": spec.name, "argv": argv, "env": env}
+    return {"name": spec.name, "argv": argv}
 
 
 def spec_key(spec: ServerSpec) -> str:
+    """The directory of the run's server for `spec`: its argv holds every setting of the
+    config (model, flags, layer ids); not its environment, which carries the launching job's
+    own choices (OMP_WAIT_POLICY for the load it started under, draftsmith.threads) that
+    differ between the jobs of one run and change no result."""
     return hashlib.sha256(json.dumps(template(spec), sort_keys=True).encode()).hexdigest()[:16]
 
 
