@@ -21,7 +21,7 @@ import pytest
 from test_server import PROGRAM
 
 from draftsmith.server import ServerError, ServerSpec, http_json, server_processes
-from draftsmith.sharedserver import SCRATCH, SharedServer, pid_alive
+from draftsmith.sharedserver import SCRATCH, SharedServer, pid_alive, spec_key
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -198,3 +198,12 @@ def test_a_server_that_cannot_start_fails_the_lease_with_its_log(tmp_path, owner
         with SharedServer(bad, tmp_path / "servers", owner=owner.pid, idle_timeout=60, retries=0):
             pass
     assert time.monotonic() - t0 < 25  # at once, not after the start-up timeout
+
+
+def test_one_key_for_the_jobs_of_a_run_another_for_other_settings(tmp_path):
+    """The jobs of one run differ in their own environment (OMP_WAIT_POLICY chosen for the
+    load each started under, draftsmith.threads): one server still; other flags: another."""
+    a, b, c = spec(tmp_path), spec(tmp_path), spec(tmp_path)
+    a.env = {**a.env, "OMP_WAIT_POLICY": "PASSIVE"}
+    c.command = lambda port: [sys.executable, "-c", "pass", str(port)]
+    assert spec_key(a) == spec_key(b) != spec_key(c)
