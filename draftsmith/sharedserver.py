@@ -233,7 +233,7 @@ class SharedServer:
         job's lease ends (at exit); the host stops the server."""
 
     def __exit__(self, *exc) -> None:
-        if self.last and exc[0] is None:
+        if self.last and exc[0] is None and self.info:  # a capture of the last index done
             (self.dir / "last").touch()
         if self._users is not None:
             self._users.close()  # the lease: the host stops once no job holds one
