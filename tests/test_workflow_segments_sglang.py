@@ -22,8 +22,9 @@ from wf import ROOT, SNAKEMAKE, snakemake, write_config
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from bench_shared_capture import bench_config, launches, server_pids  # noqa: E402
 
-# extended: two SGLang CPU server start-ups (1-3 min each on 2 shared cores) and a run to the
-# draft; about 10 minutes measured on 2 loaded cores
+# extended: two SGLang CPU server start-ups (25-105 s each measured here) and a run to the
+# draft: 412 s measured on 2 cores shared with other work (load average 3-5), AMD EPYC
+# AVX512-BF16
 pytestmark = [pytest.mark.slow, pytest.mark.workflow, pytest.mark.sglang, pytest.mark.extended]
 PATIENCE = 3600
 
