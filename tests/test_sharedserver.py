@@ -5,6 +5,7 @@ a server that died; Snakemake's own service() cannot express segment mode's orde
 
 The managed process is test_server.py's standard-library HTTP program (with a worker child);
 the real SGLang capture server through a shared host: tests/test_workflow_segments_sglang.py.
+Fast suite: 9 tests, 39-46 s measured on 2 cores shared with other work (load average 3-5).
 """
 
 from __future__ import annotations
