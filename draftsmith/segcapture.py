@@ -1,6 +1,7 @@
 """Segment mode's capture: one range's shard as draftsmith.capture writes it, plus what outlives it.
 
-    python -m draftsmith.segcapture [--reference-dir state/segments] <draftsmith.capture args>
+    python -m draftsmith.segcapture [--reference-dir state/segments] [--server-dir state/servers]
+        [--last-capture] <draftsmith.capture args>
 
 The shard itself is a temporary (rules/segments.smk deletes it once its segment is trained);
 its manifest stays, with the sha256 and summary statistics of every tensor (`tensor_sha256`,
@@ -15,6 +16,11 @@ tensors differ and by how much their statistics differ (`max_stat_diff`; the ele
 difference would need the first capture's tensors, which this mode deleted). A difference is
 reported, not an error: a capture engine that is not deterministic (a GPU's kernels, batching)
 gives other low bits; training then reads the new states.
+
+A server engine (capture.backend sglang) with `sglang.capture_server: run` serves every capture
+of the run from one server (draftsmith.sharedserver, its state under `--server-dir`) instead of
+one per job; `--last-capture` (a capture of the run's last segment index) lets it stop as soon as
+no capture uses it.
 """
 
 from __future__ import annotations
@@ -116,6 +122,20 @@ def record(out: Path, cfg_text: str, tokens: Path, target: Path, ref_dir: Path) 
     return manifest
 
 
+def capture_argv(argv: list[str] | None, args) -> list[str]:
+    """draftsmith.capture's arguments: this module's own options left out, and `--cfg` with
+    `capture_server` added (where the run's shared server lives, if its engine uses one)."""
+    passed = list(argv) if argv is not None else sys.argv[1:]
+    for name, n in (("--reference-dir", 2), ("--server-dir", 2), ("--last-capture", 1)):
+        if name in passed:
+            i = passed.index(name)
+            del passed[i : i + n]
+    cfg = json.loads(args.cfg)
+    cfg["capture_server"] = {"dir": str(args.server_dir), "last": args.last_capture}
+    passed[passed.index("--cfg") + 1] = json.dumps(cfg)
+    return passed
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(
         prog="python -m draftsmith.segcapture",
@@ -124,6 +144,8 @@ def main(argv: list[str] | None = None) -> None:
         add_help=False,
     )
     ap.add_argument("--reference-dir", type=Path, default=Path("state/segments"))
+    ap.add_argument("--server-dir", type=Path, default=Path("state/servers"))
+    ap.add_argument("--last-capture", action="store_true")
     ap.add_argument("--cfg", required=True)
     ap.add_argument("--tokens", type=Path, required=True)
     ap.add_argument("--target", type=Path, required=True)
@@ -132,11 +154,7 @@ def main(argv: list[str] | None = None) -> None:
     args, _ = ap.parse_known_args(argv)
     from draftsmith import capture
 
-    passed = list(argv) if argv is not None else sys.argv[1:]
-    i = passed.index("--reference-dir") if "--reference-dir" in passed else -1
-    if i >= 0:
-        del passed[i : i + 2]
-    capture.main(passed)
+    capture.main(capture_argv(argv, args))
     init_logging("draftsmith.capture")
     record(args.out, args.cfg, args.tokens, args.target, args.reference_dir)
 

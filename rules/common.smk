@@ -205,6 +205,14 @@ def stamp(stage):
 # draftsmith.common.merge_run). Every other key of a server engine's section is part of the
 # params of the stages that use the engine (server_cfg).
 RUN_KEYS = execution_keys(_SCHEMA)
+# <capture engine settings>.capture_server auto: `run` (one server for the run's segment
+# captures) on a CPU capture role, `job` on a GPU one (the schema says why); jobs get the
+# resolved value in DRAFTSMITH_RUN
+_capture_settings = config.get(engine_needs("capture")["settings"] or "", {})
+if _capture_settings.get("capture_server") == "auto":
+    _capture_settings["capture_server"] = (
+        "job" if role_gpus(role_of("capture")) else "run"
+    )
 
 
 def job_environment():
@@ -448,6 +456,16 @@ def segment_gate(wildcards):
     index i - 2 (at most two segments' shards on disk)."""
     i = segment_index(int(wildcards.epoch), segment_of(wildcards.rows, SEG_ROWS))
     return {"after": segment_ckpt(i - 2)} if i >= 2 else {}
+
+
+def segment_server_args(wildcards):
+    """segment_capture's options for the run's shared capture server (draftsmith.segcapture):
+    where it lives, and --last-capture for a capture of the last index of the order, after
+    which the server need not wait for another (a param: it changes only with the order, and
+    a new order retrains, so recaptures, every segment anyway)."""
+    i = segment_index(int(wildcards.epoch), segment_of(wildcards.rows, SEG_ROWS))
+    last = " --last-capture" if i == len(SEGMENT_ORDER) - 1 else ""
+    return f"--server-dir state/servers{last}"
 
 
 def segment_train_inputs(wildcards):

@@ -8,6 +8,10 @@
 # train exports the last checkpoint as rules/train.smk's rule does. A killed run: the next
 # plain run captures again only what was in flight (Snakemake's incomplete outputs) and resumes
 # the segment's training from its last checkpoint in state/train/.
+# capture.backend sglang with sglang.capture_server run (auto on a CPU capture role): the
+# captures of a run share one server (draftsmith.sharedserver, state/servers/), which stops
+# after the capture of the last index (--last-capture), when idle, or with the run; Snakemake's
+# service() cannot express the i - 2 gate (docs/scale.md).
 
 if not KEEP_SHARDS:
 
@@ -42,8 +46,10 @@ if not KEEP_SHARDS:
             vocab=lambda w, input: (
                 f"--vocab {input.vocab}" if "vocab" in input.keys() else ""
             ),
+            server=segment_server_args,
         shell:
             "$DRAFTSMITH_PY_CAPTURE -m draftsmith.segcapture --reference-dir state/segments "
+            "{params.server} "
             "--cfg {params.cfg:q} --tokens {input.tokens} --target {input.target} "
             "--out {output.shard} --threads {threads} {params.patched} {params.vocab} "
             "> {log} 2>&1"

@@ -1,7 +1,8 @@
 """Capture backend `sglang`: a patched SGLang server prefills every row and dumps its states.
 
 The server is the pinned SGLang with the capture patch (`rule patch_sglang`, overlay first on
-its PYTHONPATH), started once per job in SGLang's capture-only mode: aux capture at the
+its PYTHONPATH), started once per job (segment mode with `sglang.capture_server: run`: once per
+run, draftsmith.sharedserver, `capture_server`) in SGLang's capture-only mode: aux capture at the
 configured ids without a draft (`--enable-return-aux-hidden-states --speculative-algorithm
 EAGLE3 --return-aux-hidden-state-layer-ids ...`, which calls each model's
 `set_eagle3_layers_to_capture`), radix cache, chunked prefill and the overlap scheduler off
@@ -25,6 +26,7 @@ is sent again. The shard is only renamed into place once every token is written.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -135,6 +137,47 @@ def capture_server_spec(cfg, target, threads: int, ids, dump_dir: Path, overlay:
     )
     spec.name = "sglang-capture"
     return spec
+
+
+def shared_server(cfg: dict) -> dict | None:
+    """Where and how to lease the run's shared server (draftsmith.sharedserver), or None for a
+    server of the job's own: segment mode's captures ask for it (`capture_server`, set by
+    draftsmith.segcapture) and `sglang.capture_server` is `run`; a job outside a Snakemake run
+    (no DRAFTSMITH_JOB_PARENT: no run to share with) always launches its own."""
+    from draftsmith.lifeline import ENV
+
+    asked, owner = cfg.get("capture_server"), os.environ.get(ENV, "")
+    if not asked or cfg["sglang"].get("capture_server") != "run" or not owner.isdigit():
+        return None
+    return {**asked, "owner": int(owner)}
+
+
+def capture_server(cfg, target, threads: int, ids, overlay: str, stack: contextlib.ExitStack):
+    """(server, dump dir) of one capture job, entered on `stack`: a lease on the run's shared
+    server (`shared_server`) with the dump dir of its host, else a server of the job's own
+    (`draftsmith.server.Supervisor`) with a dump dir of its own."""
+    from draftsmith.server import Supervisor
+    from draftsmith.sharedserver import SCRATCH, SharedServer
+
+    retries = int(cfg["sglang"].get("retries", 2))
+    shared = shared_server(cfg)
+    if shared is None:
+        dump_dir = Path(tempfile.mkdtemp(prefix="draftsmith-dump-", dir=dump_root()))
+        stack.callback(shutil.rmtree, dump_dir, ignore_errors=True)
+        spec = capture_server_spec(cfg, target, threads, ids, dump_dir, overlay)
+        return stack.enter_context(Supervisor(spec, retries=retries)), dump_dir
+    spec = capture_server_spec(cfg, target, threads, ids, SCRATCH, overlay)
+    lease = SharedServer(
+        spec,
+        Path(shared["dir"]),
+        owner=shared["owner"],
+        idle_timeout=float(cfg["sglang"].get("idle_timeout", 1800)),
+        retries=retries,
+        last=bool(shared.get("last")),
+        scratch_root=str(dump_root()),
+    )
+    sup = stack.enter_context(lease)
+    return sup, sup.scratch
 
 
 def capture_args(ids: list[int]) -> list[str]:
@@ -290,7 +333,6 @@ def capture_range(
 ) -> dict:
     """The capture stage through the patched SGLang server; returns the shard's manifest
     (draft_ids: unused, this engine refuses top-k teachers)."""
-    from draftsmith.server import Supervisor
     from draftsmith.sglang_patch import load_patched
     from draftsmith.storage import Storage
 
@@ -306,12 +348,10 @@ def capture_range(
         )
     hidden, expect = check_ids(target, ids, record)
     n_rows = tokens["row_offsets"].numel() - 1
-    dump_dir = Path(tempfile.mkdtemp(prefix="draftsmith-dump-", dir=dump_root()))
-    spec = capture_server_spec(cfg, target, threads, ids, dump_dir, record["overlay_path"])
     t0 = time.perf_counter()
-    try:
-        with (
-            Supervisor(spec, retries=int(cfg["sglang"].get("retries", 2))) as sup,
+    with contextlib.ExitStack() as stack:
+        sup, dump_dir = capture_server(cfg, target, threads, ids, record["overlay_path"], stack)
+        writer = stack.enter_context(
             ShardWriter(
                 out,
                 input_ids=tokens["input_ids"],
@@ -331,28 +371,26 @@ def capture_range(
                         "patch_hash": record["patch_hash"],
                     },
                 },
-            ) as writer,
-        ):
-            rc = RowCapture(tokens, writer, dump_dir, expect, cfg)
-            # order: longest first, so the slowest rows do not come last
-            lengths = [rc.row_ids(r).numel() for r in range(n_rows)]
-            rows = sorted(range(n_rows), key=lambda r: (-lengths[r], r))
-            with tqdm(total=n_rows, desc=Path(out).stem, unit="row") as bar:
-                stats = run_rows(
-                    sup,
-                    rc,
-                    rows,
-                    concurrency=int(cap["concurrency"]),
-                    retries=int(cap.get("retries", 2)),
-                    bar=bar,
-                )
-            writer.manifest["capture_seconds"] = round(time.perf_counter() - t0, 3)
-            writer.manifest["server"] = {
-                **sup.stats(),
-                **stats,
-                "tp_size": int(cfg["sglang"]["tp_size"]),
-                "rows_per_forward": 1,
-            }
-    finally:
-        shutil.rmtree(dump_dir, ignore_errors=True)
+            )
+        )
+        rc = RowCapture(tokens, writer, dump_dir, expect, cfg)
+        # order: longest first, so the slowest rows do not come last
+        lengths = [rc.row_ids(r).numel() for r in range(n_rows)]
+        rows = sorted(range(n_rows), key=lambda r: (-lengths[r], r))
+        with tqdm(total=n_rows, desc=Path(out).stem, unit="row") as bar:
+            stats = run_rows(
+                sup,
+                rc,
+                rows,
+                concurrency=int(cap["concurrency"]),
+                retries=int(cap.get("retries", 2)),
+                bar=bar,
+            )
+        writer.manifest["capture_seconds"] = round(time.perf_counter() - t0, 3)
+        writer.manifest["server"] = {
+            **sup.stats(),
+            **stats,
+            "tp_size": int(cfg["sglang"]["tp_size"]),
+            "rows_per_forward": 1,
+        }
     return writer.manifest
