@@ -149,9 +149,9 @@ def run_bench(
         "if __name__ == '__main__':\n"
         "    main()\n"
     )
-    script = root / f"bench_{engine}.py"
-    script.write_text(code)
-    cmd = [python or "python3", str(script), json.dumps({"s": rows(texts)}), json.dumps(cfg)]
+    # -P -c: nothing of `root` on sys.path, so a project that is a copy of the repository (as
+    # benchmarks/bench_default.py's) cannot shadow this checkout's package with its own
+    cmd = [python or "python3", "-P", "-c", code, json.dumps({"s": rows(texts)}), json.dumps(cfg)]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
     p = subprocess.run(
         [*cmd, draft], cwd=root, env=env, capture_output=True, text=True, timeout=1800
