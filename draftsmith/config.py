@@ -305,6 +305,15 @@ def storage_keys(storage: dict) -> dict:
     return keep
 
 
+def load_schema() -> dict:
+    """schemas/config.schema.yaml of the workflow beside the package."""
+    import yaml
+
+    return yaml.safe_load(
+        (Path(__file__).resolve().parents[1] / "schemas" / "config.schema.yaml").read_text()
+    )
+
+
 def neutral_defaults(schema: dict) -> dict[str, dict]:
     """{section: {key: default}} of the keys the schema marks `x-omit-default: true`: options
     added after outputs existed, whose default reproduces what was built before them."""
@@ -332,11 +341,7 @@ def execution_defaults(section: str, schema: dict | None = None) -> dict:
     """The schema's defaults of a section's `x-execution` keys: what a job uses for the ones
     its DRAFTSMITH_RUN does not carry (a hand-run stage CLI). The schema file is read from the
     workflow beside the package when not given."""
-    if schema is None:
-        import yaml
-
-        path = Path(__file__).resolve().parents[1] / "schemas" / "config.schema.yaml"
-        schema = yaml.safe_load(path.read_text())
+    schema = load_schema() if schema is None else schema
     props = schema["properties"][section]["properties"]
     return {k: props[k]["default"] for k in execution_keys(schema).get(section, ())}
 

@@ -297,7 +297,7 @@ def _group_gone(pgid: int, proc: subprocess.Popen, patience: float) -> bool:
         time.sleep(0.1)
 
 
-def _proc_stat(pid: str) -> list[bytes]:
+def proc_stat(pid: int | str) -> list[bytes]:
     """Fields of /proc/<pid>/stat after the command name: [state, ppid, pgrp, ...]."""
     with open(f"/proc/{pid}/stat", "rb") as f:
         return f.read().rsplit(b")", 1)[1].split()
@@ -308,7 +308,7 @@ def _live_members(pgid: int) -> list[int]:
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             try:
-                fields = _proc_stat(entry)
+                fields = proc_stat(entry)
             except OSError:
                 continue
             if int(fields[2]) == pgid and fields[0] != b"Z":
@@ -327,7 +327,7 @@ def server_processes(tag: str) -> list[int]:
         try:
             with open(f"/proc/{entry}/environ", "rb") as f:
                 env = f.read().split(b"\0")
-            state = _proc_stat(entry)[0]
+            state = proc_stat(entry)[0]
         except OSError:
             continue
         if state != b"Z" and any(e.startswith(needle) for e in env):

@@ -19,11 +19,8 @@ from __future__ import annotations
 import types
 import typing
 from dataclasses import dataclass, fields, is_dataclass
-from pathlib import Path
 
-from draftsmith.config import ConfigError
-
-SCHEMA_PATH = Path(__file__).resolve().parents[1] / "schemas" / "config.schema.yaml"
+from draftsmith.config import ConfigError, load_schema
 
 
 @dataclass(frozen=True)
@@ -148,13 +145,6 @@ class JobSettings:
     draft: DraftSettings | None
     capture: CaptureSettings | None
     bench: BenchSettings | None
-
-
-def load_schema() -> dict:
-    """schemas/config.schema.yaml of the workflow beside the package."""
-    import yaml
-
-    return yaml.safe_load(SCHEMA_PATH.read_text())
 
 
 def job(cfg: dict, sections, schema: dict | None = None) -> JobSettings:

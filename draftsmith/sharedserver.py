@@ -50,7 +50,14 @@ import uuid
 from pathlib import Path
 
 from draftsmith.common import atomic_write_json
-from draftsmith.server import HANDLED_SIGNALS, Server, ServerError, ServerSpec, Terminated
+from draftsmith.server import (
+    HANDLED_SIGNALS,
+    Server,
+    ServerError,
+    ServerSpec,
+    Terminated,
+    proc_stat,
+)
 
 log = logging.getLogger("draftsmith.server")
 
@@ -85,8 +92,7 @@ def pid_alive(pid: int, mark: str = "") -> bool:
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
             cmd = f.read().decode("utf-8", "replace")
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            zombie = f.read().rsplit(b")", 1)[1].split()[0] == b"Z"
+        zombie = proc_stat(pid)[0] == b"Z"
     except OSError:
         return False
     return not zombie and mark in cmd
