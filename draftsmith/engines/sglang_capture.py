@@ -152,6 +152,15 @@ def shared_server(cfg: dict) -> dict | None:
     return {**asked, "owner": int(owner)}
 
 
+def run_setting(cfg: dict, key: str):
+    """`sglang.<key>`, a run setting: from the job's DRAFTSMITH_RUN, else the schema's default
+    (a job run by hand)."""
+    from draftsmith.config import execution_defaults
+
+    sglang = cfg["sglang"]
+    return sglang[key] if key in sglang else execution_defaults("sglang")[key]
+
+
 def capture_server(cfg, target, threads: int, ids, overlay: str, stack: contextlib.ExitStack):
     """(server, dump dir) of one capture job, entered on `stack`: a lease on the run's shared
     server (`shared_server`) with the dump dir of its host, else a server of the job's own
@@ -171,7 +180,7 @@ def capture_server(cfg, target, threads: int, ids, overlay: str, stack: contextl
         spec,
         Path(shared["dir"]),
         owner=shared["owner"],
-        idle_timeout=float(cfg["sglang"].get("idle_timeout", 1800)),
+        idle_timeout=float(run_setting(cfg, "idle_timeout")),
         retries=retries,
         last=bool(shared.get("last")),
         scratch_root=str(dump_root()),
