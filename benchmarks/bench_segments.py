@@ -149,8 +149,15 @@ def heldout(work: Path) -> dict | None:
     return {k: {"tau": v.get("tau"), "speedup": v.get("speedup")} for k, v in sets.items()}
 
 
+def own_package(base: Path, directory: str, names: list[str]) -> list[str]:
+    """copytree's ignore: the `draftsmith` package at the top of `base`, nothing else."""
+    return ["draftsmith"] if Path(directory) == base and "draftsmith" in names else []
+
+
 def run_mode(base: Path, work: Path, keep: bool, cfg: dict, targets: tuple[str, ...]) -> dict:
-    shutil.copytree(base, work, symlinks=True)
+    # not a package copy of the base's own (bench_default.py's work directory is a copy of the
+    # repository): a job's `python -m draftsmith...` would import it before this checkout's
+    shutil.copytree(base, work, symlinks=True, ignore=lambda d, names: own_package(base, d, names))
     write_config(work, cfg)
     shutil.rmtree(work / "benchmarks" / "jobs", ignore_errors=True)
     busy0, own0, t0 = machine_busy_seconds(), own_cpu_seconds(), time.monotonic()
@@ -250,19 +257,15 @@ def default_runs(args) -> tuple[Path, list[dict]]:
     build's own capture jobs), segment mode captures every segment again each epoch. Both
     build everything, the held-out bench included."""
     base = args.default
-    capture_s = sum(
-        float(t.read_text().splitlines()[1].split("\t")[0])
-        for t in (base / "benchmarks" / "jobs" / "capture").glob("*.tsv")
-    )
+    capture_s = job_seconds(base).get("capture", 0.0)
+    shards = list((base / "results" / "hidden").glob("*.safetensors"))
     runs = []
     for mode, keep in (("offline", True), ("segments", False)):
         run = run_mode(base, args.work / mode, keep, default_config(keep, args.segment_rows), ())
         if keep:
             run["job_s"]["capture"] = round(capture_s, 1)
-            run["peak_shard_bytes"] = sum(
-                p.stat().st_size for p in (base / "results" / "hidden").glob("*.safetensors")
-            )
-            run["peak_shard_files"] = len(list((base / "results" / "hidden").glob("*.safetensors")))
+            run["peak_shard_bytes"] = sum(p.stat().st_size for p in shards)
+            run["peak_shard_files"] = len(shards)
         runs.append(run)
     return base, runs
 
