@@ -413,6 +413,24 @@ class Supervisor:
         }
 
 
+def server_down(sup, grace: float = 10.0) -> bool:
+    """Whether `sup`'s server is down. A process killed a moment ago can refuse connections
+    while it still looks alive, so a live one that fails its health check is watched for up to
+    `grace` seconds: down once it exits, up once it answers."""
+    deadline = time.monotonic() + grace
+    while sup.alive():
+        try:
+            with urllib.request.urlopen(sup.url + sup.spec.health_path, timeout=2) as r:
+                if r.status == 200:
+                    return False
+        except TRANSPORT_ERRORS:
+            pass
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.2)
+    return True
+
+
 def run_requests(
     supervisor: Supervisor,
     items: Sequence,
@@ -459,7 +477,7 @@ def run_requests(
             pending = sorted(i for i, _ in failed)
             if not pending:
                 break
-            if not supervisor.alive():
+            if server_down(supervisor):
                 supervisor.restart(f"{len(pending)} request(s) unanswered")
                 continue
             for i, err in failed:

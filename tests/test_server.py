@@ -23,7 +23,9 @@ from draftsmith.server import (
     ServerSpec,
     Supervisor,
     http_json,
+    free_port,
     run_requests,
+    server_down,
     server_processes,
 )
 
@@ -216,3 +218,30 @@ def test_a_killed_job_leaves_no_server_process(tmp_path, sig):
         job.kill()
         for pid in server_processes(tag):
             os.kill(pid, signal.SIGKILL)
+
+
+class Dying:
+    """A supervisor whose process was just killed: connections are refused at once, but the
+    process looks alive until `alive_for` seconds have passed (the kernel tears it down)."""
+
+    def __init__(self, alive_for: float):
+        self.spec = ServerSpec(name="prog", command=lambda port: [])
+        self.url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+        self.until = time.monotonic() + alive_for
+
+    def alive(self) -> bool:
+        return time.monotonic() < self.until
+
+
+def test_a_server_killed_a_moment_ago_is_down_not_a_row_failure(tmp_path):
+    # CI stop 31: the rows were retried against a killed server that still looked alive, and
+    # their retries ran out before the restart
+    t0 = time.monotonic()
+    assert server_down(Dying(alive_for=1.5), grace=10)
+    assert 1.4 < time.monotonic() - t0 < 5
+    assert not server_down(Dying(alive_for=60), grace=1)  # a live process stays up (bounded)
+    with Supervisor(spec(tmp_path), retries=0, log_stream=Log()) as sup:
+        t0 = time.monotonic()
+        assert not server_down(sup) and time.monotonic() - t0 < 2
+        os.killpg(sup.server.proc.pid, signal.SIGKILL)
+        assert server_down(sup)

@@ -273,7 +273,7 @@ class RowCapture:
 
 def run_rows(sup, rc: RowCapture, rows: list[int], *, concurrency: int, retries: int, bar) -> dict:
     """Capture `rows` with bounded concurrency; restart a dead server; bounded retries per row."""
-    from draftsmith.server import RequestRejected
+    from draftsmith.server import RequestRejected, server_down
 
     attempts = dict.fromkeys(rows, 0)
     pending = list(rows)
@@ -300,7 +300,7 @@ def run_rows(sup, rc: RowCapture, rows: list[int], *, concurrency: int, retries:
             pending = sorted(failed)
             if not pending:
                 break
-            if not sup.alive():  # a crash: not the rows' fault, send them all again
+            if server_down(sup):  # a crash: not the rows' fault, send them all again
                 sup.restart(f"{len(pending)} row(s) unanswered")
                 continue
             for r, err in failed.items():
