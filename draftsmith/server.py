@@ -156,6 +156,15 @@ def http_json(url: str, payload: dict | None = None, timeout: float = 60.0):
     return json.loads(body) if body else None
 
 
+def answers_health(url: str, timeout: float) -> bool:
+    """Whether the health endpoint `url` answers 200 within `timeout` seconds."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return r.status == 200
+    except TRANSPORT_ERRORS:
+        return False
+
+
 class Server:
     """One server process: start, wait until healthy, stream its log, stop its process group."""
 
@@ -228,19 +237,15 @@ class Server:
         while True:
             if not self.alive():
                 raise self.died("exited during start-up")
-            try:
-                with urllib.request.urlopen(self.url + self.spec.health_path, timeout=5) as r:
-                    if r.status == 200 and self.answered_by_ours():
-                        log.info(
-                            "%s: healthy after %.1f s (pid %d, port %d)",
-                            self.spec.name,
-                            time.monotonic() - t0,
-                            self.proc.pid,
-                            self.port,
-                        )
-                        return
-            except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
-                pass
+            if answers_health(self.url + self.spec.health_path, 5) and self.answered_by_ours():
+                log.info(
+                    "%s: healthy after %.1f s (pid %d, port %d)",
+                    self.spec.name,
+                    time.monotonic() - t0,
+                    self.proc.pid,
+                    self.port,
+                )
+                return
             if time.monotonic() > deadline:
                 self.stop()
                 raise ServerError(
@@ -419,12 +424,8 @@ def server_down(sup, grace: float = 10.0) -> bool:
     `grace` seconds: down once it exits, up once it answers."""
     deadline = time.monotonic() + grace
     while sup.alive():
-        try:
-            with urllib.request.urlopen(sup.url + sup.spec.health_path, timeout=2) as r:
-                if r.status == 200:
-                    return False
-        except TRANSPORT_ERRORS:
-            pass
+        if answers_health(sup.url + sup.spec.health_path, 2):
+            return False
         if time.monotonic() > deadline:
             return False
         time.sleep(0.2)
