@@ -7,7 +7,9 @@ The first form clones this repository at `--rev` into a temporary directory and 
 `.ci/run` there, as CI does on a clean clone, while sampling the first line of /proc/stat every
 5 seconds. Whether the run is cold or warm is decided by the machine: `.ci/run` builds the role
 venvs with `draftsmith.envcheck venv --cache`, so a machine that has
-~/.cache/draftsmith/venvs for the same pin files runs warm (the log says "reused").
+~/.cache/draftsmith/venvs for the same pin files runs warm: every venv the log names was
+"reused", none "built" (the engine venvs' lines are in the clone's .venvs/build.log, appended to
+the log here; give a finished run's log with that file appended).
 
 The second form reads a finished run: LOG is what `.ci/run` printed, SAMPLES lines of
 `<unix seconds> <first line of /proc/stat>` taken while it ran (the first form writes both).
@@ -67,8 +69,10 @@ def run_ci(rev: str, log: Path, samples: Path) -> int:
             ).returncode
         stop.set()
         sampler.join()
-    with open(log, "a") as out:
-        out.write(f"rc={rc}\n")
+        build_log = clone / ".venvs" / "build.log"  # the engine venvs' built/reused lines
+        with open(log, "a") as out:
+            out.write(build_log.read_text() if build_log.exists() else "")
+            out.write(f"rc={rc}\n")
     return rc
 
 
