@@ -138,11 +138,13 @@ def run_bench(
     cfg = with_defaults(cfg)
     code = (
         "import json, sys\n"
+        "from draftsmith import settings\n"
         "from draftsmith.benchfigures import bench_figures\n"
         "from draftsmith.engines import engine\n"
         "def main():\n"
         "    sets, cfg, draft = json.loads(sys.argv[1]), json.loads(sys.argv[2]), sys.argv[3]\n"
-        f"    raw, info = engine('bench', {engine!r})(sets, cfg, target='results/target',"
+        "    job = settings.stage_job(cfg, 'bench')\n"
+        f"    raw, info = engine('bench', {engine!r})(sets, job, target='results/target',"
         " draft=draft, threads=2)\n"
         "    res = bench_figures(raw)\n"
         "    print('RESULT ' + json.dumps({'res': res, 'info': info}))\n"
