@@ -192,6 +192,8 @@ def job(
     section, an unknown key or a value of the wrong type ends the job naming it. `absent`: the
     sections of `sections` the job may lack, typed at their defaults then (the caller says
     why). `stage`: also type the own settings section of that stage's engine as `engine`."""
+    if stage is not None and stage not in sections:
+        raise ValueError(f"stage {stage!r} is not among the sections {sections}")
     missing = [s for s in sections if s not in cfg and s not in absent]
     if missing:
         raise SystemExit(f"--cfg has no {missing[0]!r} section")
