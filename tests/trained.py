@@ -134,8 +134,9 @@ def run_bench(
     """bench_sets of `engine` on `texts` (PROMPTS), run in `python` (a role interpreter) from `root`, its
     measurements turned into figures as the bench stage does (draftsmith.benchfigures):
     {"res": {"s": figures}, "info": ..., "log": the process's output}. `cfg` gets the schema's
-    defaults, as the workflow hands a job its sections."""
-    cfg = with_defaults(cfg)
+    defaults, as the workflow hands a job its sections, and bench.backend `engine` (the job's
+    settings type that engine's own section)."""
+    cfg = with_defaults({**cfg, "bench": {**cfg.get("bench", {}), "backend": engine}})
     code = (
         "import json, sys\n"
         "from draftsmith import settings\n"
