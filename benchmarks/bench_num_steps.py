@@ -90,7 +90,9 @@ def main() -> None:
     cfg = full_config(args.config)
     ks = [int(k) for k in args.num_steps.split(",")]
     rows = load_sources(cfg).heldout[: args.heldout]
-    model, tokenizer, draft = load_models(Path(args.target), Path(args.draft), cfg, "cpu")
+    model, tokenizer, draft = load_models(
+        Path(args.target), Path(args.draft), cfg["target"]["dtype"], "cpu"
+    )
     aux_ids = list(draft.config.aux_layer_ids)
     stops = specdec.stop_ids(model, tokenizer)
 

@@ -62,7 +62,9 @@ def main() -> None:
     cfg: dict = {}
     validate(cfg, str(ROOT / "schemas" / "config.schema.yaml"))
     rows = load_sources(cfg).heldout[: args.heldout]
-    model, tokenizer, draft = load_models(Path(args.target), Path(args.draft), cfg, "cpu")
+    model, tokenizer, draft = load_models(
+        Path(args.target), Path(args.draft), cfg["target"]["dtype"], "cpu"
+    )
     aux_ids = list(draft.config.aux_layer_ids)
     stops = specdec.stop_ids(model, tokenizer)
     k = args.num_steps

@@ -50,7 +50,7 @@ def plain_pass(url: str, rc, rows: list[int], concurrency: int) -> float:
     return time.perf_counter() - t0
 
 
-def capture_pass(sup, tokens, cfg, out: Path, dump_dir: Path, expect, rows, concurrency) -> float:
+def capture_pass(sup, tokens, job, out: Path, dump_dir: Path, expect, rows, concurrency) -> float:
     from draftsmith.engines import sglang_capture as sc
     from draftsmith.shard_writer import ShardWriter
 
@@ -68,7 +68,7 @@ def capture_pass(sup, tokens, cfg, out: Path, dump_dir: Path, expect, rows, conc
         dtype="bfloat16",
         manifest={"row_range": [0, len(rows)], "backend": "sglang"},
     ) as writer:
-        rc = sc.RowCapture(tokens, writer, dump_dir, expect, cfg)
+        rc = sc.RowCapture(tokens, writer, dump_dir, expect, job)
         sc.run_rows(sup, rc, rows, concurrency=concurrency, retries=0, bar=Bar())
     seconds = time.perf_counter() - t0
     out.unlink()
@@ -90,6 +90,7 @@ def main() -> None:
     from draftsmith.config import aux_layer_ids
     from draftsmith.engines import sglang_capture as sc
     from draftsmith.server import Supervisor
+    from draftsmith.settings import stage_job
     from draftsmith.sglang_patch import build
     from draftsmith.target import target_config
 
@@ -122,9 +123,10 @@ def main() -> None:
             "retries": 0,
         },
     }
+    job = stage_job(cfg, "capture")  # what the capture job hands its engine
     dump_dir = Path(tempfile.mkdtemp(prefix="draftsmith-dump-", dir=sc.dump_root()))
     try:
-        spec = sc.capture_server_spec(cfg, args.target, 1, ids, dump_dir, str(work / "overlay"))
+        spec = sc.capture_server_spec(job, args.target, 1, ids, dump_dir, str(work / "overlay"))
         expect = {
             "patch": record["patch_id"],
             "hidden_size": hidden,
@@ -132,22 +134,22 @@ def main() -> None:
         }
         times = {"plain": [], "capture": []}
         with Supervisor(spec, retries=0) as sup:
-            plain_pass(sup.url, sc.RowCapture(tokens, _Null(), dump_dir, expect, cfg), rows[:4], 2)
+            plain_pass(sup.url, sc.RowCapture(tokens, _Null(), dump_dir, expect, job), rows[:4], 2)
             for i in range(args.repeats):
                 order = ("plain", "capture") if i % 2 == 0 else ("capture", "plain")
                 for kind in order:
                     if kind == "plain":
-                        rc = sc.RowCapture(tokens, _Null(), dump_dir, expect, cfg)
+                        rc = sc.RowCapture(tokens, _Null(), dump_dir, expect, job)
                         t = plain_pass(sup.url, rc, rows, args.concurrency)
                     else:
                         out = work / f"rows_000000-{n_rows:06d}.safetensors"
                         t = capture_pass(
-                            sup, tokens, cfg, out, dump_dir, expect, rows, args.concurrency
+                            sup, tokens, job, out, dump_dir, expect, rows, args.concurrency
                         )
                     times[kind].append(round(t, 3))
                     print(f"{kind:8s} pass {i}: {t:.2f} s", file=sys.stderr, flush=True)
         # the stock server: the same launch without the overlay, the dump dir and capture mode
-        stock = sc.capture_server_spec(cfg, args.target, 1, ids, dump_dir, "")
+        stock = sc.capture_server_spec(job, args.target, 1, ids, dump_dir, "")
         stock_cmd = stock.command
         block = sc.capture_args(ids)[: 4 + len(ids)]  # aux capture on, convention, the ids
 
@@ -160,7 +162,7 @@ def main() -> None:
         stock.env = {k: v for k, v in stock.env.items() if k != "DRAFTSMITH_DUMP_DIR"}
         times["stock_plain"] = []
         with Supervisor(stock, retries=0) as sup:
-            rc = sc.RowCapture(tokens, _Null(), dump_dir, expect, cfg)
+            rc = sc.RowCapture(tokens, _Null(), dump_dir, expect, job)
             plain_pass(sup.url, rc, rows[:4], 2)
             for i in range(args.repeats):
                 times["stock_plain"].append(

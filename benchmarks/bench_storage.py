@@ -499,7 +499,9 @@ def heldout_tau(run: Path, results: Path, cfg: dict, threads: int) -> dict:
     if done.exists():
         return json.loads(done.read_text())
     torch.set_num_threads(threads)
-    model, tokenizer, draft = load_models(results / "target", run / "draft", cfg, "cpu")
+    model, tokenizer, draft = load_models(
+        results / "target", run / "draft", cfg["target"]["dtype"], "cpu"
+    )
     bench = cfg["bench"]
     only = {**cfg, "bench": {**bench, "humaneval_size": 0, "files": []}}
     rows = load_sets(job(only, ("bench",)))["heldout"]

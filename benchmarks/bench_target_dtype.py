@@ -165,9 +165,7 @@ def main(argv: list[str] | None = None) -> None:
     rows = load_sources(full_config(args.config)).heldout[: args.heldout]
     models = {}
     for d in DTYPES:
-        model, tokenizer, draft = load_models(
-            Path(args.target), Path(args.draft), {"target": {"dtype": d}}, "cpu"
-        )
+        model, tokenizer, draft = load_models(Path(args.target), Path(args.draft), d, "cpu")
         models[d] = (model, draft)
         models["tokenizer"], models["aux"] = tokenizer, list(draft.config.aux_layer_ids)
         models["stops"] = specdec.stop_ids(model, tokenizer)

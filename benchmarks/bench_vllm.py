@@ -70,12 +70,13 @@ def run_one(cfg: dict, draft: str) -> dict:
     from draftsmith.bench import load_sets
     from draftsmith.benchfigures import set_figures
     from draftsmith.engines import engine as get
-    from draftsmith.settings import job
+    from draftsmith.settings import stage_job
 
-    sets = load_sets(job(cfg, ("bench",)))
+    job = stage_job(cfg, "bench")  # what the bench rule's job hands its engine
+    sets = load_sets(job)
     t0 = time.perf_counter()
-    raw, info = get("bench", cfg["bench"]["backend"])(
-        sets, cfg, target="results/target", draft=draft, threads=2
+    raw, info = get("bench", job.bench.backend)(
+        sets, job, target="results/target", draft=draft, threads=2
     )
     return {
         "res": set_figures(raw["heldout"]),

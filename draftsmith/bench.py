@@ -454,7 +454,7 @@ def main(argv: list[str] | None = None) -> None:
     # run settings only for the sections this job was given (not the trainer's train keys,
     # which would hide the draft's own train section from the report and its captions)
     cfg = merge_run(cfg, args.run, sections=tuple(cfg))
-    job = settings.job(cfg, ("bench",))
+    job = settings.stage_job(cfg, "bench")
 
     import matplotlib
 
@@ -469,7 +469,7 @@ def main(argv: list[str] | None = None) -> None:
     refuse_sampling(bench)  # the Snakefile refuses the same (config.check_config)
     skipped: dict[str, dict] = {}
     sets = load_sets(job, skipped)
-    sets, screened = screen_sets(sets, skipped, args.target, cfg)
+    sets, screened = screen_sets(sets, skipped, args.target, job)
     records = read_metrics(args.metrics)
     try:
         bench_sets = engine("bench", bench.backend)
@@ -479,7 +479,7 @@ def main(argv: list[str] | None = None) -> None:
     meter = LoadMeter()
     with stop_guard("bench", bench.backend), meter.phase("run"):
         measured, info = bench_sets(
-            sets, cfg, target=args.target, draft=args.draft, threads=args.threads
+            sets, job, target=args.target, draft=args.draft, threads=args.threads
         )
     results = bench_figures(measured)
     judge_speedups(results, meter.summary(), int(info.get("threads") or args.threads or 1))

@@ -1,6 +1,6 @@
 """What goes into the benchmark, counted: rows skipped as bad, prompts refused as too long.
 
-`screen_sets(sets, skipped, target_dir, cfg)` chat-templates every prompt with the
+`screen_sets(sets, skipped, target_dir, job)` chat-templates every prompt with the
 target's tokenizer and refuses (leaves out of its set) each prompt whose tokens plus
 `bench.max_new_tokens` do not fit the target's context (`max_position_embeddings`): a
 speculative or greedy run past it measures nothing a server would serve. Refused, not truncated:
@@ -27,17 +27,17 @@ def target_context(target_dir: Path) -> int | None:
 
 
 def screen_sets(
-    sets: dict[str, list[dict]], skipped: dict[str, dict], target_dir: Path, cfg: dict
+    sets: dict[str, list[dict]], skipped: dict[str, dict], target_dir: Path, job
 ) -> tuple[dict[str, list[dict]], dict[str, dict]]:
     """(sets without the prompts too long for the target, the `input` report per set); the
-    tokenizer as the bench engine's role loads it."""
+    tokenizer as the bench engine's role loads it (`job`: the bench job's JobSettings)."""
     from draftsmith.engines import load_tokenizer
     from draftsmith.prompts import prompt_turns
     from draftsmith.specdec import prompt_ids
 
-    max_new_tokens = int(cfg["bench"]["max_new_tokens"])
+    max_new_tokens = int(job.bench.max_new_tokens)
     context = target_context(target_dir)
-    tokenizer = load_tokenizer("bench", cfg, target_dir)
+    tokenizer = load_tokenizer("bench", job, target_dir)
     kept_sets, report = {}, {}
     for name, rows in sets.items():
         kept, too_long = [], []

@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--run", default="", help="run settings JSON (default: $DRAFTSMITH_RUN)")
     args = ap.parse_args(argv)
     log = init_logging("draftsmith.capture")
-    job = settings.job(merge_run(parse_cfg(args.cfg), args.run), ("capture",))
+    job = settings.stage_job(merge_run(parse_cfg(args.cfg), args.run), "capture")
     from draftsmith.engines import stop_guard
 
     with stop_guard("capture", job.capture.backend):
@@ -139,7 +139,8 @@ def main(argv: list[str] | None = None) -> None:
 
 def run(args, job: settings.JobSettings, log) -> None:
     """The capture job after its arguments: storage checks, the engine's shard, the log. The
-    engine gets the sections as given (`job.given`), its seam's contract."""
+    engine gets the typed settings (`job`: capture, target and its own section), its seam's
+    contract (draftsmith.engines)."""
     cap = job.capture
     dtype = cap.dtype
     if dtype not in STORAGE_DTYPES:
@@ -184,7 +185,7 @@ def run(args, job: settings.JobSettings, log) -> None:
         )
         manifest = capture_range(
             tokens,
-            job.given,
+            job,
             target=args.target,
             out=args.out,
             ids=ids,

@@ -30,13 +30,25 @@ def write_jsonl(path, rows: list[dict]) -> None:
             f.write(json.dumps(row, ensure_ascii=False) + "\n")
 
 
-def refused_rows(target: str, rows: list[dict], cfg: dict) -> tuple[list[dict], list[dict]]:
+def refused_rows(target: str, rows: list[dict], job) -> tuple[list[dict], list[dict]]:
     """(rows the target's chat template renders, the refused ones named), before any engine
-    generates: the tokenizer as the regenerate engine's role loads it."""
+    generates: the tokenizer as the regenerate engine's role loads it (`job`: the JobSettings)."""
     from draftsmith.engines import load_tokenizer
     from draftsmith.tokens import split_refused
 
-    return split_refused(load_tokenizer("regenerate", cfg, target), rows)
+    return split_refused(load_tokenizer("regenerate", job, target), rows)
+
+
+def job_settings(cfg: dict):
+    """The regenerate job's typed settings (draftsmith.settings.stage_job). Its `target`
+    section may be absent, typed at the schema's defaults then: rules/data.smk passes it only
+    through the engine's server settings (rules/common.smk server_cfg: target.dtype and
+    trust_remote_code) or, for an engine without them, only while trust_remote_code is on
+    (remote_code_cfg), so absent means off; the hf engine reads regenerate.dtype, never
+    target.dtype."""
+    from draftsmith import settings
+
+    return settings.stage_job(cfg, "regenerate", absent=("target",))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -60,14 +72,14 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     init_logging("draftsmith.regenerate")
     cfg = merge_run(parse_cfg(args.cfg), args.run)
-    regen = cfg["regenerate"]
+    job = job_settings(cfg)
     a, b = parse_range(args.range)
     try:
         rows = rows_for_range(load_sources(cfg), a, b)
     except SourceError as e:
         raise SystemExit(str(e)) from None
-    report = {"range": args.range, "rows": len(rows), "enabled": bool(regen["enabled"])}
-    rows, refused = refused_rows(args.target, rows, cfg)
+    report = {"range": args.range, "rows": len(rows), "enabled": bool(job.regenerate.enabled)}
+    rows, refused = refused_rows(args.target, rows, job)
     if refused:  # rows the chat template refuses (e.g. a system turn): skipped, named, counted
         log_refused(f"{args.range} ({args.target})", refused)
         report.update(refused_rows=len(refused), refused=refused[:20])
@@ -83,16 +95,17 @@ def main(argv: list[str] | None = None) -> None:
         from draftsmith.engines import EngineError, engine, stop_guard
 
         try:
-            regenerate_rows = engine("regenerate", regen["backend"])
+            regenerate_rows = engine("regenerate", job.regenerate.backend)
         except EngineError as e:
             raise SystemExit(str(e)) from None
-        with stop_guard("regenerate", regen["backend"]):
+        with stop_guard("regenerate", job.regenerate.backend):
             out, figures = regenerate_rows(
                 rows,
-                cfg,
+                job,
                 target=args.target,
                 threads=args.threads,
-                seed=int(regen["seed"]) + a,
+                seed=int(job.regenerate.seed) + a,
+                max_total=int(cfg["data"]["max_length"]),
             )
         dropped = dropped_ids(rows, out)
         report.update(figures, dropped_rows=len(dropped), dropped_ids=dropped[:20])

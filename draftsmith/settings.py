@@ -1,4 +1,4 @@
-"""Typed settings of the train, draft, capture and bench sections, filled once per job.
+"""Typed settings of a job's config sections, filled once per job.
 
 A job gets its config sections as `--cfg` JSON (the rules' params, validated at parse time)
 without the keys the schema marks x-omit-default while they are at their default and without
@@ -12,6 +12,12 @@ Arrays become tuples (the settings are frozen); numbers keep the type they came 
 integer `lr` stays an int), so the arithmetic is the dict's. The sections as received stay
 available as `JobSettings.given`: run keys hash them and provenance records them, exactly as
 before the typed settings.
+
+The engine seam (draftsmith.engines) hands an engine the job's `JobSettings`: its stage's
+section, `target` and, as `engine`, the engine's own settings section (its WORKFLOW's
+"settings", typed by the dataclass its module names as `SETTINGS`, filled the same way; the
+x-execution keys among them arrive through DRAFTSMITH_RUN, merged before typing). `stage_job`
+builds that for a stage CLI.
 """
 
 from __future__ import annotations
@@ -127,40 +133,100 @@ class BenchSettings:
     files: tuple[BenchFile, ...]
 
 
+@dataclass(frozen=True)
+class TargetSettings:
+    """The `target` section."""
+
+    source: str
+    path: str
+    dtype: str
+    trust_remote_code: bool
+
+
+@dataclass(frozen=True)
+class RegenerateSettings:
+    """The `regenerate` section."""
+
+    enabled: bool
+    backend: str
+    role: str
+    temperature: float
+    max_new_tokens: int
+    dtype: str
+    batch_size: int
+    seed: int
+    thinking: str
+
+
 SECTIONS = {
     "train": TrainSettings,
     "draft": DraftSettings,
     "capture": CaptureSettings,
     "bench": BenchSettings,
+    "target": TargetSettings,
+    "regenerate": RegenerateSettings,
 }
 
 
 @dataclass(frozen=True)
 class JobSettings:
     """A job's config: `given`, the sections as the job received them (what run keys hash and
-    provenance records), and the typed sections it asked for (None for the others)."""
+    provenance records), the typed sections it asked for (None for the others), and `engine`,
+    the typed own settings section of its stage's engine (None: not asked, or the engine has
+    none)."""
 
     given: dict
     train: TrainSettings | None
     draft: DraftSettings | None
     capture: CaptureSettings | None
     bench: BenchSettings | None
+    target: TargetSettings | None
+    regenerate: RegenerateSettings | None
+    engine: object | None
 
 
-def job(cfg: dict, sections, schema: dict | None = None) -> JobSettings:
+def job(
+    cfg: dict, sections, schema: dict | None = None, *, absent=(), stage: str | None = None
+) -> JobSettings:
     """The typed `sections` of a job's config `cfg` (its --cfg JSON after merge_run); a missing
-    section, an unknown key or a value of the wrong type ends the job naming it."""
-    missing = [s for s in sections if s not in cfg]
+    section, an unknown key or a value of the wrong type ends the job naming it. `absent`: the
+    sections of `sections` the job may lack, typed at their defaults then (the caller says
+    why). `stage`: also type the own settings section of that stage's engine as `engine`."""
+    if stage is not None and stage not in sections:
+        raise ValueError(f"stage {stage!r} is not among the sections {sections}")
+    missing = [s for s in sections if s not in cfg and s not in absent]
     if missing:
         raise SystemExit(f"--cfg has no {missing[0]!r} section")
     schema = load_schema() if schema is None else schema
     typed = {name: None for name in SECTIONS}
     try:
         for name in sections:
-            typed[name] = section(name, cfg[name], schema)
+            typed[name] = section(name, cfg.get(name), schema)
+        engine = engine_section(cfg, typed[stage].backend, schema) if stage else None
     except ConfigError as e:
         raise SystemExit(f"--cfg: {e}") from None
-    return JobSettings(given=cfg, **typed)
+    return JobSettings(given=cfg, **typed, engine=engine)
+
+
+def stage_job(cfg: dict, stage: str, schema: dict | None = None, *, absent=()) -> JobSettings:
+    """The settings an engine's stage job hands its engine: the stage's section, `target`, and
+    the engine's own section (`engine`)."""
+    return job(cfg, (stage, "target"), schema, absent=absent, stage=stage)
+
+
+def engine_section(cfg: dict, backend: str, schema: dict):
+    """The typed own settings section of engine `backend` (draftsmith.engines.own_settings),
+    required in `cfg`; None when the engine has none or `backend` is no engine (the stage's
+    engine() call names that error)."""
+    from draftsmith.engines import own_settings
+
+    own = own_settings(backend)
+    if own is None:
+        return None
+    name, cls = own
+    if name not in cfg:
+        raise SystemExit(f"--cfg has no {name!r} section (the settings of the {backend} engine)")
+    return fill(cls, cfg[name], schema["properties"][name], name)
 
 
 def section(name: str, given: dict | None, schema: dict | None = None):
@@ -222,6 +288,15 @@ def _as(value, hint, prop: dict, where: str):
     if hint is float:
         return isinstance(value, int | float) and not isinstance(value, bool), value
     return isinstance(value, hint), value
+
+
+def plain(value):
+    """A settings value as the config holds it: dataclasses as dicts, tuples as lists."""
+    if is_dataclass(value):
+        return {f.name: plain(getattr(value, f.name)) for f in fields(value)}
+    if isinstance(value, tuple):
+        return [plain(v) for v in value]
+    return value
 
 
 def _option(prop: dict, kind: str) -> dict:

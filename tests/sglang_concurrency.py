@@ -25,6 +25,7 @@ from pathlib import Path
 
 from safetensors.torch import load_file
 
+from draftsmith import settings
 from draftsmith.engines import sglang_capture as sc
 from draftsmith.server import Supervisor
 from draftsmith.sglang_patch import load_patched
@@ -53,7 +54,7 @@ class NoBar:
         pass
 
 
-def one_pass(sup, tokens, cfg, expect, hidden, dump_dir, out: Path, concurrency: int) -> None:
+def one_pass(sup, tokens, job, expect, hidden, dump_dir, out: Path, concurrency: int) -> None:
     n_rows = tokens["row_offsets"].numel() - 1
     with ShardWriter(
         out,
@@ -61,10 +62,10 @@ def one_pass(sup, tokens, cfg, expect, hidden, dump_dir, out: Path, concurrency:
         loss_mask=tokens["loss_mask"],
         row_offsets=tokens["row_offsets"],
         hidden_size=hidden,
-        dtype=cfg["capture"]["dtype"],
+        dtype=job.capture.dtype,
         manifest={"row_range": [0, n_rows], "target_fingerprint": "test"},
     ) as writer:
-        rc = sc.RowCapture(tokens, writer, dump_dir, expect, cfg)
+        rc = sc.RowCapture(tokens, writer, dump_dir, expect, job)
         lengths = [rc.row_ids(r).numel() for r in range(n_rows)]
         rows = sorted(range(n_rows), key=lambda r: (-lengths[r], r))
         sc.run_rows(sup, rc, rows, concurrency=concurrency, retries=0, bar=NoBar())
@@ -73,12 +74,13 @@ def one_pass(sup, tokens, cfg, expect, hidden, dump_dir, out: Path, concurrency:
 def main(argv: list[str]) -> None:
     cfg_json, target, patched, tokens_path, out_dir, concs, *flags = argv
     cfg, target = json.loads(cfg_json), Path(target)
+    job = settings.stage_job(cfg, "capture")  # what the capture job hands its engine
     ids = cfg["capture"]["aux_layer_ids"]
     record = load_patched(Path(patched))
     hidden, expect = sc.check_ids(target, ids, record)
     tokens = load_file(tokens_path)
     dump_dir = Path(tempfile.mkdtemp(prefix="draftsmith-dump-", dir=sc.dump_root()))
-    spec = sc.capture_server_spec(cfg, target, 1, ids, dump_dir, record["overlay_path"])
+    spec = sc.capture_server_spec(job, target, 1, ids, dump_dir, record["overlay_path"])
     if "--batched" in flags:
         spec.command = drop_flag(spec.command, "--prefill-max-requests")
     tee, shards = LogTee(), {}
@@ -87,7 +89,7 @@ def main(argv: list[str]) -> None:
             for c in map(int, concs.split(",")):
                 seen, t0 = len(tee.prefills), time.perf_counter()
                 out = Path(out_dir) / f"c{c}" / Path(tokens_path).name
-                one_pass(sup, tokens, cfg, expect, hidden, dump_dir, out, c)
+                one_pass(sup, tokens, job, expect, hidden, dump_dir, out, c)
                 seconds = round(time.perf_counter() - t0, 3)
                 time.sleep(1.0)  # the log pump's last lines of this pass
                 shards[c] = {"path": str(out), "prefills": tee.prefills[seen:], "seconds": seconds}

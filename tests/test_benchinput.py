@@ -10,11 +10,14 @@ import logging
 import pytest
 from test_specdec import _bench_inputs, install_oracle
 
+from draftsmith import settings
 from draftsmith.benchinput import screen_sets
 from draftsmith.prompts import read_source
 
 CONTEXT = 2048  # the tiny target's max_position_embeddings
-BENCH_CFG = {"bench": {"backend": "hf", "max_new_tokens": 16}}
+BENCH_JOB = settings.stage_job(
+    {"bench": {"backend": "hf", "max_new_tokens": 16}, "target": {}}, "bench"
+)
 
 
 def rows_file(path, prompts):
@@ -45,14 +48,14 @@ def test_a_prompt_past_the_context_is_refused_and_counted(tiny_target, caplog):
         ]
     }
     with caplog.at_level(logging.WARNING, logger="draftsmith.bench"):
-        kept, report = screen_sets(sets, {}, tiny_target, BENCH_CFG)
+        kept, report = screen_sets(sets, {}, tiny_target, BENCH_JOB)
     assert [r["id"] for r in kept["mine"]] == ["a"]
     r = report["mine"]
     assert r["used"] == 1 and r["refused_too_long"] == 1 and r["too_long_policy"] == "refused"
     assert r["first_too_long"][0]["id"] == "b" and r["context"] == CONTEXT
     assert "refused 1 prompt(s) longer than the target's context" in caplog.text
     with pytest.raises(SystemExit, match="bench set mine: no prompt left"):
-        screen_sets({"mine": sets["mine"][1:]}, {}, tiny_target, BENCH_CFG)
+        screen_sets({"mine": sets["mine"][1:]}, {}, tiny_target, BENCH_JOB)
 
 
 def test_bench_report_counts_skipped_and_refused_prompts(tiny_target, tmp_path, monkeypatch):

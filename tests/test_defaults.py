@@ -24,16 +24,6 @@ ALLOWED = {
     ("draftsmith/storage.py", None): "reads unvalidated CLI JSON too",
     # storage_keys mirrors Storage.from_config's defaults for the same JSON.
     ("draftsmith/config.py", None): "mirrors storage.py",
-    # Run settings (sglang.port, timeouts, retries) reach a job through DRAFTSMITH_RUN
-    # (common.merge_run), never through --cfg: a job run by hand has none of them.
-    ("draftsmith/engines/sglang_capture.py", "request_timeout"): "run setting",
-    ("draftsmith/engines/sglang_capture.py", "retries"): "run setting",
-    # The regenerate job's cfg carries no `target` section (rules/data.smk passes regenerate and
-    # part of data): the sglang engine's regeneration reads target.trust_remote_code and
-    # target.dtype (the CPU server's dtype) from its fallbacks there.
-    ("draftsmith/engines/sglang.py", "target"): "absent from regenerate's cfg",
-    ("draftsmith/engines/sglang.py", "trust_remote_code"): "absent from regenerate's cfg",
-    ("draftsmith/engines/sglang_server.py", "target"): "absent from regenerate's cfg",
     # read_source also reads specs built in code (the bundled set when data.sources is empty,
     # bench's sets), and load_sources any dict holding a data section (docs/data.md).
     ("draftsmith/prompts.py", "max_rows"): "specs built in code",

@@ -77,6 +77,22 @@ def test_workflow_declaration_is_checked(monkeypatch, tmp_path):
     assert "draftsmith_fake_decl" not in sys.modules
 
 
+def test_own_settings_name_the_section_and_its_dataclass(monkeypatch, tmp_path):
+    """own_settings: (section, SETTINGS) of an engine with a settings section, None without one
+    or for a backend that is no engine, an error when the module lacks the dataclass."""
+    from dataclasses import is_dataclass
+
+    assert engines.own_settings("hf") is None and engines.own_settings("nope") is None
+    section, cls = engines.own_settings("sglang")
+    assert section == "sglang" and is_dataclass(cls)
+    fake = tmp_path / "draftsmith_fake_own.py"
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setitem(engines.ENGINES, "fake", "draftsmith_fake_own")
+    fake.write_text('WORKFLOW = {"settings": "sglang"}\n')
+    with pytest.raises(EngineError, match="names the settings section 'sglang' but the module"):
+        engines.own_settings("fake")
+
+
 def test_check_config_asks_the_declarations(monkeypatch, tmp_path):
     """check_config refuses sampling for the engines whose WORKFLOW does not honour
     bench.temperature, and names the ones that do: no engine name in the rule itself."""

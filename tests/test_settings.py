@@ -22,6 +22,7 @@ from draftsmith.config import (
     neutral_defaults,
     sections_json,
 )
+from draftsmith.engines import ENGINES, own_settings
 
 ROOT = Path(__file__).resolve().parents[1]
 SCHEMA = yaml.safe_load((ROOT / "schemas" / "config.schema.yaml").read_text())
@@ -81,6 +82,21 @@ def test_the_dataclasses_match_the_schema(name):
     assert not found, "\n".join(found)
 
 
+OWN = {name: own_settings(name) for name in ENGINES}
+
+
+@pytest.mark.parametrize("backend", [b for b, own in OWN.items() if own])
+def test_an_engines_settings_dataclass_matches_its_section(backend):
+    """An engine's own section (WORKFLOW "settings") comes typed by its module's SETTINGS."""
+    section, cls = OWN[backend]
+    found = problems(cls, SCHEMA["properties"][section], section)
+    assert not found, "\n".join(found)
+
+
+def test_engines_with_a_settings_section_exist():
+    assert any(OWN.values()), "no engine declares a settings section: the test above runs none"
+
+
 def test_the_check_sees_a_missing_key_a_wrong_type_and_a_default():
     @dataclass(frozen=True)
     class Short:
@@ -133,6 +149,9 @@ CONFIGS = [
             "temperature": 0.5,
             "files": [{"name": "x", "path": "x.jsonl"}],
         },
+        "target": {"dtype": "bfloat16", "trust_remote_code": True},
+        "regenerate": {"backend": "sglang", "thinking": "disabled", "max_new_tokens": 7},
+        "sglang": {"tp_size": 2, "extra_args": ["--x", "1"], "port": 8123, "idle_timeout": 5},
     },
 ]
 
@@ -145,14 +164,39 @@ def test_a_jobs_params_fill_to_the_validated_config(cfg):
     full = validated(cfg)
     neutral, execution = neutral_defaults(SCHEMA), execution_keys(SCHEMA)
     names = tuple(settings.SECTIONS)
-    given = json.loads(sections_json(full, names, neutral=neutral, execution=execution))
-    assert "checkpoint_every" not in given["train"]
+    own = {section for section, _ in filter(None, OWN.values())}
+    given = json.loads(sections_json(full, (*names, *own), neutral=neutral, execution=execution))
+    assert "checkpoint_every" not in given["train"] and "port" not in given["sglang"]
     run = {s: {k: full[s][k] for k in keys} for s, keys in execution.items()}
-    given = merge_run(given, json.dumps(run), sections=names)  # as DRAFTSMITH_RUN brings them
-    job = settings.job(given, names, SCHEMA)
-    assert job.given is given
-    for name in names:
-        assert plain(getattr(job, name)) == full[name], name
+    given = merge_run(given, json.dumps(run), sections=(*names, *own))  # as DRAFTSMITH_RUN does
+    for stage in ("regenerate", "capture", "bench"):
+        job = settings.job(given, names, SCHEMA, stage=stage)
+        assert job.given is given
+        for name in names:
+            assert plain(getattr(job, name)) == full[name], name
+        backend = full[stage]["backend"]
+        if OWN[backend]:
+            assert plain(job.engine) == full[OWN[backend][0]], stage
+        else:
+            assert job.engine is None, stage
+
+
+def test_a_stage_job_types_its_section_the_target_and_its_engines_section():
+    job = settings.stage_job({"bench": {"backend": "sglang"}, "target": {}, "sglang": {}}, "bench")
+    section, cls = OWN["sglang"]
+    assert job.bench.backend == "sglang" and job.target == settings.section("target", {}, SCHEMA)
+    assert job.engine == settings.fill(cls, {}, SCHEMA["properties"][section], section)
+    assert job.capture is None and job.regenerate is None
+    with pytest.raises(SystemExit, match="--cfg has no 'target' section"):
+        settings.stage_job({"bench": {}}, "bench")
+    with pytest.raises(SystemExit, match="--cfg has no 'sglang' section"):
+        settings.stage_job({"capture": {"backend": "sglang"}, "target": {}}, "capture")
+    hf = settings.stage_job({"regenerate": {}}, "regenerate", absent=("target",))
+    assert hf.engine is None and hf.target.trust_remote_code is False
+    with pytest.raises(SystemExit, match=r"--cfg: config: sglang: unknown key\(s\) ports"):
+        settings.stage_job(
+            {"bench": {"backend": "sglang"}, "target": {}, "sglang": {"ports": 1}}, "bench"
+        )
 
 
 def test_values_keep_their_type_and_arrays_are_tuples():

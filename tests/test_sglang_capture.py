@@ -344,10 +344,11 @@ def test_dump_server_refuses_radix_cache_and_chunked_prefill(capture_setup, tmp_
     script = f"""
 import json, sys
 from pathlib import Path
+from draftsmith import settings
 from draftsmith.engines import sglang_capture as sc
 from draftsmith.server import ServerError, Supervisor
-cfg = json.loads(sys.argv[1])
-spec = sc.capture_server_spec(cfg, Path(sys.argv[2]), 1, {AUX_IDS!r}, Path(sys.argv[3]),
+job = settings.stage_job(json.loads(sys.argv[1]), "capture")
+spec = sc.capture_server_spec(job, Path(sys.argv[2]), 1, {AUX_IDS!r}, Path(sys.argv[3]),
                               sys.argv[4])
 inner = spec.command
 drop = {{"--disable-radix-cache", "--chunked-prefill-size", "-1"}}

@@ -133,13 +133,15 @@ def test_the_capture_launch_prefills_one_row_per_forward(tmp_path):
     """The capture job's server command: radix cache and chunked prefill off and one request per
     prefill forward, after `sglang.extra_args`, so that a user's own value there loses (SGLang
     parses its flags with argparse: the last one wins)."""
+    from draftsmith import settings
     from draftsmith.engines.sglang_capture import capture_server_spec
 
     cfg = with_defaults({
         "capture": {"backend": "sglang", "role": "sglang-cpu"},
         "sglang": {"extra_args": ["--prefill-max-requests", "8"]},
     })  # fmt: skip
-    command = capture_server_spec(cfg, tmp_path, 1, AUX_IDS, tmp_path, "").command(30000)
+    job = settings.stage_job(cfg, "capture")
+    command = capture_server_spec(job, tmp_path, 1, AUX_IDS, tmp_path, "").command(30000)
     last = len(command) - 1 - command[::-1].index("--prefill-max-requests")
     assert command[last + 1] == "1" and command.count("--prefill-max-requests") == 2
     assert "--disable-radix-cache" in command

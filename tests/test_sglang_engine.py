@@ -5,11 +5,13 @@ The engine against the real SGLang server: tests/test_sglang.py (marked slow + s
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 
 import pytest
 
+from draftsmith import settings
 from draftsmith.benchfigures import set_figures
 from draftsmith.common import merge_run
 from draftsmith.engines import implements
@@ -20,12 +22,23 @@ SGLANG = {"tp_size": 2, "extra_args": ["--max-total-tokens", "4096"], "port": 0}
 RUN = {"startup_timeout": 60, "request_timeout": 60, "retries": 1}
 
 
-def cfg(role: str) -> dict:
-    return {
-        "regenerate": {"role": role},
+def cfg(role: str) -> settings.JobSettings:
+    """A regenerate job's typed settings (the engine seam's), with the sglang engine's section."""
+    given = {
+        "regenerate": {"role": role, "backend": "sglang"},
         "sglang": {**SGLANG, **RUN},
         "target": {"dtype": "float32"},
     }
+    return settings.stage_job(given, "regenerate")
+
+
+def test_the_engine_gets_its_section_typed_with_the_run_settings():
+    s = cfg("sglang").engine
+    assert isinstance(s, eng.SETTINGS)
+    assert {k: settings.plain(getattr(s, k)) for k in {**SGLANG, **RUN}} == {**SGLANG, **RUN}
+    assert s.idle_timeout == 3600 and s.capture_server == "auto"  # not given: the schema's
+    with pytest.raises(SystemExit, match="--cfg has no 'sglang' section"):
+        settings.stage_job({"regenerate": {"backend": "sglang"}}, "regenerate", absent=("target",))
 
 
 def test_sglang_implements_regenerate_and_bench():
@@ -63,7 +76,7 @@ def test_cpu_role_gets_the_compatibility_layer(tmp_path):
 
 
 def test_speculative_args():
-    bench = {"num_steps": 3, "topk": 1, "num_draft_tokens": 0}
+    bench = settings.section("bench", {"num_steps": 3, "topk": 1, "num_draft_tokens": 0})
     args = eng.speculative_args(bench, "results/draft")
     flags = dict(zip(args[::2], args[1::2], strict=True))
     assert flags["--speculative-algorithm"] == "EAGLE3"
@@ -71,8 +84,8 @@ def test_speculative_args():
     assert (flags["--speculative-num-steps"], flags["--speculative-eagle-topk"]) == ("3", "1")
     assert flags["--speculative-num-draft-tokens"] == "4"  # a chain: K + 1
     with pytest.raises(SystemExit, match="num_draft_tokens"):
-        eng.speculative_args({**bench, "topk": 2}, "d")
-    tree = eng.speculative_args({**bench, "topk": 2, "num_draft_tokens": 6}, "d")
+        eng.speculative_args(dataclasses.replace(bench, topk=2), "d")
+    tree = eng.speculative_args(dataclasses.replace(bench, topk=2, num_draft_tokens=6), "d")
     assert tree[tree.index("--speculative-num-draft-tokens") + 1] == "6"
 
 

@@ -567,7 +567,7 @@ def test_capture_cli_compact_mode(tiny_target, tmp_path):
     shard = open_shard(out, verify_sha=True)
     assert shard.manifest["storage"]["mode"] == "float8_e4m3+topk6"
     assert shard.teacher_topk_ids.shape == (int(expected_trained(d).sum()), 6)
-    bad = {"capture": {**cfg["capture"], "storage": {"final": "logits"}}}
+    bad = {**cfg, "capture": {**cfg["capture"], "storage": {"final": "logits"}}}
     with pytest.raises(SystemExit, match="capture.storage.final"):
         main(["--cfg", json.dumps(bad), *args])
 

@@ -134,15 +134,18 @@ def run_bench(
     """bench_sets of `engine` on `texts` (PROMPTS), run in `python` (a role interpreter) from `root`, its
     measurements turned into figures as the bench stage does (draftsmith.benchfigures):
     {"res": {"s": figures}, "info": ..., "log": the process's output}. `cfg` gets the schema's
-    defaults, as the workflow hands a job its sections."""
-    cfg = with_defaults(cfg)
+    defaults, as the workflow hands a job its sections, and bench.backend `engine` (the job's
+    settings type that engine's own section)."""
+    cfg = with_defaults({**cfg, "bench": {**cfg.get("bench", {}), "backend": engine}})
     code = (
         "import json, sys\n"
+        "from draftsmith import settings\n"
         "from draftsmith.benchfigures import bench_figures\n"
         "from draftsmith.engines import engine\n"
         "def main():\n"
         "    sets, cfg, draft = json.loads(sys.argv[1]), json.loads(sys.argv[2]), sys.argv[3]\n"
-        f"    raw, info = engine('bench', {engine!r})(sets, cfg, target='results/target',"
+        "    job = settings.stage_job(cfg, 'bench')\n"
+        f"    raw, info = engine('bench', {engine!r})(sets, job, target='results/target',"
         " draft=draft, threads=2)\n"
         "    res = bench_figures(raw)\n"
         "    print('RESULT ' + json.dumps({'res': res, 'info': info}))\n"

@@ -4,26 +4,35 @@ The stage modules (`draftsmith.regenerate`, `draftsmith.capture`, `draftsmith.be
 CLIs the rules call: they read inputs, validate, write artifacts and reports. The work between
 is asked of the engine named by the stage's `backend` key, through one function per stage:
 
-    regenerate_rows(conversations, cfg, *, target, threads, seed) -> (conversations, report)
-        conversations in and out as in `draftsmith.regenerate_base.regenerate`; report: the engine's
-        figures (backend, prompts, new_tokens, prompt_tokens, seconds, hit_limit, empty,
-        wall_seconds, tokens_per_second, ...), merged into the range's report.json.
-    capture_range(tokens, cfg, *, target, out, ids, manifest, threads, draft_ids, **inputs)
+    regenerate_rows(conversations, job, *, target, threads, seed, max_total)
+        -> (conversations, report)
+        conversations in and out as in `draftsmith.regenerate_base.regenerate`; seed: the
+        range's (regenerate.seed + its first row); max_total: data.max_length, which prompt +
+        reply must fit in; report: the engine's figures (backend, prompts, new_tokens,
+        prompt_tokens, seconds, hit_limit, empty, wall_seconds, tokens_per_second, ...), merged
+        into the range's report.json.
+    capture_range(tokens, job, *, target, out, ids, manifest, threads, draft_ids, **inputs)
         -> manifest
         tokens: the token file's tensors; writes the shard at `out` (draftsmith.shard_writer) with the
         aux states of layer ids `ids` and returns its manifest. draft_ids: the draft vocabulary's
         target ids where the storage mode keeps a top-k teacher over it (else None); inputs:
         the engine's own inputs (WORKFLOW["inputs"]["capture"], below) as paths.
-    bench_sets(sets, cfg, *, target, draft, threads) -> (measurements, info)
+    bench_sets(sets, job, *, target, draft, threads) -> (measurements, info)
         sets: name -> conversations; measurements: name -> what the engine measured (token ids,
         verification passes, accepted-length histograms, seconds of both sides), the format of
         `draftsmith.benchfigures`, which computes every figure of the report from them; info:
         device, threads, aux_layer_ids, draft_vocab_size, method (the report's prose), and
         anything engine-specific.
 
-`cfg` is the job's `--cfg` (the config sections the rule passes), with the operational
-settings of `--run` (server ports, timeouts, retries: outside params, see `common.merge_run`)
-merged into their sections.
+`job` is the job's typed settings (`draftsmith.settings.stage_job`, a frozen `JobSettings`,
+every key the schema's default where the job was not given it): the stage's section
+(`job.regenerate`, `job.capture`, `job.bench`), `job.target`, and `job.engine`, the engine's own
+settings section (WORKFLOW "settings", typed by the dataclass its module names as `SETTINGS`;
+None for an engine without one). The run settings of `--run` (server ports, timeouts, retries,
+capture.concurrency: the schema's x-execution keys, outside params, see `common.merge_run`) are
+merged into their sections before typing, so they arrive there too. `job.given` holds the
+sections as received (what reports and provenance record), and keys that are no config, such
+as segment capture's `capture_server` (draftsmith.segcapture).
 
 An engine is one module here that defines the functions of the stages it implements, and one
 line of `ENGINES`; docs/architecture.md ("Adding an engine") has the whole recipe (the schema's
@@ -36,9 +45,9 @@ What the workflow needs from an engine, the module declares in a literal `WORKFL
 defaults): the rules, `draftsmith.config.check_config` and the stage CLIs ask `needs` instead
 of naming engines.
 
-A stage that reads the target's tokenizer in the engine's role asks `load_tokenizer(stage, cfg,
+A stage that reads the target's tokenizer in the engine's role asks `load_tokenizer(stage, job,
 target)`: an engine whose role needs a preparation first (SGLang's CPU role declares torchvision's
-op schemas) defines `tokenizer(target, cfg, stage)`; the others get transformers' AutoTokenizer.
+op schemas) defines `tokenizer(target, job, stage)`; the others get transformers' AutoTokenizer.
 
 An engine that computes in the job's own process says so (`IN_PROCESS = True`): its stages then
 run under `draftsmith.stopping.stop_promptly`, so SIGINT/SIGTERM end the job within a second even
@@ -73,8 +82,9 @@ ENTRY_POINTS = {
 # what an engine's WORKFLOW may declare, and the default of each key
 NEEDS = {
     # the config section of the engine's own settings (a server's): its keys that change
-    # results (the schema's non-x-execution ones) are params of every job that uses the engine;
-    # None: it has none
+    # results (the schema's non-x-execution ones) are params of every job that uses the engine,
+    # and the module's SETTINGS, a frozen dataclass of the section's keys, types it for the
+    # engine (job.engine, own_settings); None: it has none
     "settings": None,
     # GPUs one job of a GPU role takes: a number, or "section.key" naming the config key that
     # says (a server's tensor-parallel size); train's GPUs are train.nproc whatever the engine
@@ -159,22 +169,36 @@ def implements(backend: str) -> list[str]:
     return [stage for stage, name in ENTRY_POINTS.items() if hasattr(mod, name)]
 
 
-def load_tokenizer(stage: str, cfg: dict, target):
-    """The target's tokenizer for `stage`, loaded as its engine's role interpreter needs it;
-    `cfg["target"]["trust_remote_code"]` (when the job was given it) allows the target's code."""
-    module = ENGINES.get(cfg[stage]["backend"])
+def own_settings(backend: str):
+    """(section, dataclass) of engine `backend`'s own settings: its WORKFLOW's "settings" section
+    and the frozen dataclass its module names as `SETTINGS` (imports the module); None when it
+    has none or `backend` is no engine (engine() names that error)."""
+    module = ENGINES.get(backend)
+    section = needs(backend)["settings"] if module else None
+    if section is None:
+        return None
+    cls = getattr(importlib.import_module(module), "SETTINGS", None)
+    if cls is None:
+        raise EngineError(
+            f"{module}: WORKFLOW names the settings section {section!r} but the module has no "
+            "SETTINGS dataclass of its keys"
+        )
+    return section, cls
+
+
+def load_tokenizer(stage: str, job, target):
+    """The target's tokenizer for `stage`, loaded as its engine's role interpreter needs it (`job`:
+    the job's JobSettings, with the stage's section and `target`); `job.target.trust_remote_code`
+    allows the target's code."""
+    module = ENGINES.get(getattr(job, stage).backend)
     own = getattr(importlib.import_module(module), "tokenizer", None) if module else None
     if own is not None:
-        return own(target, cfg, stage)
+        return own(target, job, stage)
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(target), trust_remote_code=trusts_code(cfg))
-
-
-def trusts_code(cfg: dict) -> bool:
-    """Whether the job's config allows the target's own code. A job is given a target section
-    (with the key) when it reads the target, or by rules/common.smk only when the key is on."""
-    return "target" in cfg and bool(cfg["target"]["trust_remote_code"])
+    return AutoTokenizer.from_pretrained(
+        str(target), trust_remote_code=job.target.trust_remote_code
+    )
 
 
 def stop_guard(stage: str, backend: str):

@@ -190,29 +190,30 @@ class HFGenerator:
         return self.stats["new_tokens"] / self.stats["seconds"] if self.stats["seconds"] else 0.0
 
 
-def regenerate_rows(conversations, cfg: dict, *, target, threads: int, seed: int):
+def regenerate_rows(conversations, job, *, target, threads: int, seed: int, max_total: int):
     """The regenerate stage: load the target, answer every user turn again.
 
-    Prompt + reply stay within data.max_length and the target's positions (HFGenerator).
+    Prompt + reply stay within `max_total` (data.max_length) and the target's positions
+    (HFGenerator).
     """
     from draftsmith.common import set_threads
     from draftsmith.regenerate_base import regenerate
     from draftsmith.target import load_target
 
-    regen = cfg["regenerate"]
+    regen = job.regenerate
     set_threads(threads)
-    dtype = regen.get("dtype", "float32")
+    dtype = regen.dtype
     model, tokenizer = load_target(target, dtype=getattr(torch, dtype))
     cpu = announce(log, "regenerate", dtype, "regenerate.dtype", model.device.type)
     gen = HFGenerator(
         model,
         tokenizer,
-        max_new_tokens=regen["max_new_tokens"],
-        temperature=regen["temperature"],
-        batch_size=regen["batch_size"],
+        max_new_tokens=regen.max_new_tokens,
+        temperature=regen.temperature,
+        batch_size=regen.batch_size,
         seed=seed,
-        max_total=int(cfg["data"]["max_length"]),
-        thinking=regen.get("thinking", "template"),  # x-omit-default: absent at default
+        max_total=int(max_total),
+        thinking=regen.thinking,
     )
     t0 = time.perf_counter()
     out = regenerate(conversations, gen)
@@ -347,29 +348,30 @@ def capture_shard(
 
 
 def capture_range(
-    tokens, cfg: dict, *, target, out, ids, manifest: dict, threads: int, draft_ids=None
+    tokens, job, *, target, out, ids, manifest: dict, threads: int, draft_ids=None
 ) -> dict:
-    """The capture stage: load the target and write the shard of one row range (draft_ids: the
-    draft vocabulary, for a top-k teacher stored over it)."""
+    """The capture stage: load the target and write the shard of one row range (`job`: the
+    JobSettings of the engine seam, draftsmith.engines; draft_ids: the draft vocabulary, for a
+    top-k teacher stored over it)."""
     from draftsmith.common import set_threads
     from draftsmith.target import load_target
 
     set_threads(threads)
-    dtype = getattr(torch, cfg["target"].get("dtype", "float32"))
+    dtype = getattr(torch, job.target.dtype)
     model, _ = load_target(target, dtype=dtype)
     announce(
         log, "capture forward", str(dtype).removeprefix("torch."), "target.dtype", model.device.type
     )
-    cap = cfg["capture"]
+    cap = job.capture
     return capture_shard(
         model,
         tokens,
         out,
         ids,
-        cap["dtype"],
-        int(cap["batch_tokens"]),
+        cap.dtype,
+        int(cap.batch_tokens),
         manifest={**manifest, "forward_dtype": str(dtype).removeprefix("torch.")},
-        storage=Storage.from_config(cap.get("storage")),
+        storage=Storage.from_config(cap.storage.as_dict()),
         draft_ids=draft_ids,
     )
 

@@ -26,14 +26,14 @@ def _sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
-def run_set(model, tokenizer, draft, rows, bench: dict, aux_ids: list[int]) -> dict:
+def run_set(model, tokenizer, draft, rows, bench, aux_ids: list[int]) -> dict:
     """Speculative and baseline generation of every row, timed: the raw measurements
     `draftsmith.benchfigures.set_figures` turns into the report's figures."""
     from draftsmith.prompts import prompt_turns
     from draftsmith.specdec import greedy_generate, prompt_ids, speculative_generate, stop_ids
 
     stops = stop_ids(model, tokenizer)
-    k, max_new = bench["num_steps"], bench["max_new_tokens"]
+    k, max_new = bench.num_steps, bench.max_new_tokens
     seconds, prompts = {"spec": 0.0, "base": 0.0}, []
     meter = LoadMeter()  # other processes' CPU use while each side was timed
     for i, row in enumerate(tqdm(rows, desc="prompts", unit="prompt")):
@@ -80,21 +80,20 @@ def run_set(model, tokenizer, draft, rows, bench: dict, aux_ids: list[int]) -> d
     }
 
 
-def sampling(bench: dict) -> dict | None:
-    """{temperature, top_p, seed} when the benchmark samples (bench.temperature > 0), else None.
-
-    x-omit-default keys: absent from the job's config at their defaults."""
-    temperature = float(bench.get("temperature", 0))
+def sampling(bench) -> dict | None:
+    """{temperature, top_p, seed} when the benchmark samples (bench.temperature > 0), else None
+    (`bench`: the BenchSettings, draftsmith.settings)."""
+    temperature = float(bench.temperature)
     if temperature <= 0:
         return None
     return {
         "temperature": temperature,
-        "top_p": float(bench.get("top_p", 1.0)),
-        "seed": int(bench.get("seed", 0)),
+        "top_p": float(bench.top_p),
+        "seed": int(bench.seed),
     }
 
 
-def sampler(bench: dict, index: int, device):
+def sampler(bench, index: int, device):
     """The Sampler of prompt `index` (seeded bench.seed + index), or None when greedy."""
     from draftsmith.sampling import Sampler
 
@@ -104,26 +103,27 @@ def sampler(bench: dict, index: int, device):
     )
 
 
-def warm_up(model, tokenizer, draft, row, bench: dict, aux_ids: list[int]) -> None:
+def warm_up(model, tokenizer, draft, row, bench, aux_ids: list[int]) -> None:
     """One untimed pass of both paths (allocator, kernels, lazy init)."""
     from draftsmith.prompts import prompt_turns
     from draftsmith.specdec import greedy_generate, prompt_ids, speculative_generate, stop_ids
 
     ids = prompt_ids(tokenizer, prompt_turns(row))
     stops = stop_ids(model, tokenizer)
-    n = min(bench["max_new_tokens"], 16)
+    n = min(bench.max_new_tokens, 16)
     sp, bs = (sampler(bench, 0, model.device) for _ in range(2))
-    speculative_generate(model, draft, ids, n, stops, bench["num_steps"], aux_ids, sp)
+    speculative_generate(model, draft, ids, n, stops, bench.num_steps, aux_ids, sp)
     greedy_generate(model, ids, n, stops, bs)
 
 
-def load_models(target_dir: Path, draft_dir: Path, cfg: dict, device: str):
-    """(target, tokenizer, draft), the draft checked against the target it must serve."""
+def load_models(target_dir: Path, draft_dir: Path, target_dtype: str, device: str):
+    """(target, tokenizer, draft) in `target_dtype` (target.dtype), the draft checked against the
+    target it must serve."""
     from draftsmith.config import aux_layer_ids
     from draftsmith.export import ExportError, load_export
     from draftsmith.target import TargetError, load_target
 
-    dtype = getattr(torch, cfg["target"].get("dtype", "float32"))
+    dtype = getattr(torch, target_dtype)
     try:
         model, tokenizer = load_target(target_dir, dtype=dtype, device=device)
         draft = load_export(draft_dir).to(device=device, dtype=dtype)
@@ -150,7 +150,7 @@ def drafting_text(algorithm: str, n: int) -> str:
     return f"Chain speculative decoding ({'EAGLE-3.1' if algorithm == 'eagle3.1' else 'EAGLE-3'})"
 
 
-def method_text(bench: dict, device: str, threads: int, algorithm: str = "eagle3") -> str:
+def method_text(bench, device: str, threads: int, algorithm: str = "eagle3") -> str:
     s = sampling(bench)
     verify, base, step = "greedy verification", "greedy decoding", "greedy decoding"
     if s is not None:
@@ -161,9 +161,9 @@ def method_text(bench: dict, device: str, threads: int, algorithm: str = "eagle3
         )
         base, step = "sampling (same temperature and top-p)", "sampling"
     return (
-        f"{drafting_text(algorithm, bench['num_steps'])}, {bench['num_steps']} draft tokens "
+        f"{drafting_text(algorithm, bench.num_steps)}, {bench.num_steps} draft tokens "
         "per verification "
-        f"pass (top-k 1), {verify}, at most {bench['max_new_tokens']} new tokens "
+        f"pass (top-k 1), {verify}, at most {bench.max_new_tokens} new tokens "
         f"per prompt, batch size 1, on {device} ({threads} threads), transformers in-process "
         "(hf engine). tau = tokens emitted by verification passes / verification passes (the "
         "prefill's token excluded; the SGLang count includes it). Speedup = tokens/s with "
@@ -174,21 +174,23 @@ def method_text(bench: dict, device: str, threads: int, algorithm: str = "eagle3
     )
 
 
-def bench_sets(sets: dict, cfg: dict, *, target, draft, threads: int):
-    """The bench stage: speculative and greedy generation of every set, in this process."""
+def bench_sets(sets: dict, job, *, target, draft, threads: int):
+    """The bench stage: speculative and greedy generation of every set, in this process (`job`:
+    the JobSettings of the engine seam, draftsmith.engines)."""
     from draftsmith.common import set_threads
     from draftsmith.config import concurrency_levels
+    from draftsmith.settings import plain
 
-    bench = cfg["bench"]
-    if bench["topk"] != 1:
-        raise SystemExit(f"bench.topk {bench['topk']}: the hf engine decodes chains (top-k 1)")
-    if concurrency_levels(bench["concurrency"]) != [1]:
+    bench = job.bench
+    if bench.topk != 1:
+        raise SystemExit(f"bench.topk {bench.topk}: the hf engine decodes chains (top-k 1)")
+    if concurrency_levels(bench.concurrency) != [1]:
         raise SystemExit(
-            f"bench.concurrency {bench['concurrency']}: the hf engine runs batch size 1"
+            f"bench.concurrency {plain(bench.concurrency)}: the hf engine runs batch size 1"
         )
     set_threads(threads)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    model, tokenizer, drafter = load_models(Path(target), Path(draft), cfg, device)
+    model, tokenizer, drafter = load_models(Path(target), Path(draft), job.target.dtype, device)
     aux_ids = list(drafter.config.aux_layer_ids)
     log.info("aux ids %s; device %s", aux_ids, device)
     cpu = announce(

