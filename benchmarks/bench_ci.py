@@ -1,6 +1,6 @@
 """CI's wall time, step by step, and how many of the machine's cores each step kept busy.
 
-    python benchmarks/bench_ci.py [--rev HEAD] [--label NAME]
+    python benchmarks/bench_ci.py [--rev HEAD] [--cold] [--label NAME]
     python benchmarks/bench_ci.py --log LOG --cpu SAMPLES [--label NAME]
 
 The first form clones this repository at `--rev` into a temporary directory and runs its
@@ -9,7 +9,8 @@ The first form clones this repository at `--rev` into a temporary directory and 
 venvs with `draftsmith.envcheck venv --cache`, so a machine that has
 ~/.cache/draftsmith/venvs for the same pin files runs warm: every venv the log names was
 "reused", none "built" (the engine venvs' lines are in the clone's .venvs/build.log, appended to
-the log here; give a finished run's log with that file appended).
+the log here; give a finished run's log with that file appended). `--cold` gives the run an
+empty venv cache of its own and no pip cache, as on a fresh machine: every venv is built.
 
 The second form reads a finished run: LOG is what `.ci/run` printed, SAMPLES lines of
 `<unix seconds> <first line of /proc/stat>` taken while it ran (the first form writes both).
@@ -53,7 +54,22 @@ def sample(path: Path, stop: threading.Event) -> None:
             stop.wait(5)
 
 
-def run_ci(rev: str, log: Path, samples: Path) -> int:
+def ci_env(tmp: Path, cold: bool) -> dict:
+    """`.ci/run`'s environment: this one without the role interpreters and engine switches a
+    developer's shell exports (CI's machine has none), keeping DRAFTSMITH_VENV_CACHE; `cold`: a
+    new, empty venv cache and no pip cache, so every role venv is built and downloaded anew."""
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith("DRAFTSMITH_") or k == "DRAFTSMITH_VENV_CACHE"
+    }
+    if cold:
+        env["DRAFTSMITH_VENV_CACHE"] = str(tmp / "venv-cache")
+        env["PIP_NO_CACHE_DIR"] = "1"
+    return env
+
+
+def run_ci(rev: str, log: Path, samples: Path, cold: bool = False) -> int:
     """`.ci/run` of a clean clone of `rev`, sampled; its exit code."""
     with tempfile.TemporaryDirectory(prefix="draftsmith-ci-") as tmp:
         clone = Path(tmp) / "repo"
@@ -63,9 +79,11 @@ def run_ci(rev: str, log: Path, samples: Path) -> int:
         sampler = threading.Thread(target=sample, args=(samples, stop), daemon=True)
         sampler.start()
         with open(log, "w") as out:
-            env = {k: v for k, v in os.environ.items() if not k.startswith("DRAFTSMITH_")}
             rc = subprocess.run(
-                [str(clone / ".ci" / "run")], stdout=out, stderr=subprocess.STDOUT, env=env
+                [str(clone / ".ci" / "run")],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=ci_env(Path(tmp), cold),
             ).returncode
         stop.set()
         sampler.join()
@@ -180,6 +198,9 @@ def main() -> None:
     ap.add_argument("--rev", default="HEAD")
     ap.add_argument("--log", type=Path)
     ap.add_argument("--cpu", type=Path, help="the samples of a finished run (with --log)")
+    ap.add_argument(
+        "--cold", action="store_true", help="an empty venv cache and no pip cache (with --rev)"
+    )
     ap.add_argument("--label", default="")
     ap.add_argument("--note", default="", help="a sentence printed under the run's table")
     args = ap.parse_args()
@@ -193,7 +214,7 @@ def main() -> None:
         ).stdout.strip()  # fmt: skip
         args.label = args.label or rev
         print(f"running .ci/run of {rev}; log {args.log}", flush=True)
-        run_ci(rev, args.log, args.cpu)
+        run_ci(rev, args.log, args.cpu, cold=args.cold)
     run = summarize(args.log, args.cpu, args.label or args.log.parent.name)
     run["note"] = args.note
     stem = OUT / f"ci_{facts.kind}"
