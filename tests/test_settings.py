@@ -23,6 +23,7 @@ from draftsmith.config import (
     sections_json,
 )
 from draftsmith.engines import ENGINES, own_settings
+from draftsmith.settings import plain
 
 ROOT = Path(__file__).resolve().parents[1]
 SCHEMA = yaml.safe_load((ROOT / "schemas" / "config.schema.yaml").read_text())
@@ -118,15 +119,6 @@ def test_the_check_sees_a_missing_key_a_wrong_type_and_a_default():
     assert problems(Ids, spec, "x") == [
         "x.ids: <class 'list'> for an array (want tuple[item, ...])"
     ]
-
-
-def plain(value):
-    """A settings value as the config holds it: dataclasses as dicts, tuples as lists."""
-    if is_dataclass(value):
-        return {f.name: plain(getattr(value, f.name)) for f in fields(value)}
-    if isinstance(value, tuple):
-        return [plain(v) for v in value]
-    return value
 
 
 def validated(cfg: dict) -> dict:
