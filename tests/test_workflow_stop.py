@@ -105,7 +105,13 @@ def test_ctrl_c_stops_within_the_bound_and_resumes_exactly(captured: Path, tmp_p
     assert proc.returncode != 0
     assert not (captured / "results" / "draft").exists(), "a stopped run left a draft"
     log = (captured / "logs" / "train.log").read_text()
-    assert "stopping at once (SIGINT)" in log and "a rerun resumes from checkpoint" in log, log
+    # Ctrl-C reaches the job twice: the terminal's SIGINT to the whole group, and the SIGTERM
+    # that snakemake's handler forwards at the same moment. Which one the job's watcher reads
+    # first is up to the scheduler (a busy machine showed both), and either stops it the same way.
+    stopped = [ln for ln in log.splitlines() if "stopping at once (" in ln]
+    assert len(stopped) == 1, log
+    assert "(SIGINT)" in stopped[0] or "(SIGTERM)" in stopped[0], log
+    assert "a rerun resumes from checkpoint" in log, log
     saved = int(ckpt.name.removeprefix("step-"))
 
     snakemake(captured, "--cores", "2", *TRAINED)  # the next plain run
