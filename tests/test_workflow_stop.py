@@ -112,6 +112,7 @@ def test_ctrl_c_stops_within_the_bound_and_resumes_exactly(captured: Path, tmp_p
     assert len(stopped) == 1, log
     assert "(SIGINT)" in stopped[0] or "(SIGTERM)" in stopped[0], log
     assert "a rerun resumes from checkpoint" in log, log
+    assert "draftsmith: SIGINT: sent SIGTERM to" in out, out[-3000:]  # snakemake saw the Ctrl-C
     saved = int(ckpt.name.removeprefix("step-"))
 
     snakemake(captured, "--cores", "2", *TRAINED)  # the next plain run
