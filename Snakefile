@@ -26,7 +26,7 @@ include: "rules/segments.smk"
 include: "rules/bench.smk"
 
 
-# Ctrl-C or SIGTERM of snakemake stops the running jobs within seconds (draftsmith.stopping):
+# Ctrl-C or SIGTERM of snakemake stops the running jobs within seconds (draftsmith.runtime.stopping):
 # Snakemake's own SIGTERM handling would wait for them to finish.
 onstart:
     forward_stop_signals()

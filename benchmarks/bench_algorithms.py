@@ -45,7 +45,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
 from bench_default import copy_tracked, git_info, machine  # noqa: E402
 
-from draftsmith.common import atomic_write_json, atomic_write_text  # noqa: E402
+from draftsmith.runtime.files import atomic_write_json, atomic_write_text  # noqa: E402
 
 ALGORITHMS = ("eagle3", "eagle3.1", "dflash")
 REFERENCE = "eagle3"
@@ -239,7 +239,7 @@ def one_run(args, base: Path, algorithm: str, seed: int) -> dict:
 
 
 def thread_choices(work: Path) -> dict:
-    """What each job chose for its threads at start (draftsmith.threads logs one line: spinning
+    """What each job chose for its threads at start (draftsmith.runtime.threads logs one line: spinning
     on free cores, or passive with fewer threads under other load): per stage, the line."""
     out = {}
     for stage, log in (("train", "logs/train.log"), ("bench", "logs/bench/bench.log")):
@@ -441,7 +441,7 @@ def parse_args(argv=None):
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    from draftsmith.hardware import cpu_facts
+    from draftsmith.runtime.hardware import cpu_facts
 
     out, name = Path(args.out), f"algorithms_{cpu_facts().kind}"
     if args.summarize_only:

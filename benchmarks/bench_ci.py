@@ -6,7 +6,7 @@
 The first form clones this repository at `--rev` into a temporary directory and runs its
 `.ci/run` there, as CI does on a clean clone, while sampling the first line of /proc/stat every
 5 seconds. Whether the run is cold or warm is decided by the machine: `.ci/run` builds the role
-venvs with `draftsmith.envcheck venv --cache`, so a machine that has
+venvs with `draftsmith.stages.env venv --cache`, so a machine that has
 ~/.cache/draftsmith/venvs for the same pin files runs warm: every venv the log names was
 "reused", none "built" (the engine venvs' lines are in the clone's .venvs/build.log, appended to
 the log here; give a finished run's log with that file appended). `--cold` gives the run an
@@ -37,8 +37,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT)]
 
-from draftsmith.common import atomic_write_json, atomic_write_text  # noqa: E402
-from draftsmith.hardware import cpu_facts  # noqa: E402
+from draftsmith.runtime.files import atomic_write_json, atomic_write_text  # noqa: E402
+from draftsmith.runtime.hardware import cpu_facts  # noqa: E402
 
 OUT = ROOT / "benchmarks" / "results"
 STEP = re.compile(r"^=== (?:.*? at )?\[(\d+)m(\d+)s\]\s*(.*)$")

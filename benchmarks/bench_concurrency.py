@@ -10,14 +10,14 @@ train_tiny_project: a 6-layer random-weight Llama target and a draft our own pip
 on its greedy outputs, about a minute). Each engine runs its own bench stage function
 (`bench_sets`, the bench rule's) in its role's interpreter ($DRAFTSMITH_PYTHON_SGLANG_CPU,
 $DRAFTSMITH_PYTHON_VLLM_CPU) on the same prompts: greedy at every level, then sampled at
-each of `--temperatures` (0: greedy) at every level. The figures are draftsmith.benchfigures' (per level: tau,
+each of `--temperatures` (0: greedy) at every level. The figures are draftsmith.bench.figures' (per level: tau,
 acceptance by position, tokens/s of both sides, median and p90 time per output token, speedup,
 outputs against plain greedy at the first level). OMP_NUM_THREADS defaults to 1 here: on
 cores shared with other jobs, vLLM's two bound OpenMP threads decoded ~10x slower than one
 (measured on this script's tiny target, 1 against 12 tokens/s).
 
 Writes benchmarks/results/concurrency_<CPU kind>.{json,md,png}: the PNG is the report's
-concurrency plot (draftsmith.benchlevels) with one curve per engine and mode.
+concurrency plot (draftsmith.bench.levels) with one curve per engine and mode.
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
-from draftsmith.benchlevels import HEAD  # noqa: E402
-from draftsmith.common import atomic_path, atomic_write_json, atomic_write_text  # noqa: E402
+from draftsmith.bench.levels import HEAD  # noqa: E402
+from draftsmith.runtime.files import atomic_path, atomic_write_json, atomic_write_text  # noqa: E402
 
 OUT = ROOT / "benchmarks" / "results"
 ROLES = {"sglang": "sglang-cpu", "vllm": "vllm-cpu"}
@@ -56,7 +56,7 @@ def texts(n: int) -> list[str]:
     import torch
     from trained import PROMPTS
 
-    from draftsmith.tinymodel import CORPUS
+    from draftsmith.targets.tinymodel import CORPUS
 
     words = " ".join(CORPUS).split()
     g = torch.Generator().manual_seed(1)
@@ -124,12 +124,12 @@ def load_avg() -> list[float]:
     return [round(x, 2) for x in os.getloadavg()]
 
 
-# the report's per-level columns (draftsmith.benchlevels), with the engine and temperature first
+# the report's per-level columns (draftsmith.bench.levels), with the engine and temperature first
 MD_HEAD = ("engine", "temperature", *HEAD[1:])
 
 
 def md_rows(runs: list[dict]) -> list[str]:
-    from draftsmith import benchlevels
+    from draftsmith.bench import levels as benchlevels
 
     lines = []
     for r in runs:
@@ -176,7 +176,7 @@ def plot(result: dict, path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
-    from draftsmith import benchlevels
+    from draftsmith.bench import levels as benchlevels
 
     sets = {
         f"{r['engine']} T={r['temperature']:g}": {"by_concurrency": r["levels"]}
@@ -216,7 +216,7 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-    from draftsmith.hardware import cpu_facts, cpu_model
+    from draftsmith.runtime.hardware import cpu_facts, cpu_model
 
     project = args.project
     draft = f"{project}/results/draft" if project else None

@@ -14,7 +14,7 @@ in a fresh subprocess with the policy's environment:
   directory, precision as `train.precision auto` resolves on this CPU), tokens/s of the last
   steps (the first two are warm-up).
 
-Policies: `auto` (what a workflow job does: draftsmith/threads.py probes the load at start),
+Policies: `auto` (what a workflow job does: draftsmith/runtime/threads.py probes the load at start),
 `spin` (libgomp's default: spin ~300k iterations, then sleep), `passive`
 (OMP_WAIT_POLICY=PASSIVE: sleep at once), `spinN` (GOMP_SPINCOUNT=N), each optionally with
 `@T` for T threads instead of the run's (e.g. `passive@1`). The default for jobs is the policy
@@ -38,17 +38,17 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT)]
 
-from draftsmith.common import atomic_write_json, atomic_write_text  # noqa: E402
-from draftsmith.hardware import cpu_facts  # noqa: E402
+from draftsmith.runtime.files import atomic_write_json, atomic_write_text  # noqa: E402
+from draftsmith.runtime.hardware import cpu_facts  # noqa: E402
 
 DECODE = r"""
 import json, os, sys, time
 import draftsmith  # first: the job's OpenMP policy is chosen before torch loads libgomp
 import torch
-from draftsmith.common import set_threads
-from draftsmith.prompts import prompt_turns
-from draftsmith.specdec import greedy_generate, prompt_ids, stop_ids
-from draftsmith.target import load_target
+from draftsmith.runtime.files import set_threads
+from draftsmith.data.prompts import prompt_turns
+from draftsmith.bench.specdec import greedy_generate, prompt_ids, stop_ids
+from draftsmith.targets.model import load_target
 set_threads(int(sys.argv[2]))
 model, tok = load_target(sys.argv[1], dtype=torch.float32)
 rows = [json.loads(l) for l in open(sys.argv[3])][: int(sys.argv[4])]
@@ -68,7 +68,7 @@ def policy_env(policy: str, threads: int) -> tuple[dict, int]:
     name, _, t = policy.partition("@")
     drop = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "DRAFTSMITH_OMP", "DRAFTSMITH_OMP_DECISION")
     env = {k: v for k, v in os.environ.items() if k not in drop}
-    if name == "auto":  # what a workflow job does (draftsmith/threads.py)
+    if name == "auto":  # what a workflow job does (draftsmith/runtime/threads.py)
         env["DRAFTSMITH_OMP"] = "auto"
     elif name == "passive":
         env["OMP_WAIT_POLICY"] = "PASSIVE"
@@ -89,7 +89,7 @@ def busy(n: int) -> list[subprocess.Popen]:
 
 def heldout_file(run: Path, out: Path) -> Path:
     """The held-out prompts of the run's config (what the benchmark stage decodes)."""
-    from draftsmith.prompts import load_sources
+    from draftsmith.data.prompts import load_sources
 
     rows = load_sources(run_config(run)).heldout
     out.write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -101,7 +101,7 @@ def run_config(run: Path) -> dict:
     from snakemake.utils import validate
 
     cfg = yaml.safe_load((run / "config.yaml").read_text()) or {}
-    validate(cfg, str(ROOT / "schemas" / "config.schema.yaml"), set_default=True)
+    validate(cfg, str(ROOT / "draftsmith" / "config" / "config.schema.yaml"), set_default=True)
     return cfg
 
 
@@ -116,7 +116,7 @@ def run_decode(run: Path, env: dict, threads: int, prompts: Path, n: int) -> flo
 
 
 def train_job(run: Path, env: dict, threads: int, work: Path, **train) -> tuple[list, str]:
-    """`draftsmith.train` on the run's shards from a fresh state directory, with `train` keys
+    """`draftsmith.train.loop` on the run's shards from a fresh state directory, with `train` keys
     overriding the run's train section: (metrics records, the job's log)."""
     cfg = run_config(run)
     tcfg = {**cfg["train"], "checkpoint_every": 0, "checkpoint_seconds": 0, **train}
@@ -124,7 +124,7 @@ def train_job(run: Path, env: dict, threads: int, work: Path, **train) -> tuple[
     state = work / f"state-{time.monotonic_ns()}"
     shards = sorted(str(p) for p in (run / "results" / "hidden").glob("rows_*.safetensors"))
     res = subprocess.run(
-        [sys.executable, "-m", "draftsmith.train", "--cfg", json.dumps(sections), "--shards",
+        [sys.executable, "-m", "draftsmith", "train-rank", "--cfg", json.dumps(sections), "--shards",
          *shards, "--vocab", str(run / "results/vocab/vocab.safetensors"), "--target",
          str(run / "results/target"), "--out", str(state / "draft"), "--metrics",
          str(state / "metrics.jsonl"), "--state", str(state), "--threads", str(threads),

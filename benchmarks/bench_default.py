@@ -39,7 +39,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
-from draftsmith.common import atomic_write_json, atomic_write_text  # noqa: E402
+from draftsmith.runtime.files import atomic_write_json, atomic_write_text  # noqa: E402
 
 GOAL_S = 600  # issue 14: a fresh clone of the embedded default in 10 minutes
 ORDER = (
@@ -319,7 +319,7 @@ def machine(git: dict) -> dict:
     info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
     names = [ln.split(":", 1)[1].strip() for ln in info.splitlines() if ln.startswith("model name")]
     cpu = names[0] if names else platform.processor() or platform.machine()
-    from draftsmith.hardware import cpu_facts
+    from draftsmith.runtime.hardware import cpu_facts
 
     facts = cpu_facts().as_dict()
     return {

@@ -35,7 +35,7 @@ def full_config(path: str | None) -> dict:
     from snakemake.utils import validate
 
     cfg = yaml.safe_load(Path(path).read_text()) if path else {}
-    validate(cfg, str(ROOT / "schemas" / "config.schema.yaml"))
+    validate(cfg, str(ROOT / "draftsmith" / "config" / "config.schema.yaml"))
     return cfg
 
 
@@ -81,10 +81,10 @@ def main() -> None:
 
     clock = time.process_time if args.clock == "cpu" else time.perf_counter
 
-    from draftsmith import specdec
-    from draftsmith.common import atomic_write_json, atomic_write_text, set_threads, versions
+    from draftsmith.bench import specdec
+    from draftsmith.data.prompts import load_sources, prompt_turns
     from draftsmith.engines.hf import load_models
-    from draftsmith.prompts import load_sources, prompt_turns
+    from draftsmith.runtime.files import atomic_write_json, atomic_write_text, set_threads, versions
 
     set_threads(args.threads)
     cfg = full_config(args.config)

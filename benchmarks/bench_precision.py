@@ -3,7 +3,7 @@
     python benchmarks/bench_precision.py --run DIR [--steps 6] [--modes auto bf16 fp32]
 
 DIR is a finished run of the embedded default (its shards, vocabulary and target). For each
-kernel set and precision mode, `draftsmith.train` runs `--steps` optimizer steps on a fresh
+kernel set and precision mode, `draftsmith.train.loop` runs `--steps` optimizer steps on a fresh
 state directory (the first two are warm-up) and the tokens/s of the rest are recorded with the
 precision `auto` resolved to (from the training log). Kernel sets:
 
@@ -29,8 +29,8 @@ sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
 from bench_contention import timed_rate, train_job  # noqa: E402
 
-from draftsmith.common import atomic_write_json, atomic_write_text  # noqa: E402
-from draftsmith.hardware import cpu_facts  # noqa: E402
+from draftsmith.runtime.files import atomic_write_json, atomic_write_text  # noqa: E402
+from draftsmith.runtime.hardware import cpu_facts  # noqa: E402
 
 AVX2 = {
     "ATEN_CPU_CAPABILITY": "avx2",

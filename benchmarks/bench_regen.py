@@ -69,10 +69,10 @@ def main() -> None:
 
     import torch
 
-    from draftsmith.common import atomic_write_json, atomic_write_text, versions
+    from draftsmith.data.prompts import load_sources
     from draftsmith.engines.hf import HFGenerator
-    from draftsmith.prompts import load_sources
-    from draftsmith.target import load_target
+    from draftsmith.runtime.files import atomic_write_json, atomic_write_text, versions
+    from draftsmith.targets.model import load_target
 
     torch.set_num_threads(args.threads)
     load_before = os.getloadavg()[0]

@@ -38,7 +38,7 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from draftsmith.common import atomic_write_json, atomic_write_text, set_threads  # noqa: E402
+from draftsmith.runtime.files import atomic_write_json, atomic_write_text, set_threads  # noqa: E402
 
 H, I_SIZE, V, K_DRAFT, HEADS, KV, HEAD_DIM, LAYERS = 576, 1536, 49152, 4096, 9, 3, 64, 30
 QKV = (HEADS + 2 * KV) * HEAD_DIM  # fused q, k, v output width
@@ -88,10 +88,10 @@ def linear_time(m: int, k: int, n: int, dtype, min_time: float, clock=time.perf_
 
 
 def peak_gflops(dtype, min_time: float, clock=time.perf_counter) -> float:
-    """Best GFLOP/s of large square GEMMs. On a CPU without native bf16 (draftsmith.hardware)
+    """Best GFLOP/s of large square GEMMs. On a CPU without native bf16 (draftsmith.runtime.hardware)
     the bf16 peak is taken at 1024 only: it is emulated there (~1 GFLOP/s), and a 2048 GEMM
     would take half a minute to say the same."""
-    from draftsmith.hardware import cpu_facts
+    from draftsmith.runtime.hardware import cpu_facts
 
     slow = dtype == torch.bfloat16 and not cpu_facts().native_bf16
     best = 0.0
@@ -147,7 +147,7 @@ def pass_costs(model, context: int, max_k: int, min_time: float, clock=time.perf
 
 
 def cpu_line(r: dict) -> str:
-    """The CPU kind and what bf16 runs on there (draftsmith.hardware), as results state it."""
+    """The CPU kind and what bf16 runs on there (draftsmith.runtime.hardware), as results state it."""
     f = r.get("cpu_facts")
     if not f:
         return "capability not recorded"
@@ -237,7 +237,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     args = ap.parse_args(argv)
     set_threads(args.threads)
-    from draftsmith.hardware import cpu_facts
+    from draftsmith.runtime.hardware import cpu_facts
 
     clock = time.process_time if args.clock == "cpu" else time.perf_counter
     peak = {d: peak_gflops(t, args.min_time, clock) for d, t in DTYPES.items()}

@@ -53,14 +53,15 @@ def main() -> None:
     from snakemake.utils import validate
     from tqdm import tqdm
 
-    from draftsmith import sampling, specdec
-    from draftsmith.common import atomic_write_json, atomic_write_text, set_threads, versions
+    from draftsmith.algorithms import sampling
+    from draftsmith.bench import specdec
+    from draftsmith.data.prompts import load_sources, prompt_turns
     from draftsmith.engines.hf import load_models
-    from draftsmith.prompts import load_sources, prompt_turns
+    from draftsmith.runtime.files import atomic_write_json, atomic_write_text, set_threads, versions
 
     set_threads(args.threads)
     cfg: dict = {}
-    validate(cfg, str(ROOT / "schemas" / "config.schema.yaml"))
+    validate(cfg, str(ROOT / "draftsmith" / "config" / "config.schema.yaml"))
     rows = load_sources(cfg).heldout[: args.heldout]
     model, tokenizer, draft = load_models(
         Path(args.target), Path(args.draft), cfg["target"]["dtype"], "cpu"

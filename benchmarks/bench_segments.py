@@ -15,7 +15,7 @@ For each it records the wall time of the run, the seconds of each job (Snakemake
 files) summed per stage, and the peak of shard bytes on disk, sampled every 20 ms while the run
 goes, shards only: results/hidden/ offline, results/segments/epoch*/ (`DiskPeak`; a peak shorter than that could be missed, but a shard lives until its segment
 is trained). It checks the two drafts for bit-identical tensors, and states the load of the
-machine during each run (draftsmith.load). Writes benchmarks/results/segments_<CPU kind>.{json,md}.
+machine during each run (draftsmith.runtime.load). Writes benchmarks/results/segments_<CPU kind>.{json,md}.
 """
 
 from __future__ import annotations
@@ -35,9 +35,9 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 from wf import snakemake, tiny_config, write_config  # noqa: E402
 
-from draftsmith.common import atomic_write_json, atomic_write_text  # noqa: E402
-from draftsmith.hardware import cpu_facts  # noqa: E402
-from draftsmith.load import machine_busy_seconds, own_cpu_seconds  # noqa: E402
+from draftsmith.runtime.files import atomic_write_json, atomic_write_text  # noqa: E402
+from draftsmith.runtime.hardware import cpu_facts  # noqa: E402
+from draftsmith.runtime.load import machine_busy_seconds, own_cpu_seconds  # noqa: E402
 
 TIMEOUT = 7200  # seconds per snakemake run: shared, loaded cores can be 10x slower than idle
 STAGES = {"capture": "capture", "segment_capture": "capture", "train": "train"}
@@ -156,7 +156,7 @@ def own_package(base: Path, directory: str, names: list[str]) -> list[str]:
 
 def run_mode(base: Path, work: Path, keep: bool, cfg: dict, targets: tuple[str, ...]) -> dict:
     # not a package copy of the base's own (bench_default.py's work directory is a copy of the
-    # repository): a job's `python -m draftsmith...` would import it before this checkout's
+    # repository): a job's `python -m draftsmith ...` would import it before this checkout's
     shutil.copytree(base, work, symlinks=True, ignore=lambda d, names: own_package(base, d, names))
     write_config(work, cfg)
     shutil.rmtree(work / "benchmarks" / "jobs", ignore_errors=True)
@@ -232,7 +232,7 @@ def render(record: dict) -> str:
 
 def tiny_runs(args) -> tuple[Path, list[dict]]:
     """The tiny project: a shared base up to the token files, then both modes from it."""
-    from draftsmith.tinymodel import make_tiny_target
+    from draftsmith.targets.tinymodel import make_tiny_target
 
     target = args.work / "model"  # kept between invocations: the base resumes where it stopped
     if not (target / "config.json").is_file():
@@ -281,7 +281,7 @@ def main() -> None:
     for mode in ("offline", "segments"):  # the two runs start from the shared base each time
         shutil.rmtree(args.work / mode, ignore_errors=True)
     if args.default:  # the run's own epochs: the schema's default
-        schema = yaml.safe_load((ROOT / "schemas" / "config.schema.yaml").read_text())
+        schema = yaml.safe_load((ROOT / "draftsmith" / "config" / "config.schema.yaml").read_text())
         args.epochs = schema["properties"]["train"]["properties"]["epochs"]["default"]
     base, runs = default_runs(args) if args.default else tiny_runs(args)
     f = cpu_facts()

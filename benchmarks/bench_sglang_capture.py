@@ -35,7 +35,7 @@ CPU_ARGS = ["--max-total-tokens", "8192", "--mem-fraction-static", "0.1"]
 
 
 def plain_pass(url: str, rc, rows: list[int], concurrency: int) -> float:
-    from draftsmith.server import http_json
+    from draftsmith.engines.server import http_json
 
     def one(r):
         body = {
@@ -52,7 +52,7 @@ def plain_pass(url: str, rc, rows: list[int], concurrency: int) -> float:
 
 def capture_pass(sup, tokens, job, out: Path, dump_dir: Path, expect, rows, concurrency) -> float:
     from draftsmith.engines import sglang_capture as sc
-    from draftsmith.shard_writer import ShardWriter
+    from draftsmith.hidden.writer import ShardWriter
 
     class Bar:
         def update(self, n):
@@ -86,13 +86,13 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "sglang_capture")
     args = ap.parse_args()
 
-    from draftsmith.capture import read_tokens
-    from draftsmith.config import aux_layer_ids
+    from draftsmith.config.checks import aux_layer_ids
+    from draftsmith.config.settings import stage_job
     from draftsmith.engines import sglang_capture as sc
-    from draftsmith.server import Supervisor
-    from draftsmith.settings import stage_job
-    from draftsmith.sglang_patch import build
-    from draftsmith.target import target_config
+    from draftsmith.engines.server import Supervisor
+    from draftsmith.engines.sglang_patch import build
+    from draftsmith.stages.capture import read_tokens
+    from draftsmith.targets.model import target_config
 
     tokens = read_tokens(args.tokens)
     text_cfg = target_config(args.target)

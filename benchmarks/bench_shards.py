@@ -31,23 +31,23 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from draftsmith.capture_base import plan_batches  # noqa: E402
-from draftsmith.convert import specforge_path, to_specforge  # noqa: E402
-from draftsmith.convert_speculators import to_speculators  # noqa: E402
 from draftsmith.engines.hf import (  # noqa: E402
     capture_shard,
     decoder_parts,
     forward_states,
     pad_rows,
 )
-from draftsmith.shard_writer import ShardWriter  # noqa: E402
-from draftsmith.shards import open_shard  # noqa: E402
+from draftsmith.hidden.capture_base import plan_batches  # noqa: E402
+from draftsmith.hidden.shards import open_shard  # noqa: E402
+from draftsmith.hidden.writer import ShardWriter  # noqa: E402
+from draftsmith.interop.convert import specforge_path, to_specforge  # noqa: E402
+from draftsmith.interop.speculators import to_speculators  # noqa: E402
 
 CAPTURE_RSS = """
 import sys, torch
 sys.path.insert(0, {root!r})
 from draftsmith.engines.hf import capture_shard
-from draftsmith.target import load_target
+from draftsmith.targets.model import load_target
 torch.set_num_threads({threads})
 model, _ = load_target({target!r})
 rows, length = int(sys.argv[2]), 128
@@ -63,7 +63,7 @@ print([int(x.split()[1]) * 1024 for x in open("/proc/self/status") if x.startswi
 WRITER_RSS = """
 import sys, torch
 sys.path.insert(0, {root!r})
-from draftsmith.shard_writer import ShardWriter
+from draftsmith.hidden.writer import ShardWriter
 rows, length, hidden = int(sys.argv[2]), 512, 1024
 t = rows * length
 aux, last = torch.randn(length, 3 * hidden), torch.randn(length, hidden)
@@ -332,8 +332,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "shards.json")
     args = ap.parse_args()
-    from draftsmith.common import atomic_write_json, atomic_write_text
-    from draftsmith.target import load_target
+    from draftsmith.runtime.files import atomic_write_json, atomic_write_text
+    from draftsmith.targets.model import load_target
 
     torch.set_num_threads(args.threads)
     model, _ = load_target(args.target)

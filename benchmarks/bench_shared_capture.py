@@ -9,7 +9,7 @@ the sglang-cpu role) to the draft twice from that point, each in its own copy:
 
 - job: `sglang.capture_server: job`, a server launched by every capture job (epochs x
   segments of them);
-- run: `sglang.capture_server: run`, one server for all of them (draftsmith.sharedserver).
+- run: `sglang.capture_server: run`, one server for all of them (draftsmith.engines.sharedserver).
 
 For each it records the wall time, the seconds of each job (Snakemake's benchmark files) per
 stage, the server launches and the start-up seconds of each (the capture manifests' `server`
@@ -35,8 +35,8 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "benchmarks")]
 from bench_segments import job_seconds  # noqa: E402
 from wf import snakemake, tiny_config, write_config  # noqa: E402
 
-from draftsmith.common import atomic_write_json, atomic_write_text  # noqa: E402
-from draftsmith.hardware import cpu_facts  # noqa: E402
+from draftsmith.runtime.files import atomic_write_json, atomic_write_text  # noqa: E402
+from draftsmith.runtime.hardware import cpu_facts  # noqa: E402
 
 TIMEOUT = 7200
 CPU_SERVER_ARGS = ["--max-total-tokens", "4096", "--mem-fraction-static", "0.1"]
@@ -84,9 +84,7 @@ class ServerCPU:
         import psutil
 
         for p in psutil.process_iter(["cmdline", "cwd"]):
-            if "draftsmith.segcapture" in (p.info["cmdline"] or []) and p.info["cwd"] == str(
-                self.work
-            ):
+            if "segment-capture" in (p.info["cmdline"] or []) and p.info["cwd"] == str(self.work):
                 return True
         return False
 
@@ -217,7 +215,7 @@ def main() -> None:
     python = os.environ.get("DRAFTSMITH_PYTHON_SGLANG_CPU", "")
     if not Path(python).is_file():
         raise SystemExit("set DRAFTSMITH_PYTHON_SGLANG_CPU to the sglang-cpu role's interpreter")
-    from draftsmith.tinymodel import make_tiny_target
+    from draftsmith.targets.tinymodel import make_tiny_target
 
     for mode in ("job", "run"):
         shutil.rmtree(args.work / mode, ignore_errors=True)

@@ -50,8 +50,8 @@ def main() -> None:
 
     from wf import tiny_config, write_config
 
-    from draftsmith.common import atomic_write_json, atomic_write_text
-    from draftsmith.tinymodel import make_tiny_target
+    from draftsmith.runtime.files import atomic_write_json, atomic_write_text
+    from draftsmith.targets.tinymodel import make_tiny_target
 
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp) / "work"

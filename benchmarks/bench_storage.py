@@ -16,7 +16,7 @@ fidelity, and held-out tau of a draft trained on each mode.
 (d) teacher fidelity of the top-k modes at trained positions: KL(exact || top-k) over the
     draft vocabulary, the exact teacher's mass the top-k entries cover, argmax agreement;
     float8 aux error relative to the reference.
-(e) a draft trained on each mode with the same seed and steps (`python -m draftsmith.train`,
+(e) a draft trained on each mode with the same seed and steps (`python -m draftsmith train-rank`,
     the default's config with `train.epochs` = --epochs), held-out tau (the default's 16
     held-out prompts, speculative decoding, K = 4, 64 new tokens), next to the reference trained
     with --seeds seeds: the seed-to-seed spread. `float8_e4m3+trained` feeds training the same
@@ -50,12 +50,12 @@ import torch  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from draftsmith.capture import read_tokens  # noqa: E402
-from draftsmith.capture_base import plan_batches  # noqa: E402
-from draftsmith.common import atomic_write_json, atomic_write_text, versions  # noqa: E402
-from draftsmith.shard_writer import ShardWriter, estimate_bytes  # noqa: E402
-from draftsmith.shards import open_shard  # noqa: E402
-from draftsmith.storage import Storage  # noqa: E402
+from draftsmith.hidden.capture_base import plan_batches  # noqa: E402
+from draftsmith.hidden.shards import open_shard  # noqa: E402
+from draftsmith.hidden.storage import Storage  # noqa: E402
+from draftsmith.hidden.writer import ShardWriter, estimate_bytes  # noqa: E402
+from draftsmith.runtime.files import atomic_write_json, atomic_write_text, versions  # noqa: E402
+from draftsmith.stages.capture import read_tokens  # noqa: E402
 
 MODES = {
     "bfloat16": Storage(),
@@ -120,10 +120,10 @@ def capture_all(results: Path, work: Path, cfg: dict) -> dict:
 
 
 def capture_run(results: Path, work: Path, cfg: dict, token_files: list, modes: list) -> dict:
-    from draftsmith.config import aux_layer_ids
+    from draftsmith.config.checks import aux_layer_ids
+    from draftsmith.data.vocab import load_vocab
     from draftsmith.engines.hf import forward_states, pad_rows
-    from draftsmith.target import fingerprint, load_target, target_config
-    from draftsmith.vocab import load_vocab
+    from draftsmith.targets.model import fingerprint, load_target, target_config
 
     target = results / "target"
     dirs = {m: work / "hidden" / m for m in modes}
@@ -206,7 +206,7 @@ def capture_run(results: Path, work: Path, cfg: dict, token_files: list, modes: 
 
 def specforge_measured(work: Path) -> dict:
     """SpecForge layout of the reference shards (to-specforge): bytes and per-file overhead."""
-    from draftsmith.convert import to_specforge
+    from draftsmith.interop.convert import to_specforge
 
     out = work / "specforge"
     files, t, r = 0, 0, 0
@@ -320,10 +320,10 @@ def read_throughput(work: Path, tokens: int, modes=tuple(MODES), repeats: int = 
 
 @torch.no_grad()
 def fidelity(work: Path, results: Path) -> dict:
-    from draftsmith.storage import topk_teacher
-    from draftsmith.train import target_tensors
-    from draftsmith.ttt import teacher_logprobs
-    from draftsmith.vocab import load_vocab
+    from draftsmith.algorithms.eagle3.ttt import teacher_logprobs
+    from draftsmith.data.vocab import load_vocab
+    from draftsmith.hidden.storage import topk_teacher
+    from draftsmith.train.loop import target_tensors
 
     d2t, t2d = load_vocab(results / "vocab" / "vocab.safetensors")
     heads = target_tensors(results / "target")
@@ -371,10 +371,10 @@ def topk_fidelity(work: Path, results: Path, mode: str) -> dict:
     mass it leaves as the tail bucket vs the exact one, the error of the listed probabilities,
     argmax agreement; and, for comparison, what the full vocabulary's top-k of the same k covers
     (k entries spent partly outside the draft vocabulary)."""
-    from draftsmith.storage import topk_teacher
-    from draftsmith.train import target_tensors
-    from draftsmith.ttt import tail_mass, teacher_logprobs
-    from draftsmith.vocab import load_vocab
+    from draftsmith.algorithms.eagle3.ttt import tail_mass, teacher_logprobs
+    from draftsmith.data.vocab import load_vocab
+    from draftsmith.hidden.storage import topk_teacher
+    from draftsmith.train.loop import target_tensors
 
     d2t, t2d = load_vocab(results / "vocab" / "vocab.safetensors")
     w = target_tensors(results / "target")["lm_head"].float()
@@ -432,7 +432,7 @@ def train_cfg(cfg: dict, epochs: int, seed: int, max_steps: int = 0) -> dict:
 # The ablation of the tail bucket: the draft-vocabulary top-k renormalized like the
 # full-vocabulary one (its tail dropped), in a trainer patched for this benchmark only.
 RENORM = (
-    "import sys, draftsmith.ttt as t, draftsmith.train as tr\n"
+    "import sys, draftsmith.algorithms.eagle3.ttt as t, draftsmith.train.loop as tr\n"
     "top = t.topk_teacher\n"
     "def renorm(ids, logp, index, k):\n"
     "    out = top(ids, logp, index, k)\n"
@@ -450,7 +450,7 @@ def run_train(work: Path, results: Path, mode: str, tcfg: dict, name: str, threa
     shards = sorted(
         (work / "hidden" / (DRAFT_TOPK if ablation else mode)).glob("rows_*.safetensors")
     )
-    entry = ["-c", RENORM] if ablation else ["-m", "draftsmith.train"]
+    entry = ["-c", RENORM] if ablation else ["-m", "draftsmith", "train-rank"]
     cmd = [
         "nice",
         "-n",
@@ -489,11 +489,11 @@ def metrics(run: Path) -> list[dict]:
 
 
 def heldout_tau(run: Path, results: Path, cfg: dict, threads: int) -> dict:
-    from draftsmith.bench import load_sets
+    from draftsmith.bench.specdec import prompt_ids, speculative_generate, stop_ids, summarize
+    from draftsmith.config.settings import job
+    from draftsmith.data.prompts import prompt_turns
     from draftsmith.engines.hf import load_models
-    from draftsmith.prompts import prompt_turns
-    from draftsmith.settings import job
-    from draftsmith.specdec import prompt_ids, speculative_generate, stop_ids, summarize
+    from draftsmith.stages.bench import load_sets
 
     done = run / "tau.json"
     if done.exists():
@@ -791,7 +791,7 @@ def main(argv: list[str] | None = None) -> None:
             f"{args.results}: run `snakemake --cores 2 results/vocab/vocab.safetensors`"
         )
     cfg = yaml.safe_load((ROOT / "config.yaml").read_text())
-    validate(cfg, str(ROOT / "schemas" / "config.schema.yaml"))  # fills the schema's defaults
+    validate(cfg, str(ROOT / "draftsmith" / "config" / "config.schema.yaml"))  # fills the schema's defaults
     torch.set_num_threads(args.threads)
     load_start = round(os.getloadavg()[0], 1)
     t_start = time.perf_counter()

@@ -156,10 +156,10 @@ def main(argv: list[str] | None = None) -> None:
     import torch
     from bench_num_steps import full_config
 
-    from draftsmith import specdec
-    from draftsmith.common import atomic_write_json, atomic_write_text, set_threads, versions
+    from draftsmith.bench import specdec
+    from draftsmith.data.prompts import load_sources, prompt_turns
     from draftsmith.engines.hf import load_models
-    from draftsmith.prompts import load_sources, prompt_turns
+    from draftsmith.runtime.files import atomic_write_json, atomic_write_text, set_threads, versions
 
     set_threads(args.threads)
     rows = load_sources(full_config(args.config)).heldout[: args.heldout]

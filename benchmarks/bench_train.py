@@ -2,7 +2,7 @@
 
 Random shard data of the real shapes: H=576, 9 heads / 3 KV heads, head_dim 64, intermediate
 1536, target vocab 49152, draft vocab 4096, rows of 60-400 tokens with assistant tails.
-Runs `draftsmith.train.train` for a few optimizer steps per setting, reads the tokens/s and
+Runs `draftsmith.train.loop.train` for a few optimizer steps per setting, reads the tokens/s and
 peak RSS it logs, and reports each against the baseline measured in the same run (ttt_steps=7
 in fp32, the CPU default), next to bf16 autocast and ttt_steps=1 (no unroll). Also times the one-off teacher argmax
 pass (full-vocabulary logits in chunks).
@@ -27,9 +27,9 @@ from safetensors.torch import save_file
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from draftsmith.common import atomic_write_json, atomic_write_text, set_threads  # noqa: E402
-from draftsmith.shard_writer import ShardWriter  # noqa: E402
-from draftsmith.train import train  # noqa: E402
+from draftsmith.hidden.writer import ShardWriter  # noqa: E402
+from draftsmith.runtime.files import atomic_write_json, atomic_write_text, set_threads  # noqa: E402
+from draftsmith.train.loop import train  # noqa: E402
 
 H, V, K, LAYERS, I_SIZE = 576, 49152, 4096, 30, 1536
 IDS = [1, 14, 26]
@@ -154,9 +154,9 @@ def main() -> None:
         root = Path(tmp)
         inputs = make_inputs(root, args.tokens)
         t0 = time.perf_counter()
-        from draftsmith.shards import open_shard
-        from draftsmith.train import target_tensors
-        from draftsmith.ttt import teacher_argmax_in_vocab
+        from draftsmith.algorithms.eagle3.ttt import teacher_argmax_in_vocab
+        from draftsmith.hidden.shards import open_shard
+        from draftsmith.train.loop import target_tensors
 
         shard = open_shard(inputs["shards"][0])
         heads = target_tensors(inputs["target"])

@@ -67,10 +67,10 @@ def job_cfg(report: dict, engine: str, args) -> dict:
 
 def run_one(cfg: dict, draft: str) -> dict:
     """In this process (started from the project dir): the engine's bench_sets."""
-    from draftsmith.bench import load_sets
-    from draftsmith.benchfigures import set_figures
+    from draftsmith.bench.figures import set_figures
+    from draftsmith.config.settings import stage_job
     from draftsmith.engines import engine as get
-    from draftsmith.settings import stage_job
+    from draftsmith.stages.bench import load_sets
 
     job = stage_job(cfg, "bench")  # what the bench rule's job hands its engine
     sets = load_sets(job)

@@ -2,14 +2,14 @@
 
 __version__ = "0.1.0"
 
-# A job's processes end with the Snakemake process that runs the job (draftsmith/lifeline.py);
+# A job's processes end with the Snakemake process that runs the job (draftsmith/runtime/lifeline.py);
 # outside a job (no DRAFTSMITH_JOB_PARENT) this does nothing.
-from draftsmith.lifeline import follow_from_environment as _follow  # noqa: E402
+from draftsmith.runtime.lifeline import follow_from_environment as _follow  # noqa: E402
 
 _follow()
 
 # A job's OpenMP policy and thread cap, chosen for the load it starts under, before torch is
-# imported (draftsmith/threads.py); outside a job (no DRAFTSMITH_OMP=auto) this does nothing.
-from draftsmith.threads import prepare as _prepare_threads  # noqa: E402
+# imported (draftsmith/runtime/threads.py); outside a job (no DRAFTSMITH_OMP=auto) this does nothing.
+from draftsmith.runtime.threads import prepare as _prepare_threads  # noqa: E402
 
 _prepare_threads()

@@ -65,7 +65,7 @@ rule bench:
     params:
         cfg=cfg_json("bench", "data", "target", server_of="bench"),
     shell:
-        "$DRAFTSMITH_PY_BENCH -m draftsmith.bench --cfg {params.cfg:q} --draft {input.draft} "
+        "$DRAFTSMITH_PY_BENCH -m draftsmith bench --cfg {params.cfg:q} --draft {input.draft} "
         "--target {input.target} --metrics {input.metrics} --offline {input.offline} "
         "--env-stamp {input.stamp} "
         "--threads {threads} --report-json {output.json} --report-md {output.md} "

@@ -11,11 +11,11 @@ sys.path.insert(0, workflow.basedir)
 
 import yaml  # noqa: E402
 
-from draftsmith.common import sha256_file  # noqa: E402
-from draftsmith.engines import NEEDS as ENGINE_DEFAULTS  # noqa: E402
-from draftsmith.engines import engine_inputs  # noqa: E402
-from draftsmith.engines import needs as engine_workflow  # noqa: E402
-from draftsmith.config import (
+from draftsmith.runtime.files import sha256_file  # noqa: E402
+from draftsmith.config.engines import NEEDS as ENGINE_DEFAULTS  # noqa: E402
+from draftsmith.config.engines import engine_inputs  # noqa: E402
+from draftsmith.config.engines import needs as engine_workflow  # noqa: E402
+from draftsmith.config.checks import (
     check_config,
     check_finite,
     check_range,
@@ -25,21 +25,25 @@ from draftsmith.config import (
     row_ranges,
     sections_json,
 )  # noqa: E402
-from draftsmith.layerids import setting_problems  # noqa: E402
-from draftsmith.prompts import BUNDLED_PATH, load_sources, source_files  # noqa: E402
-from draftsmith.stopping import forward_stop_signals  # noqa: E402
-from draftsmith.target import TargetError, source_signature  # noqa: E402
+from draftsmith.targets.layerids import setting_problems  # noqa: E402
+from draftsmith.data.prompts import (
+    BUNDLED_PATH,
+    load_sources,
+    source_files,
+)  # noqa: E402
+from draftsmith.runtime.stopping import forward_stop_signals  # noqa: E402
+from draftsmith.targets.model import TargetError, source_signature  # noqa: E402
 
 # --config passes nested values as strings: coerce them by the schema's types, then validate
 # (which fills every default: the schema is the one source of defaults), then cross-key checks.
 _SCHEMA = yaml.safe_load(
-    Path(workflow.basedir, "schemas", "config.schema.yaml").read_text()
+    Path(workflow.basedir, "draftsmith", "config", "config.schema.yaml").read_text()
 )
 _coerced = coerce(dict(config), _SCHEMA)
 config.clear()
 config.update(_coerced)
 check_finite(config)
-validate(config, "../schemas/config.schema.yaml")
+validate(config, "../draftsmith/config/config.schema.yaml")
 check_config(config)
 # options whose default builds what was built before them: left out of params at that default
 NEUTRAL_DEFAULTS = neutral_defaults(_SCHEMA)
@@ -71,7 +75,7 @@ if config["target"]["source"] == "path":
         TARGET_SIGNATURE = source_signature(config["target"]["path"])
     except TargetError as e:
         raise ValueError(f"config: {e}") from None
-    # ids a serving engine would read as other layers than training uses (draftsmith.layerids)
+    # ids a serving engine would read as other layers than training uses (draftsmith.targets.layerids)
     bad = setting_problems(
         json.loads(
             (Path(config["target"]["path"]).expanduser() / "config.json").read_text()
@@ -171,7 +175,7 @@ def role_of(stage):
 
 def env_key(role):
     """Digest of what a role's check depends on: pin text, interpreter, GPUs (rules/env.smk)."""
-    from draftsmith.envcheck import stamp_key
+    from draftsmith.stages.env import stamp_key
 
     pins = Path(workflow.basedir, "envs", f"{role}.txt").read_text()
     return stamp_key(pins, role_python(role), role_gpus(role))
@@ -202,7 +206,7 @@ def stamp(stage):
 # Settings that change no result (the schema's x-execution keys: retries, requests in flight,
 # checkpoint cadence, a server's port and timeouts) stay out of params, so that changing one
 # reruns nothing: jobs get them as DRAFTSMITH_RUN (JSON, exported by job_environment, read by
-# draftsmith.common.merge_run). Every other key of a server engine's section is part of the
+# draftsmith.runtime.files.merge_run). Every other key of a server engine's section is part of the
 # params of the stages that use the engine (server_cfg).
 RUN_KEYS = execution_keys(_SCHEMA)
 # <capture engine settings>.capture_server auto: `run` (one server for the run's segment
@@ -223,7 +227,7 @@ def job_environment():
     none of them changes a result (the role interpreters are covered by their env stamps), and
     as params their absolute paths would make a moved or copied project rerun everything.
     DRAFTSMITH_OMP=auto lets each job choose libgomp's wait policy and its thread count for
-    the load it starts under (draftsmith/threads.py): spinning on free cores (1.7x faster
+    the load it starts under (draftsmith/runtime/threads.py): spinning on free cores (1.7x faster
     decoding than PASSIVE), PASSIVE and fewer threads on cores busy with other work (where
     spinning threads stall each other, 4-7x). A caller's own OMP_WAIT_POLICY wins.
     """
@@ -247,7 +251,7 @@ def job_environment():
 
 
 # DRAFTSMITH_JOB_PARENT: the Snakemake process running the job's shell; the job's Python
-# processes end when it does, even after a kill -9 of snakemake (draftsmith/lifeline.py).
+# processes end when it does, even after a kill -9 of snakemake (draftsmith/runtime/lifeline.py).
 shell.prefix(
     f"set -euo pipefail; export DRAFTSMITH_JOB_PARENT=$PPID; {job_environment()}"
 )
@@ -280,7 +284,7 @@ def cfg_json(*sections, server_of=None, **only):
     """Exactly the config sections a job reads, as JSON (params: precise staleness), plus the
     server settings of the engine of stage `server_of` (else the target's remote-code
     permission, when on); `section=(keys...)` takes only those keys of a section
-    (draftsmith.config.sections_json)."""
+    (draftsmith.config.checks.sections_json)."""
     extra = (server_cfg(server_of) or remote_code_cfg()) if server_of else None
     return sections_json(config, sections, extra, NEUTRAL_DEFAULTS, only, RUN_KEYS)
 
@@ -373,12 +377,12 @@ def print_shard_estimate():
     cfg_file = Path(config["target"]["path"]).expanduser() / "config.json"
     if not cfg_file.is_file():
         return
-    from draftsmith.config import parse_range
-    from draftsmith.plan import upper_bound
+    from draftsmith.config.checks import parse_range
+    from draftsmith.hidden.plan import upper_bound
 
     text_cfg = json.loads(cfg_file.read_text())
     text_cfg = text_cfg.get("text_config", text_cfg)
-    # draftsmith.storage imports torch: a snakemake without it (a submit host with only
+    # draftsmith.hidden.storage imports torch: a snakemake without it (a submit host with only
     # envs/slurm.txt) plans without the estimate
     try:
         estimate = upper_bound(config, [parse_range(r) for r in RANGES], text_cfg)
@@ -409,7 +413,7 @@ def thinking_cfg():
 
 
 def run_caption(name):
-    """A report caption rendered by the bench job with the run's config (draftsmith.captions).
+    """A report caption rendered by the bench job with the run's config (draftsmith.bench.captions).
 
     Absolute: Snakemake resolves captions against the rule file's folder, and these are
     outputs in the working directory. Not a param: it changes no result.
@@ -422,9 +426,9 @@ def segment_plan_keys():
     return {} if KEEP_SHARDS else {"train": ("segment_rows", "epochs")}
 
 
-# Segment mode's order (draftsmith.segments): (epoch, segment), epoch-major.
+# Segment mode's order (draftsmith.hidden.segments): (epoch, segment), epoch-major.
 if not KEEP_SHARDS:
-    from draftsmith.segments import (
+    from draftsmith.hidden.segments import (
         global_order,
         segment_name,
         segment_of,
@@ -459,7 +463,7 @@ def segment_gate(wildcards):
 
 
 def segment_server_args(wildcards):
-    """segment_capture's options for the run's shared capture server (draftsmith.segcapture):
+    """segment_capture's options for the run's shared capture server (draftsmith.stages.segcapture):
     where it lives, and --last-capture for a capture of the last index of the order, after
     which the server need not wait for another (a param: it changes only with the order, and
     a new order retrains, so recaptures, every segment anyway)."""

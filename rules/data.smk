@@ -1,5 +1,5 @@
 # Conversation data: prompt sources -> regenerated rows -> tokens + loss mask -> draft vocabulary.
-# Row ranges (RANGES) are fixed at DAG-build time by draftsmith.prompts.load_sources (common.smk).
+# Row ranges (RANGES) are fixed at DAG-build time by draftsmith.data.prompts.load_sources (common.smk).
 # Each job's --cfg carries only the keys it reads, so e.g. a data.overlong change re-tokenizes
 # without regenerating (data.max_length also bounds the regenerated prompt + reply), and a
 # draft.vocab_size change rebuilds only the vocabulary. Source files
@@ -27,7 +27,7 @@ rule data_report:
         cfg=cfg_json(data=("sources", "heldout_rows", "max_rows", "system_prompt")),
         bundled=bundled_digest(),
     shell:
-        "$DRAFTSMITH_PY_DATA -m draftsmith.prompts --cfg {params.cfg:q} --out {output} > {log} 2>&1"
+        "$DRAFTSMITH_PY_DATA -m draftsmith prompts --cfg {params.cfg:q} --out {output} > {log} 2>&1"
 
 
 rule regenerate:
@@ -64,7 +64,7 @@ rule regenerate:
         ),
         bundled=bundled_digest(),
     shell:
-        "$DRAFTSMITH_PY_REGENERATE -m draftsmith.regenerate --cfg {params.cfg:q} --range {wildcards.rows} "
+        "$DRAFTSMITH_PY_REGENERATE -m draftsmith regenerate --cfg {params.cfg:q} --range {wildcards.rows} "
         "--target {input.target} --out {output.rows} --report {output.report} "
         "--threads {threads} > {log} 2>&1"
 
@@ -100,7 +100,7 @@ rule tokenize:
             sort_keys=True,
         ),
     shell:
-        "$DRAFTSMITH_PY_DATA -m draftsmith.tokens --cfg {params.cfg:q} --rows {input.rows} "
+        "$DRAFTSMITH_PY_DATA -m draftsmith tokens --cfg {params.cfg:q} --rows {input.rows} "
         "--target {input.target} --out {output} > {log} 2>&1"
 
 
@@ -125,7 +125,7 @@ rule vocab:
     params:
         cfg=json.dumps({"draft": {"vocab_size": config["draft"]["vocab_size"]}}),
     shell:
-        "$DRAFTSMITH_PY_DATA -m draftsmith.vocab --cfg {params.cfg:q} --target {input.target} "
+        "$DRAFTSMITH_PY_DATA -m draftsmith vocab --cfg {params.cfg:q} --target {input.target} "
         "--out {output} --rows {input.rows} --tokens {input.tokens} > {log} 2>&1"
 
 

@@ -35,7 +35,7 @@ rule validate_env:
         python=lambda w: role_python(w.role),
         gpus=lambda w: role_gpus(w.role),
     shell:
-        '"$DRAFTSMITH_DRIVER" -m draftsmith.envcheck check --role {wildcards.role} '
+        '"$DRAFTSMITH_DRIVER" -m draftsmith env check --role {wildcards.role} '
         '--pins "$DRAFTSMITH_WORKFLOW/envs/{wildcards.role}.txt" --python {params.python:q} '
         "--gpus {params.gpus} "
         "--out {output} --log {log}"
@@ -69,7 +69,7 @@ rule env_stamp:
         mem_mb=100,
         runtime=1,
     shell:
-        '"$DRAFTSMITH_DRIVER" -m draftsmith.envcheck publish {input} {output} 2> {log}'
+        '"$DRAFTSMITH_DRIVER" -m draftsmith env publish {input} {output} 2> {log}'
 
 
 rule build_venv:
@@ -88,6 +88,6 @@ rule build_venv:
     params:
         pins=pins_text,
     shell:
-        '"$DRAFTSMITH_DRIVER" -m draftsmith.envcheck venv '
+        '"$DRAFTSMITH_DRIVER" -m draftsmith env venv '
         '--pins "$DRAFTSMITH_WORKFLOW/envs/{wildcards.role}.txt" '
         "--out results/venv/{wildcards.role} > {log} 2>&1"

@@ -2,8 +2,8 @@
 # printed when the workflow is parsed.
 # Params carry only the `capture` and `target` sections, so a change to train.*, draft.* or
 # bench.* leaves every shard fresh, while new layer ids or a new storage dtype make all stale.
-# A corrupt shard: the train job that refuses it deletes it (draftsmith/repair.py), so the next
-# plain run rebuilds only that range (docs/shards.md); `draftsmith.shards verify --delete` does
+# A corrupt shard: the train job that refuses it deletes it (draftsmith/runtime/repair.py), so the next
+# plain run rebuilds only that range (docs/shards.md); `draftsmith.hidden.shards verify --delete` does
 # the same by hand.
 
 print_shard_estimate()
@@ -30,7 +30,7 @@ rule hidden_plan:
     params:
         cfg=cfg_json("capture", "target", **segment_plan_keys()),
     shell:
-        "$DRAFTSMITH_PY_CAPTURE -m draftsmith.plan --cfg {params.cfg:q} --target {input.target} "
+        "$DRAFTSMITH_PY_CAPTURE -m draftsmith plan --cfg {params.cfg:q} --target {input.target} "
         "--out {output} {input.tokens} 2> {log}"
 
 
@@ -69,7 +69,7 @@ if KEEP_SHARDS:
                 f"--vocab {input.vocab}" if "vocab" in input.keys() else ""
             ),
         shell:
-            "$DRAFTSMITH_PY_CAPTURE -m draftsmith.capture --cfg {params.cfg:q} --tokens {input.tokens} "
+            "$DRAFTSMITH_PY_CAPTURE -m draftsmith capture --cfg {params.cfg:q} --tokens {input.tokens} "
             "--target {input.target} --out {output.shard} --threads {threads} {params.patched} "
             "{params.vocab} > {log} 2>&1"
 

@@ -2,14 +2,14 @@
 # segment of rows at a time, so the disk holds at most two segments' shards (docs/scale.md).
 # Per epoch and segment: segment_capture writes each range's shard (temp: deleted once its
 # segment is trained) and its manifest (kept: per-tensor sha256, compared with the range's first
-# capture, draftsmith.segcapture); segment_train trains the segment from the previous segment's
+# capture, draftsmith.stages.segcapture); segment_train trains the segment from the previous segment's
 # checkpoint and writes its own (kept). The capture of (epoch, segment) index i waits for the
 # training of index i - 2, so one segment is captured while the one before it trains. Rule
 # train exports the last checkpoint as rules/train.smk's rule does. A killed run: the next
 # plain run captures again only what was in flight (Snakemake's incomplete outputs) and resumes
 # the segment's training from its last checkpoint in state/train/.
 # capture.backend sglang with sglang.capture_server run (auto on a CPU capture role): the
-# captures of a run share one server (draftsmith.sharedserver, state/servers/), which stops
+# captures of a run share one server (draftsmith.engines.sharedserver, state/servers/), which stops
 # after the capture of the last index (--last-capture), when idle, or with the run; Snakemake's
 # service() cannot express the i - 2 gate (docs/scale.md).
 
@@ -48,7 +48,7 @@ if not KEEP_SHARDS:
             ),
             server=segment_server_args,
         shell:
-            "$DRAFTSMITH_PY_CAPTURE -m draftsmith.segcapture --reference-dir state/segments "
+            "$DRAFTSMITH_PY_CAPTURE -m draftsmith segment-capture --reference-dir state/segments "
             "{params.server} "
             "--cfg {params.cfg:q} --tokens {input.tokens} --target {input.target} "
             "--out {output.shard} --threads {threads} {params.patched} {params.vocab} "
@@ -83,7 +83,7 @@ if not KEEP_SHARDS:
                 f"--prev {input.prev}" if "prev" in input.keys() else ""
             ),
         shell:
-            "$DRAFTSMITH_PY_TRAIN -m draftsmith.segtrain train --cfg {params.cfg:q} "
+            "$DRAFTSMITH_PY_TRAIN -m draftsmith segment-train train --cfg {params.cfg:q} "
             "--segment epoch{wildcards.epoch}-seg{wildcards.seg} --shards {input.shards} "
             "--tokens {input.tokens} {params.prev} --vocab {input.vocab} "
             "--target {input.target} --out {output} --state state/train "
@@ -113,7 +113,7 @@ if not KEEP_SHARDS:
         params:
             cfg=cfg_json("train", "draft", "capture"),
         shell:
-            "$DRAFTSMITH_PY_TRAIN -m draftsmith.segtrain export --cfg {params.cfg:q} "
+            "$DRAFTSMITH_PY_TRAIN -m draftsmith segment-train export --cfg {params.cfg:q} "
             "--ckpt {input.ckpt} --manifests {input.manifests} --tokens {input.tokens} "
             "--vocab {input.vocab} --target {input.target} --out {output.draft} "
             "--metrics {output.metrics} --offline {output.offline} > {log} 2>&1"

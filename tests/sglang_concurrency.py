@@ -25,11 +25,11 @@ from pathlib import Path
 
 from safetensors.torch import load_file
 
-from draftsmith import settings
+from draftsmith.config import settings
 from draftsmith.engines import sglang_capture as sc
-from draftsmith.server import Supervisor
-from draftsmith.sglang_patch import load_patched
-from draftsmith.shard_writer import ShardWriter
+from draftsmith.engines.server import Supervisor
+from draftsmith.engines.sglang_patch import load_patched
+from draftsmith.hidden.writer import ShardWriter
 
 PREFILL = re.compile(r"Prefill batch.*#new-seq: (\d+),.*#queue-req: (\d+)")
 

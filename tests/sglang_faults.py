@@ -1,4 +1,4 @@
-"""Run `python -m draftsmith.capture` with faults injected between the real server and the client.
+"""Run `python -m draftsmith capture` with faults injected between the real server and the client.
 
 Used by tests/test_sglang_capture.py with the sglang-cpu role's interpreter. DRAFTSMITH_FAULTS
 is a JSON object:
@@ -16,8 +16,8 @@ import signal
 import sys
 import threading
 
-from draftsmith import capture
 from draftsmith.engines import sglang_capture as sc
+from draftsmith.stages import capture
 
 FAULTS = json.loads(os.environ.get("DRAFTSMITH_FAULTS", "{}"))
 lock = threading.Lock()

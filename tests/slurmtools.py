@@ -32,7 +32,7 @@ def slurm_python() -> str:
         return sys.executable
     require(
         "no interpreter with snakemake-executor-plugin-slurm: set DRAFTSMITH_PYTHON_SLURM "
-        "(python -m draftsmith.envcheck venv --pins envs/slurm.txt --out <dir>)"
+        "(python -m draftsmith env venv --pins envs/slurm.txt --out <dir>)"
     )
     raise AssertionError("unreachable")
 

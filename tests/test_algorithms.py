@@ -14,7 +14,7 @@ import yaml
 from draftsmith import algorithms
 
 ROOT = Path(__file__).resolve().parents[1]
-SCHEMA = yaml.safe_load((ROOT / "schemas" / "config.schema.yaml").read_text())
+SCHEMA = yaml.safe_load((ROOT / "draftsmith" / "config" / "config.schema.yaml").read_text())
 
 
 def test_schema_values_are_the_registry():
@@ -31,7 +31,7 @@ def test_schema_values_are_the_registry():
 def test_the_default_algorithm_stales_nothing():
     """draft.algorithm at its default is left out of the train job's params (the draft built
     before the key existed is the one built now); eagle3.1 is in them."""
-    from draftsmith.config import neutral_defaults, sections_json
+    from draftsmith.config.checks import neutral_defaults, sections_json
 
     neutral = neutral_defaults(SCHEMA)
     assert neutral["draft"]["algorithm"] == "eagle3"
@@ -59,7 +59,7 @@ def tiny(algorithm: str, seed: int = 0):
 
 
 def test_eagle3_draft_is_unchanged_and_eagle31_adds_fc_norm():
-    from draftsmith.model import DraftConfig, Eagle3Draft
+    from draftsmith.algorithms.eagle3.model import DraftConfig, Eagle3Draft
 
     plain, new = tiny("eagle3"), tiny("eagle3.1")
     extra = set(new.state_dict()) - set(plain.state_dict())
@@ -106,7 +106,7 @@ def test_ttt_steps_equal_the_decoders_chain(algorithm):
     """Train what is served: the TTT unroll (TTTCache, step j fed `feedback` of step j-1) at the
     last position equals the in-process decoder's chain (KVCache: extend, then one token per
     step), step by step, for both algorithms."""
-    from draftsmith.model import KVCache, TTTCache, block_causal_mask
+    from draftsmith.algorithms.eagle3.model import KVCache, TTTCache, block_causal_mask
 
     draft = tiny(algorithm, seed=2)
     c = draft.config
@@ -137,10 +137,10 @@ def test_ttt_steps_equal_the_decoders_chain(algorithm):
 
 @torch.no_grad()
 def test_the_decoders_proposals_follow_the_algorithms_feedback():
-    """draftsmith.specdec.DraftRunner (the hf engine's draft side) proposes, for eagle3.1, the
+    """draftsmith.bench.specdec.DraftRunner (the hf engine's draft side) proposes, for eagle3.1, the
     argmax chain fed the post-norm state, recomputed here without a KV cache from the whole
     sequence at every step; the pre-norm reading gives other proposals."""
-    from draftsmith.specdec import DraftRunner
+    from draftsmith.bench.specdec import DraftRunner
 
     draft = tiny("eagle3.1", seed=8)
     c = draft.config
@@ -178,7 +178,7 @@ VERIFIER = {"name_or_path": "results/target", "architectures": ["LlamaForCausalL
 
 
 def export(draft, out: Path) -> Path:
-    from draftsmith.export import export_draft
+    from draftsmith.algorithms.export import export_draft
 
     c = draft.config
     embed = torch.randn(c.vocab_size, c.target_hidden_size)
@@ -190,7 +190,7 @@ def export(draft, out: Path) -> Path:
 def test_eagle31_export_round_trip(tmp_path):
     from safetensors.torch import load_file
 
-    from draftsmith.export import check_export, load_export
+    from draftsmith.algorithms.export import check_export, load_export
 
     draft = tiny("eagle3.1", seed=4)
     out = export(draft, tmp_path / "draft")
@@ -215,7 +215,7 @@ def test_export_check_per_algorithm(tmp_path):
     a half-switched config, a foreign switch, a missing norm or a speculators copy are refused."""
     from safetensors.torch import load_file, save_file
 
-    from draftsmith.export import ExportError, check_export, main
+    from draftsmith.algorithms.export import ExportError, check_export, main
 
     new = export(tiny("eagle3.1", seed=5), tmp_path / "new")
     plain = export(tiny("eagle3", seed=5), tmp_path / "plain")
@@ -258,8 +258,8 @@ def test_training_an_eagle31_draft(tmp_path):
     from safetensors.torch import load_file
     from test_train import TRAIN, make_inputs, read_metrics, train_args
 
-    from draftsmith.export import check_export
-    from draftsmith.train import main
+    from draftsmith.algorithms.export import check_export
+    from draftsmith.train.loop import main
 
     inputs = make_inputs(tmp_path / "in", n_shards=1, rows=8)
     cfg = {
@@ -304,7 +304,7 @@ def train_command(*config: str) -> str:
         )
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-3000:]
-    lines = [ln for ln in out.splitlines() if "-m draftsmith.launch" in ln]
+    lines = [ln for ln in out.splitlines() if "-m draftsmith train" in ln]
     assert len(lines) == 1, out[-3000:]
     return lines[0]
 

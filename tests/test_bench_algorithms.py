@@ -105,7 +105,7 @@ def test_markdown_states_budget_load_and_every_run():
 def test_thread_choices_reads_each_jobs_first_thread_line(tmp_path):
     (tmp_path / "logs" / "bench").mkdir(parents=True)
     (tmp_path / "logs" / "train.log").write_text(
-        "draftsmith.launch: python -m draftsmith.train --threads 2\n"
+        "draftsmith train: python -m draftsmith train-rank --threads 2\n"
         "2026-12-02 10:47:12,067 draftsmith INFO threads: OpenMP PASSIVE, threads capped at 1\n"
         "2026-12-02 10:49:12,067 draftsmith INFO threads: later line\n"
     )

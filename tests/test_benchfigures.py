@@ -1,4 +1,4 @@
-"""draftsmith.benchfigures: every bench figure from an engine's raw measurements, the same way
+"""draftsmith.bench.figures: every bench figure from an engine's raw measurements, the same way
 for every engine (the per-engine shapes: per-prompt counters as hf and SGLang report them,
 per-set counters as vLLM's)."""
 
@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from draftsmith.benchfigures import first_difference, set_figures
+from draftsmith.bench.figures import first_difference, set_figures
 
 
 def prompt(pid, spec, base, hist=None, emitted=None, prompt_tokens=5):
@@ -113,7 +113,7 @@ def timed(pid, spec, base, hist, emitted, spec_latency, base_latency):
 def test_concurrency_levels_figures():
     """Per level: acceptance, tokens/s, time per output token (median, p90), outputs against
     the first level's plain outputs; batch_invariant fails where a level's outputs moved."""
-    from draftsmith.benchfigures import percentile
+    from draftsmith.bench.figures import percentile
 
     first = level(
         1,
@@ -171,7 +171,7 @@ def test_concurrency_levels_sampled_and_passes_moved():
 
 def test_concurrency_report_section(tmp_path):
     """report.md and summary.html get the table, the findings and (html) the plot."""
-    from draftsmith import benchlevels
+    from draftsmith.bench import levels as benchlevels
 
     first = level(1, [timed("a", [1, 2, 3, 4], [1, 2, 3, 4], [0, 0, 1], 3, 0.4, 0.8)])
     moved = level(4, [timed("a", [1, 2, 5], [1, 2, 3, 4], [1, 1, 0], 2, 0.4, 0.8)])
@@ -187,7 +187,7 @@ def test_concurrency_report_section(tmp_path):
     single = {"sets": {"s": set_figures({**first, "by_concurrency": [first]})}}
     assert benchlevels.markdown(single) == [] and benchlevels.html(single, None) == ""
     # the bench report: the section under the main table of report.md and summary.html
-    from draftsmith.bench import render_html, render_md
+    from draftsmith.stages.bench import render_html, render_md
 
     full = {
         **report,

@@ -10,9 +10,9 @@ import logging
 import pytest
 from test_specdec import _bench_inputs, install_oracle
 
-from draftsmith import settings
-from draftsmith.benchinput import screen_sets
-from draftsmith.prompts import read_source
+from draftsmith.bench.inputs import screen_sets
+from draftsmith.config import settings
+from draftsmith.data.prompts import read_source
 
 CONTEXT = 2048  # the tiny target's max_position_embeddings
 BENCH_JOB = settings.stage_job(
@@ -33,7 +33,7 @@ def rows_file(path, prompts):
 def test_an_empty_source_file_is_a_warning_naming_it(tmp_path, caplog):
     empty = tmp_path / "empty.jsonl"
     empty.write_text("\n  \n")
-    with caplog.at_level(logging.WARNING, logger="draftsmith.prompts"):
+    with caplog.at_level(logging.WARNING, logger="draftsmith.data.prompts"):
         rows, report = read_source({"format": "specforge", "path": str(empty)})
     assert rows == [] and report["empty"] is True
     assert f"{empty} is empty" in caplog.text
@@ -47,21 +47,24 @@ def test_a_prompt_past_the_context_is_refused_and_counted(tiny_target, caplog):
             {"id": "b", "conversations": [{"role": "user", "content": long}]},
         ]
     }
-    with caplog.at_level(logging.WARNING, logger="draftsmith.bench"):
-        kept, report = screen_sets(sets, {}, tiny_target, BENCH_JOB)
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_target))
+    with caplog.at_level(logging.WARNING, logger="draftsmith.stages.bench"):
+        kept, report = screen_sets(sets, {}, tiny_target, BENCH_JOB, tok)
     assert [r["id"] for r in kept["mine"]] == ["a"]
     r = report["mine"]
     assert r["used"] == 1 and r["refused_too_long"] == 1 and r["too_long_policy"] == "refused"
     assert r["first_too_long"][0]["id"] == "b" and r["context"] == CONTEXT
     assert "refused 1 prompt(s) longer than the target's context" in caplog.text
     with pytest.raises(SystemExit, match="bench set mine: no prompt left"):
-        screen_sets({"mine": sets["mine"][1:]}, {}, tiny_target, BENCH_JOB)
+        screen_sets({"mine": sets["mine"][1:]}, {}, tiny_target, BENCH_JOB, tok)
 
 
 def test_bench_report_counts_skipped_and_refused_prompts(tiny_target, tmp_path, monkeypatch):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from draftsmith import bench
+    from draftsmith.stages import bench as bench
 
     model = AutoModelForCausalLM.from_pretrained(tiny_target).eval()
     tokenizer = AutoTokenizer.from_pretrained(tiny_target)

@@ -6,7 +6,7 @@ import json
 
 from wf import with_defaults
 
-from draftsmith.captions import CAPTIONS, render, write_captions
+from draftsmith.bench.captions import CAPTIONS, render, write_captions
 
 
 def run_config(**bench) -> dict:

@@ -11,11 +11,11 @@ import torch
 from safetensors.torch import save_file
 from wf import planned_jobs, snakemake, tiny_config, with_defaults, write_config
 
-from draftsmith.capture import main
-from draftsmith.capture_base import plan_batches
-from draftsmith.config import aux_layer_ids
+from draftsmith.config.checks import aux_layer_ids
 from draftsmith.engines.hf import capture_shard, forward_states, pad_rows
-from draftsmith.shards import open_shard
+from draftsmith.hidden.capture_base import plan_batches
+from draftsmith.hidden.shards import open_shard
+from draftsmith.stages.capture import main
 
 
 def load(path):
@@ -180,7 +180,7 @@ def test_capture_shard_matches_forward(tiny_target, tmp_path, dtype):
 
 
 def test_cli_end_to_end(tiny_target, tmp_path):
-    from draftsmith.target import fingerprint, write_meta
+    from draftsmith.targets.model import fingerprint, write_meta
 
     target = shutil.copytree(tiny_target, tmp_path / "target")
     write_meta(target, source="path", origin=str(tiny_target))
@@ -240,7 +240,7 @@ def test_cli_end_to_end(tiny_target, tmp_path):
 def test_rules_targeted_rebuild_and_staleness(tiny_target, tmp_path):
     """rules/hidden.smk in the real Snakefile on the tiny config: one shard on request, a
     deleted/corrupt shard alone, params staleness."""
-    from draftsmith.shards import main as shards_main
+    from draftsmith.hidden.shards import main as shards_main
 
     ranges = ["rows_000000-000016", "rows_000016-000032"]  # tiny_config: 32 training rows
     capture = {"batch_tokens": 32}
@@ -286,7 +286,7 @@ def test_rules_targeted_rebuild_and_staleness(tiny_target, tmp_path):
 
 
 def _cli_inputs(tiny_target, tmp_path):
-    from draftsmith.target import write_meta
+    from draftsmith.targets.model import write_meta
 
     target = shutil.copytree(tiny_target, tmp_path / "target")
     write_meta(target, source="path", origin=str(tiny_target))
@@ -301,7 +301,7 @@ def _cli_inputs(tiny_target, tmp_path):
 
 
 def test_a_shard_that_cannot_fit_stops_before_the_capture(tiny_target, tmp_path, monkeypatch):
-    import draftsmith.capture as capture
+    import draftsmith.stages.capture as capture
 
     args, out = _cli_inputs(tiny_target, tmp_path)
     usage = shutil.disk_usage(tmp_path)
@@ -316,7 +316,7 @@ def test_disk_full_during_capture_is_a_clear_error(tiny_target, tmp_path, monkey
     import errno
     import os
 
-    import draftsmith.shard_writer as shard_writer
+    import draftsmith.hidden.writer as shard_writer
 
     args, out = _cli_inputs(tiny_target, tmp_path)
     real, calls = os.pwrite, []

@@ -15,10 +15,10 @@ import pytest
 import torch
 from test_capture import random_tokens
 
-from draftsmith.capture_base import plan_batches
 from draftsmith.engines.hf import PAD_MULTIPLE, capture_shard, forward_states, pad_rows
-from draftsmith.shards import _read_header, open_shard
-from draftsmith.storage import Storage
+from draftsmith.hidden.capture_base import plan_batches
+from draftsmith.hidden.shards import _read_header, open_shard
+from draftsmith.hidden.storage import Storage
 
 IDS = [1, 2, 4]
 # lengths around the kernels' vector and block sizes (1, 2, 15-17, 31-33) and a longer row

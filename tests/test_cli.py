@@ -1,114 +1,104 @@
-"""Every command module prints a useful usage for --help; library modules are listed as such."""
+"""The one command line: every rule and spawn calls `python -m draftsmith <command>`, each
+command is one module's main() with a useful --help, and no module runs as `-m <module>`."""
 
 from __future__ import annotations
 
 import importlib
+import re
 import subprocess
 import sys
 
 import pytest
 from wf import ROOT
 
+from draftsmith.cli import COMMANDS, main
+
 PACKAGE = ROOT / "draftsmith"
-# Modules without a command line (imported by the others): a new module must be listed here or
-# have a main() that passes the test below.
-LIBRARY = {
-    "__init__",
-    "benchfigures",
-    "benchinput",
-    "benchlevels",
-    "capture_base",
-    "checkpoint",
-    "common",
-    "config",
-    "convert_common",
-    "convert_speculators",
-    "dflash_decode",
-    "dflash_export",
-    "dflash_model",
-    "dflash_train",
-    "draft_contract",
-    "draft_contract_mla",
-    "families",
-    "fasttok",
-    "finite",
-    "gate",
-    "hardware",
-    "layerids",
-    "layout",
-    "lifeline",
-    "load",
-    "mla",
-    "model",
-    "offline",
-    "ports",
-    "regenerate_base",
-    "repair",
-    "sampling",
-    "segments",
-    "server",
-    "serving",
-    "settings",
-    "shard_writer",
-    "specdec",
-    "stopping",
-    "storage",
-    "threads",
-    "traindata",
-    "ttt",
-}
-COMMANDS = sorted(
-    p.stem
-    for p in PACKAGE.glob("*.py")
-    if p.stem not in LIBRARY and 'if __name__ == "__main__":' in p.read_text()
-)
 
 
-def test_every_module_is_a_command_or_listed_as_a_library():
-    unclassified = {p.stem for p in PACKAGE.glob("*.py")} - LIBRARY - set(COMMANDS)
-    assert not unclassified, f"modules without a CLI that are not in LIBRARY: {unclassified}"
-    for name in LIBRARY - {"__init__"}:
-        assert 'if __name__ == "__main__":' not in (PACKAGE / f"{name}.py").read_text()
+def test_no_module_has_its_own_main_block():
+    """Commands run through draftsmith.cli only; a `__main__` block would be a second way in
+    (and once a module with two of them ran its whole job twice under torchrun)."""
+    blocks = [
+        str(p.relative_to(ROOT))
+        for p in PACKAGE.rglob("*.py")
+        if p.name != "__main__.py" and 'if __name__ == "__main__":' in p.read_text()
+    ]
+    assert not blocks, blocks
 
 
-@pytest.mark.parametrize("name", COMMANDS)
-def test_a_command_runs_its_main_once(name):
-    """One `__main__` block per command module: a second one (a merge once left two in train.py)
-    runs the whole job again in the same process, and under torchrun the ranks' second runs
-    deadlocked in gloo."""
-    text = (PACKAGE / f"{name}.py").read_text()
-    assert text.count('if __name__ == "__main__":') == 1, f"draftsmith/{name}.py"
+def test_every_command_module_exists_and_has_main():
+    for name, (module, text) in COMMANDS.items():
+        mod = importlib.import_module(f"draftsmith.{module}")
+        assert callable(getattr(mod, "main", None)), f"{name}: draftsmith.{module} has no main()"
+        assert text and len(text) < 90, name
 
 
-@pytest.mark.parametrize("name", COMMANDS)
+def test_rules_and_spawns_call_commands_not_module_paths():
+    """A rule naming a module path would change its shell command (and rerun its jobs) on the
+    next move inside the package."""
+    pattern = re.compile(r"-m draftsmith\.|\"-m\",\s*\"draftsmith\.")
+    sources = [*ROOT.glob("rules/*.smk"), ROOT / "Snakefile", *PACKAGE.rglob("*.py")]
+    sources += [*ROOT.glob("tests/*.py"), *ROOT.glob("benchmarks/*.py"), *ROOT.glob("scripts/*")]
+    found = [
+        f"{p.relative_to(ROOT)}:{i}"
+        for p in sources
+        if p.is_file() and p != ROOT / "tests" / "test_cli.py"
+        for i, line in enumerate(p.read_text(errors="replace").splitlines(), 1)
+        if pattern.search(line)
+    ]
+    assert not found, found
+    used = set()
+    for smk in [*ROOT.glob("rules/*.smk"), ROOT / "Snakefile"]:
+        used |= set(re.findall(r"-m draftsmith ([a-z-]+)", smk.read_text()))
+    assert used, "no rule calls the CLI"
+    assert used <= set(COMMANDS), used - set(COMMANDS)
+
+
+@pytest.mark.parametrize("name", sorted(COMMANDS))
 def test_help_prints_usage_and_the_modules_own_description(name, capsys):
-    module = importlib.import_module(f"draftsmith.{name}")
+    module = importlib.import_module(f"draftsmith.{COMMANDS[name][0]}")
     with pytest.raises(SystemExit) as e:
-        module.main(["--help"])
+        main([name, "--help"])
     assert e.value.code == 0
     out = capsys.readouterr().out
-    assert out.startswith(f"usage: python -m draftsmith.{name} "), out[:200]
+    assert out.startswith(f"usage: python -m draftsmith {name}"), out[:200]
     # the module docstring, with its layout kept (examples stay one per line)
     first = module.__doc__.strip().splitlines()[0]
     assert first in out, f"{name}: --help lacks its description {first!r}"
     assert "options:" in out and "-h, --help" in out
-    examples = [ln for ln in module.__doc__.splitlines() if "python -m draftsmith." in ln]
+    examples = [ln for ln in module.__doc__.splitlines() if "python -m draftsmith " in ln]
     for line in examples:
         assert line.rstrip() in out, f"{name}: example squashed: {line!r}"
 
 
+def test_top_level_help_lists_every_command_and_unknown_is_refused():
+    out = subprocess.run(
+        [sys.executable, "-m", "draftsmith", "--help"], capture_output=True, text=True, cwd=ROOT,
+        timeout=60,
+    )  # fmt: skip
+    assert out.returncode == 0
+    for name in COMMANDS:
+        assert f"  {name} " in out.stdout, name
+    bad = subprocess.run(
+        [sys.executable, "-m", "draftsmith", "no-such"], capture_output=True, text=True, cwd=ROOT,
+        timeout=60,
+    )  # fmt: skip
+    assert bad.returncode != 0 and "unknown command 'no-such'" in bad.stderr
+
+
 def test_configdoc_help_is_usage_not_the_document():
     proc = subprocess.run(
-        [sys.executable, "-m", "draftsmith.configdoc", "--help"],
+        [sys.executable, "-m", "draftsmith", "config-doc", "--help"],
         capture_output=True,
         text=True,
         cwd=ROOT,
         timeout=60,
     )
-    assert proc.returncode == 0 and proc.stdout.startswith("usage: python -m draftsmith.configdoc")
+    assert proc.returncode == 0 and proc.stdout.startswith("usage: python -m draftsmith config-doc")
     assert "| key | type |" not in proc.stdout
     check = subprocess.run(
-        [sys.executable, "-m", "draftsmith.configdoc", "--check", "docs/config.md"],
+        [sys.executable, "-m", "draftsmith", "config-doc", "--check", "docs/config.md"],
         capture_output=True,
         text=True,
         cwd=ROOT,

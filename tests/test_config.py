@@ -12,9 +12,9 @@ import pytest
 import yaml
 from wf import ROOT, snakemake, tiny_config, with_defaults, write_config
 
-from draftsmith.config import ConfigError, aux_layer_ids, check_config, coerce
+from draftsmith.config.checks import ConfigError, aux_layer_ids, check_config, coerce
 
-SCHEMA = yaml.safe_load((ROOT / "schemas" / "config.schema.yaml").read_text())
+SCHEMA = yaml.safe_load((ROOT / "draftsmith" / "config" / "config.schema.yaml").read_text())
 
 
 # ---------------------------------------------------------------- coercion
@@ -108,7 +108,7 @@ def test_another_directory_with_configfile_gets_what_the_repo_gets(tmp_path: Pat
         cmds[name] = sorted(
             line.strip()
             for line in proc.stdout.splitlines()
-            if "-m draftsmith." in line and "--cfg" in line
+            if "-m draftsmith " in line and "--cfg" in line
         )
     assert cmds["repo"] and cmds["repo"] == cmds["proj"]
 
@@ -160,7 +160,7 @@ def test_parse_time_errors_name_the_key(tmp_path: Path, tiny_target: Path):
 
 def test_target_path_must_be_an_hf_directory_with_a_chat_template(tmp_path: Path, tiny_target):
     """The parse-time target check (source_signature -> check_hf_dir), chat template included."""
-    from draftsmith.target import TargetError, source_signature
+    from draftsmith.targets.model import TargetError, source_signature
 
     with pytest.raises(TargetError, match="does not exist"):
         source_signature(tmp_path / "nope")
@@ -204,9 +204,9 @@ def test_params_leave_out_neutral_defaults_and_other_modes_storage_keys():
     """A key added with a default that builds what was built before (x-omit-default) and the
     storage keys of another mode stay out of a job's params: adding them stales nothing,
     while a non-default value or a key the mode uses does."""
-    from draftsmith.config import neutral_defaults, sections_json
+    from draftsmith.config.checks import neutral_defaults, sections_json
 
-    schema = yaml.safe_load((ROOT / "schemas" / "config.schema.yaml").read_text())
+    schema = yaml.safe_load((ROOT / "draftsmith" / "config" / "config.schema.yaml").read_text())
     neutral = neutral_defaults(schema)
     assert neutral["regenerate"] == {"dtype": "float32", "thinking": "template"}
     assert neutral["train"] == {"eval_rows": 0, "loss_positions": "assistant", "segment_rows": 0}
@@ -239,9 +239,9 @@ def test_bench_sampling_keys_at_default_change_no_params(tiny_target: Path):
     """bench.temperature, top_p and seed (x-omit-default): at their defaults the bench job's
     params are those of a config without them (greedy benchmarks stay fresh); set away, they
     are in them."""
-    from draftsmith.config import neutral_defaults, sections_json
+    from draftsmith.config.checks import neutral_defaults, sections_json
 
-    schema = yaml.safe_load((ROOT / "schemas" / "config.schema.yaml").read_text())
+    schema = yaml.safe_load((ROOT / "draftsmith" / "config" / "config.schema.yaml").read_text())
     neutral = neutral_defaults(schema)
     assert neutral["bench"] == {"temperature": 0, "top_p": 1.0, "seed": 0}
     cfg = with_defaults(tiny_config(tiny_target))
@@ -267,7 +267,7 @@ def test_bench_sampling_keys_fail_at_parse_time_where_they_cannot_apply(tiny_tar
 def test_bench_concurrency_levels(tiny_target: Path):
     """bench.concurrency: a level (the older scalar) or a list of levels for the server
     engines; the hf engine, one request at a time, is refused a list at parse time."""
-    from draftsmith.config import concurrency_levels
+    from draftsmith.config.checks import concurrency_levels
 
     assert concurrency_levels(1) == [1] and concurrency_levels([1, 4, 16]) == [1, 4, 16]
     with pytest.raises(ConfigError, match="distinct levels"):

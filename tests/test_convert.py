@@ -8,10 +8,10 @@ import shutil
 import pytest
 import torch
 
-from draftsmith.convert import main, specforge_path
-from draftsmith.convert_common import ConvertError, apply_norm, final_norm, load_legacy, remove_norm
 from draftsmith.engines.hf import capture_shard
-from draftsmith.shards import manifest_path, open_shard
+from draftsmith.hidden.shards import manifest_path, open_shard
+from draftsmith.interop.common import ConvertError, apply_norm, final_norm, load_legacy, remove_norm
+from draftsmith.interop.convert import main, specforge_path
 
 IDS = [1, 2, 4]
 
@@ -21,7 +21,7 @@ def captured(tiny_target, tmp_path_factory):
     """(target dir with metadata, a captured bf16 shard for rows 2000..2004)."""
     from transformers import AutoModelForCausalLM
 
-    from draftsmith.target import fingerprint, write_meta
+    from draftsmith.targets.model import fingerprint, write_meta
 
     root = tmp_path_factory.mktemp("convert")
     target = shutil.copytree(tiny_target, root / "target")

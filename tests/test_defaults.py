@@ -15,18 +15,18 @@ from pathlib import Path
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
-SCHEMA = ROOT / "schemas" / "config.schema.yaml"
+SCHEMA = ROOT / "draftsmith" / "config" / "config.schema.yaml"
 
 # (file, key) -> why that fallback stays; key None: the whole file.
 ALLOWED = {
     # Storage.from_config also reads the converters' `--storage` JSON (python -m
-    # draftsmith.convert), which no schema validates: its defaults are that CLI's defaults.
-    ("draftsmith/storage.py", None): "reads unvalidated CLI JSON too",
+    # draftsmith.interop.convert), which no schema validates: its defaults are that CLI's defaults.
+    ("draftsmith/hidden/storage.py", None): "reads unvalidated CLI JSON too",
     # storage_keys mirrors Storage.from_config's defaults for the same JSON.
-    ("draftsmith/config.py", None): "mirrors storage.py",
+    ("draftsmith/config/checks.py", None): "mirrors storage.py",
     # read_source also reads specs built in code (the bundled set when data.sources is empty,
     # bench's sets), and load_sources any dict holding a data section (docs/data.md).
-    ("draftsmith/prompts.py", "max_rows"): "specs built in code",
+    ("draftsmith/data/prompts.py", "max_rows"): "specs built in code",
 }
 
 

@@ -12,11 +12,22 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from draftsmith import algorithms, specdec
-from draftsmith.dflash_export import DFlashExportError, check_export, export_draft, load_export
-from draftsmith.dflash_model import DFlashConfig, DFlashDraft
-from draftsmith.dflash_train import DFlashObjective, batch_losses, block_visibility, draw_anchors
-from draftsmith.ttt import pack_batch
+from draftsmith import algorithms
+from draftsmith.algorithms.dflash.export import (
+    DFlashExportError,
+    check_export,
+    export_draft,
+    load_export,
+)
+from draftsmith.algorithms.dflash.model import DFlashConfig, DFlashDraft
+from draftsmith.algorithms.dflash.train import (
+    DFlashObjective,
+    batch_losses,
+    block_visibility,
+    draw_anchors,
+)
+from draftsmith.algorithms.eagle3.ttt import pack_batch
+from draftsmith.bench import specdec
 
 
 @pytest.fixture(autouse=True)
@@ -60,8 +71,8 @@ def rows(n_rows: int, length: int, width: int, vocab: int, seed: int = 0) -> lis
 
 def test_registry_and_schema_know_dflash():
     algo = algorithms.get("dflash")
-    assert algorithms.part(algo, "TRAINER").__name__ == "draftsmith.dflash_train"
-    assert algorithms.part(algo, "EXPORTER").__name__ == "draftsmith.dflash_export"
+    assert algorithms.part(algo, "TRAINER").__name__ == "draftsmith.algorithms.dflash.train"
+    assert algorithms.part(algo, "EXPORTER").__name__ == "draftsmith.algorithms.dflash.export"
     assert algorithms.part(algorithms.get("eagle3"), "TRAINER") is None
     assert algorithms.of_export({"dflash_config": {}}).NAME == "dflash"
     assert algorithms.of_config({"draft": {"algorithm": "dflash"}}).NAME == "dflash"
@@ -73,10 +84,10 @@ def test_draft_dflash_at_its_default_stales_nothing():
     import yaml
     from snakemake.utils import validate
 
-    from draftsmith.config import neutral_defaults, sections_json
-    from draftsmith.settings import DFlashSettings, section
+    from draftsmith.config.checks import neutral_defaults, sections_json
+    from draftsmith.config.settings import DFlashSettings, section
 
-    path = Path(__file__).resolve().parents[1] / "schemas" / "config.schema.yaml"
+    path = Path(__file__).resolve().parents[1] / "draftsmith" / "config" / "config.schema.yaml"
     neutral = neutral_defaults(yaml.safe_load(path.read_text()))
     params = []
     for draft in ({}, {"dflash": {"layers": 2}}):
@@ -182,8 +193,8 @@ def exported(tmp_path):
 
 
 def test_export_round_trip_and_the_vllm_layout(exported):
-    from draftsmith.export import check_export as check_any
-    from draftsmith.export import load_export as load_any
+    from draftsmith.algorithms.export import check_export as check_any
+    from draftsmith.algorithms.export import load_export as load_any
 
     draft, out = exported
     c = json.loads((out / "config.json").read_text())
@@ -281,7 +292,7 @@ def test_decoder_lossless_when_proposals_are_accepted(target, monkeypatch):
     """Proposals replaced by greedy's continuation with random errors (the block forward still
     runs): every acceptance length happens, the context grows by exactly the verified tokens,
     and the output still equals greedy."""
-    from draftsmith import dflash_decode
+    from draftsmith.algorithms.dflash import decode as dflash_decode
 
     model, tokenizer = target
     rng = random.Random(0)
@@ -330,8 +341,8 @@ def test_training_a_dflash_draft(tmp_path):
     DFlashDraftModel that loads back."""
     from test_train import TRAIN, make_inputs, read_metrics, train_args
 
-    from draftsmith.export import check_export as check_any
-    from draftsmith.train import main
+    from draftsmith.algorithms.export import check_export as check_any
+    from draftsmith.train.loop import main
 
     inputs = make_inputs(tmp_path / "in", n_shards=1, rows=12)
     cfg = {
@@ -371,7 +382,7 @@ def test_vllm_dflash_class_equals_ours(tmp_path):
     with a block after each, it resolves the capture ids to ours + 1 (input-of-layer) and:
 
     - for a 1-layer draft gives the post-norm states and logits of our decoder's blocks
-      (DFlashRunner, the code path of draftsmith.specdec), so the same proposals;
+      (DFlashRunner, the code path of draftsmith.bench.specdec), so the same proposals;
     - for a 2-layer draft it does not: vLLM's CPU rms_norm kernel applies layer 0's k_norm
       weight to every layer's context keys (the grouped [layers, head_dim] weight of
       `precompute_and_store_context_kv`); its outputs equal ours exactly when our context
@@ -384,7 +395,7 @@ def test_vllm_dflash_class_equals_ours(tmp_path):
     from roles import role_python
     from test_algorithms_engines import ROOT, TARGET, free_port
 
-    from draftsmith.dflash_decode import DFlashRunner
+    from draftsmith.algorithms.dflash.decode import DFlashRunner
 
     g = torch.Generator().manual_seed(8)
     embed = torch.nn.Embedding(256, 64)

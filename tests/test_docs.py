@@ -7,8 +7,8 @@ import re
 import yaml
 from wf import ROOT, with_defaults
 
-from draftsmith.config import row_ranges
-from draftsmith.prompts import load_sources
+from draftsmith.config.checks import row_ranges
+from draftsmith.data.prompts import load_sources
 
 PAGES = sorted((ROOT / "docs").glob("*.md")) + [ROOT / "README.md"]
 

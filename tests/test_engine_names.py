@@ -9,10 +9,11 @@ keys of `draftsmith.engines.ENGINES`). It may do so only in:
 - the engine's own files: `draftsmith/engines/<name>.py`, `draftsmith/engines/<name>_*.py`
   and `rules/<name>.smk` (rules that build the engine's own inputs, e.g. the capture patch),
   and the Snakefile's `include: "rules/<name>.smk"`;
-- the registry, `draftsmith/engines/__init__.py`;
+- the registry, `draftsmith/engines/__init__.py`, and its table below the engines,
+  `draftsmith/config/engines.py` (backend name -> module);
 - the places `ALLOWED` lists, each with its reason.
 
-Not scanned, and free to name engines: the schema (`schemas/`, the backend enums and an
+Not scanned, and free to name engines: the schema (`draftsmith/config/config.schema.yaml`, the backend enums and an
 engine's settings section), the roles' pin files (`envs/`), `docs/`, `tests/`, `benchmarks/`,
 `profiles/`.
 """
@@ -34,64 +35,72 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # path pattern (relative to the root) -> (engine names it may use, why)
 ALLOWED = {
-    "draftsmith/sglang_cpu/*": (
+    "draftsmith/engines/sglang_cpu/*": (
         {"sglang"},
         "the SGLang CPU compatibility layer: part of the engine's role sglang-cpu",
     ),
-    "draftsmith/sglang_patch.py": (
+    "draftsmith/engines/sglang_patch.py": (
         {"sglang"},
         "the CLI of rule patch_sglang (rules/sglang.smk): the engine's capture input",
     ),
-    "draftsmith/envcheck.py": (
+    "draftsmith/stages/env.py": (
         {"sglang"},
         "validate_env's self-check of the SGLang CPU layer for role sglang-cpu",
     ),
-    "draftsmith/export.py": (
+    "draftsmith/algorithms/export.py": (
         {"sglang", "vllm"},
         "the export's two formats are the engines' checkpoint contracts",
     ),
-    "draftsmith/draft_contract.py": (
+    "draftsmith/algorithms/eagle3/contract.py": (
         {"sglang", "vllm"},
         "the checkpoint contract of SGLang's EAGLE-3 layer and vLLM's reading of it",
     ),
-    "draftsmith/draft_contract_mla.py": (
+    "draftsmith/algorithms/eagle3/contract_mla.py": (
         {"sglang", "vllm"},
         "the checkpoint contract of both engines' MLA draft class (Eagle3DeepseekV2ForCausalLM)",
     ),
-    "draftsmith/dflash_export.py": (
+    "draftsmith/algorithms/dflash/export.py": (
         {"vllm"},
         "the DFlash export is the checkpoint contract of vLLM's DFlashDraftModel",
     ),
-    "draftsmith/tinymodel.py": (
+    "draftsmith/targets/tinymodel.py": (
         {"sglang", "vllm"},
         "--engine-shapes names the engines whose CPU MLA paths need those shapes",
     ),
-    "draftsmith/serving.py": (
+    "draftsmith/targets/serving.py": (
         {"sglang", "vllm"},
         "which engine can serve which target, read from the engines' pinned wheels",
     ),
-    "draftsmith/layerids.py": (
+    "draftsmith/targets/layerids.py": (
         {"sglang", "vllm"},
         "the layer ids each engine feeds the draft, read from the engines' pinned wheels",
     ),
-    "draftsmith/convert*.py": (
+    "draftsmith/cli.py": (
+        {"sglang"},
+        "the command table lists the SGLang engine's own commands (its patch, its CPU self-check)",
+    ),
+    "draftsmith/config/settings.py": (
+        {"sglang"},
+        "the typed `sglang` section (SGLangSettings), typed with the others from the schema",
+    ),
+    "draftsmith/interop/*.py": (
         {"sglang", "vllm"},
         "the converters speak SpecForge's and speculators' formats, whose layer numberings "
         "are SGLang's and vLLM's",
     ),
-    "draftsmith/shards.py": (
+    "draftsmith/hidden/shards.py": (
         {"sglang"},
         "the shard format's layer-id convention is named after SGLang's (docs/contracts.md)",
     ),
-    "draftsmith/gate.py": (
+    "draftsmith/bench/gate.py": (
         {"sglang", "vllm"},
         "the gate's list of causes explains the engines' layer numbering",
     ),
-    "draftsmith/common.py": (
+    "draftsmith/runtime/files.py": (
         {"sglang"},
         "provenance records the installed sglang version among the packages",
     ),
-    "draftsmith/model.py": (
+    "draftsmith/algorithms/eagle3/model.py": (
         {"sglang"},
         "the draft's hidden_act is limited to what SGLang's draft layer implements",
     ),
@@ -99,7 +108,7 @@ ALLOWED = {
         {"sglang"},
         "an export tensor's legacy name in SGLang's loader",
     ),
-    "draftsmith/target.py": (
+    "draftsmith/targets/model.py": (
         {"hf"},
         "Hugging Face model directories (check_hf_dir), not the hf engine",
     ),
@@ -157,7 +166,7 @@ def own_files(engine: str) -> tuple[str, ...]:
 
 
 def may_name(rel: str, engine: str, text: str) -> bool:
-    if rel == "draftsmith/engines/__init__.py":
+    if rel in ("draftsmith/engines/__init__.py", "draftsmith/config/engines.py"):
         return True
     if rel == "Snakefile" and text.strip("\"'") == f"rules/{engine}.smk":
         return True  # the include: line of the engine's rule file
@@ -205,17 +214,21 @@ def test_every_allowance_is_still_used(repo_scan):
 def test_a_planted_engine_name_fails(tmp_path):
     """The scan finds a branch on an engine's name in a stage CLI and in the rules (a copy of
     the files it plants them in, the registry and the Snakefile)."""
-    for rel in ("draftsmith/capture.py", "draftsmith/engines/__init__.py", "rules/common.smk"):
+    for rel in (
+        "draftsmith/stages/capture.py",
+        "draftsmith/engines/__init__.py",
+        "rules/common.smk",
+    ):
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(ROOT / rel, tmp_path / rel)
     shutil.copy(ROOT / "Snakefile", tmp_path / "Snakefile")
     assert scan(tmp_path, ENGINES)[0] == []
-    with open(tmp_path / "draftsmith" / "capture.py", "a") as f:
+    with open(tmp_path / "draftsmith" / "stages" / "capture.py", "a") as f:
         f.write('\n\ndef planted(cap):\n    """hf here is prose."""\n    return cap == "vllm"\n')
     with open(tmp_path / "rules" / "common.smk", "a") as f:
         f.write("\n\n# sglang in a comment is prose\ndef planted_tp():\n")
         f.write('    return config["sglang"]["tp_size"]\n')
     bad, _ = scan(tmp_path, ENGINES)
     assert len(bad) == 2, bad
-    assert bad[0].startswith("draftsmith/capture.py:") and ": vllm in " in bad[0]
+    assert bad[0].startswith("draftsmith/stages/capture.py:") and ": vllm in " in bad[0]
     assert bad[1].startswith("rules/common.smk:") and ": sglang in " in bad[1]

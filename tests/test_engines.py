@@ -98,7 +98,7 @@ def test_check_config_asks_the_declarations(monkeypatch, tmp_path):
     bench.temperature, and names the ones that do: no engine name in the rule itself."""
     from wf import with_defaults
 
-    from draftsmith.config import ConfigError, check_config
+    from draftsmith.config.checks import ConfigError, check_config
 
     (tmp_path / "draftsmith_fake_sampler.py").write_text(
         'WORKFLOW = {"honours": ["bench.temperature"]}\n'

@@ -4,7 +4,7 @@ CPU with a Llama-style EAGLE-3 draft our own pipeline trained for it (tests/trai
 The target is `tinymodel --arch deepseek_v3 --engine-shapes` (kv_lora_rank 512, rope 64: the
 only latent width vLLM's CPU MLA kernels take). vLLM (role vllm-cpu) runs it on its CPU_MLA
 backend with the stand-ins of draftsmith.engines.vllm_cpu; SGLang (role sglang-cpu) on torch_native with
-draftsmith.sglang_cpu's MLA registration. The standard is the Llama path's (test_vllm.py,
+draftsmith.engines.sglang_cpu's MLA registration. The standard is the Llama path's (test_vllm.py,
 test_interop_sglang.py): speculative output equal to plain greedy, and acceptance (passes,
 histogram, tau) equal to our in-process hf engine's on the same prompts, which also proves the
 engine fed the draft the layers training saw (SGLang's DeepSeek file adds 1 to the ids only
@@ -70,8 +70,8 @@ def test_vllm_cpu_runs_an_mla_target_with_a_llama_style_draft(tmp_path):
     from test_specdec import random_draft
     from transformers import AutoModelForCausalLM
 
-    from draftsmith.export import export_draft, target_embedding
-    from draftsmith.tinymodel import make_tiny_target
+    from draftsmith.algorithms.export import export_draft, target_embedding
+    from draftsmith.targets.tinymodel import make_tiny_target
 
     python = role_python("vllm-cpu")
     target = make_tiny_target(
@@ -123,10 +123,10 @@ def test_sglang_cpu_serves_an_mla_target_with_our_draft(trained, ours):
 
 
 def wrapped_project(project: Path, root: Path) -> Path:
-    """`project`'s target laid out as Kimi-K2.5 ships it (draftsmith.tinymodel.wrap_target: the
+    """`project`'s target laid out as Kimi-K2.5 ships it (draftsmith.targets.tinymodel.wrap_target: the
     wrapper's config.json, weights under `language_model.`, a stand-in vision tower, Kimi's
     preprocessor_config.json), beside the same draft: served, it must decode as the plain one."""
-    from draftsmith.tinymodel import wrap_target
+    from draftsmith.targets.tinymodel import wrap_target
 
     shutil.copytree(project / "results" / "target", root / "results" / "target")
     wrap_target(root / "results" / "target")

@@ -8,7 +8,7 @@ import sys
 import pytest
 from wf import ROOT
 
-from draftsmith.envcheck import EnvError, check, read_pins, same_version
+from draftsmith.stages.env import EnvError, check, read_pins, same_version
 
 CPU_PINS = ROOT / "envs" / "cpu.txt"
 
@@ -89,7 +89,7 @@ def test_local_version_label():
 
 
 def test_directives_and_no_deps_install_args(tmp_path):
-    from draftsmith.envcheck import pip_install_args, read_directives
+    from draftsmith.stages.env import pip_install_args, read_directives
 
     f = tmp_path / "x.txt"
     f.write_text("# a comment\n# draftsmith: no-deps\ntorch==2.13.0\n")

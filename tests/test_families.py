@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from draftsmith.families import OFFSET_NORM, norm_offset
+from draftsmith.targets.families import OFFSET_NORM, norm_offset
 
 # family -> a tiny config (hidden 32, 2 layers); each is built by transformers offline
 SMALL = dict(
@@ -92,8 +92,8 @@ def test_convention_read_from_config():
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_initialised_draft_norm_scales_like_the_targets(family):
     """build_draft with init_from_target: the draft's final norm computes the target's."""
-    from draftsmith.settings import job
-    from draftsmith.train import build_draft
+    from draftsmith.config.settings import job
+    from draftsmith.train.loop import build_draft
 
     model = tiny_model(family)
     target_cfg = model.config.to_dict()
@@ -124,7 +124,7 @@ def test_initialised_draft_norm_scales_like_the_targets(family):
 @pytest.mark.parametrize("family", ["gemma2", "llama"])
 def test_converters_apply_the_targets_norm(family, tmp_path):
     """final_norm + apply_norm (the converters) == the target's own final norm module."""
-    from draftsmith.convert_common import apply_norm, final_norm
+    from draftsmith.interop.common import apply_norm, final_norm
 
     model = tiny_model(family)
     model.save_pretrained(tmp_path, safe_serialization=True)
@@ -144,7 +144,7 @@ def test_gemma3_per_layer_type_rope_gives_the_full_attention_theta():
     theta (1e6 by default), not the 1e4 fallback."""
     from transformers import AutoConfig
 
-    from draftsmith.model import DraftConfig
+    from draftsmith.algorithms.eagle3.model import DraftConfig
 
     hf = AutoConfig.for_model("gemma3_text", **SMALL, sliding_window=16).to_dict()
     assert hf["rope_parameters"]["full_attention"]["rope_theta"] == 1e6
@@ -166,8 +166,8 @@ def test_gemma3_per_layer_type_rope_gives_the_full_attention_theta():
     ],
 )
 def test_rope_the_draft_cannot_carry_is_recorded_and_warned(params, kind):
-    from draftsmith.families import family_facts
-    from draftsmith.model import DraftConfig
+    from draftsmith.algorithms.eagle3.model import DraftConfig
+    from draftsmith.targets.families import family_facts
 
     hf = {**SMALL, "model_type": "deepseek_v3", "rope_parameters": {"rope_theta": 5e4, **params}}
     cfg = DraftConfig.from_target_config(hf, 16, [0, 0, 1])
@@ -181,8 +181,8 @@ def test_rope_the_draft_cannot_carry_is_recorded_and_warned(params, kind):
 
 
 def test_rope_the_draft_carries_warns_nothing():
-    from draftsmith.families import family_facts
-    from draftsmith.model import DraftConfig
+    from draftsmith.algorithms.eagle3.model import DraftConfig
+    from draftsmith.targets.families import family_facts
 
     llama3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0}
     llama3 |= {"high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
@@ -209,7 +209,7 @@ def train_on_tiny_target(
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from draftsmith.engines.hf import capture_shard
-    from draftsmith.train import main as train_main
+    from draftsmith.train.loop import main as train_main
 
     torch.set_num_threads(1)
     vocab, ids, rows, n = SMALL["vocab_size"], list(ids), 24, 32
@@ -279,7 +279,7 @@ def test_logit_softcap_is_recorded_and_warned():
     """Gemma-2 soft-caps its logits (30 by default); the teacher does not: recorded, warned."""
     from transformers import AutoConfig
 
-    from draftsmith.families import family_facts, logit_softcap
+    from draftsmith.targets.families import family_facts, logit_softcap
 
     gemma2 = AutoConfig.for_model("gemma2", **SMALL).to_dict()
     assert logit_softcap(gemma2) == 30.0

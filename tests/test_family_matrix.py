@@ -14,7 +14,7 @@ from test_capture import check_convention
 from test_families import FAMILIES, SMALL
 from test_specdec import install_oracle, random_draft
 
-from draftsmith.specdec import greedy_generate, speculative_generate
+from draftsmith.bench.specdec import greedy_generate, speculative_generate
 
 IDS = [0, 1, 2]  # SGLang numbering: the inputs of layers 1, 2, 3
 WINDOW = {"gemma2": {"sliding_window": 8}, "gemma3_text": {"sliding_window": 8}}
@@ -51,7 +51,7 @@ def test_family_capture_and_lossless(family, monkeypatch):
         torch.set_num_threads(threads)
 
 
-# What the export's serveability check says per family (draftsmith/serving.py, read from the
+# What the export's serveability check says per family (draftsmith/targets/serving.py, read from the
 # pinned wheels' model files; docs/own-model.md's table): verdicts for SGLang 0.5.23, vLLM 0.32.
 ENGINES = ("sglang", "vllm")
 SERVING = {
@@ -71,8 +71,8 @@ def test_family_trains_exports_and_benches(family, tmp_path):
     from test_families import train_on_tiny_target
     from transformers import AutoModelForCausalLM
 
-    from draftsmith.export import check_export, load_export, read_provenance
-    from draftsmith.specdec import summarize
+    from draftsmith.algorithms.export import check_export, load_export, read_provenance
+    from draftsmith.bench.specdec import summarize
 
     metrics = train_on_tiny_target(family, tmp_path)
     assert len(metrics) == 40

@@ -1,7 +1,7 @@
 """A Kimi-style tiktoken tokenizer (rank file + remote-code class, no tokenizer.json) is made a
-fast tokenizer by the target stage (draftsmith.fasttok), equal to the class itself token for token.
+fast tokenizer by the target stage (draftsmith.targets.fasttok), equal to the class itself token for token.
 
-The tokenizer is tiny and made here (draftsmith.tinymodel --tokenizer tiktoken: ranks learned
+The tokenizer is tiny and made here (draftsmith.targets.tinymodel --tokenizer tiktoken: ranks learned
 from a few sentences with Kimi's split pattern, 16 reserved specials); nothing is downloaded.
 """
 
@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from draftsmith import target as tgt
-from draftsmith.fasttok import FastTokError, read_ranks
-from draftsmith.tinymodel import KIMI_PATTERN, make_tiny_target
+from draftsmith.targets import model as tgt
+from draftsmith.targets.fasttok import FastTokError, read_ranks
+from draftsmith.targets.tinymodel import KIMI_PATTERN, make_tiny_target
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -113,7 +113,7 @@ def test_fast_equals_the_remote_class_token_for_token(kimi_tok: Path, tmp_path: 
 def test_tokens_stage_reads_the_converted_tokenizer(kimi_tok: Path, tmp_path: Path):
     from transformers import AutoTokenizer
 
-    from draftsmith.tokens import tokenize_rows
+    from draftsmith.data.tokens import tokenize_rows
 
     fast = AutoTokenizer.from_pretrained(built(kimi_tok, tmp_path / "t" / "target"))
     turns = [
@@ -172,7 +172,7 @@ def test_build_cli_converts(kimi_tok: Path, tmp_path: Path):
     out.parent.mkdir()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), *sys.path])}
     proc = subprocess.run(
-        [sys.executable, "-m", "draftsmith.target", "build", "--cfg", cfg, "--out", str(out)],
+        [sys.executable, "-m", "draftsmith", "target", "build", "--cfg", cfg, "--out", str(out)],
         capture_output=True, text=True, env=env, timeout=300,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]

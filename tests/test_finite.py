@@ -15,9 +15,9 @@ from safetensors.torch import load_file, save_file
 from test_train import cfg_json, make_inputs, run_train
 from wf import snakemake, tiny_config, write_config
 
-from draftsmith.config import ConfigError, check_config
-from draftsmith.export import main as export_main
-from draftsmith.finite import check_step, metrics_problem, nonfinite_keys
+from draftsmith.algorithms.export import main as export_main
+from draftsmith.config.checks import ConfigError, check_config
+from draftsmith.runtime.finite import check_step, metrics_problem, nonfinite_keys
 
 
 def test_nonfinite_keys_names_each_bad_number():

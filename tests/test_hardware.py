@@ -6,8 +6,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from draftsmith.hardware import CpuFacts, bf16_warning, cpu_facts, resolve_precision
-from draftsmith.load import LoadMeter, verdict
+from draftsmith.runtime.hardware import CpuFacts, bf16_warning, cpu_facts, resolve_precision
+from draftsmith.runtime.load import LoadMeter, verdict
 
 
 def facts(capability="AVX512", avx512_bf16=False, amx=False, cap=""):
@@ -104,7 +104,7 @@ def test_load_meter_sees_other_work():
 
 
 def test_thread_policy_follows_the_load_at_start():
-    from draftsmith.threads import choose, policy_note, prepare
+    from draftsmith.runtime.threads import choose, policy_note, prepare
 
     assert choose(2, 0.05, 2)["policy"] == "spin"
     assert choose(2, 2.0, 2)["policy"] == "passive"
@@ -128,7 +128,7 @@ def test_busy_cores_change_the_wait_policy_never_the_thread_count(monkeypatch):
     """The thread count changes the rounding of CPU reductions (a draft trained on 1 thread is
     not the bits of one trained on 2), so the load a job starts under may change how its threads
     wait, never how many there are: the build's bits do not depend on what runs beside it."""
-    import draftsmith.threads as threads
+    import draftsmith.runtime.threads as threads
 
     monkeypatch.setattr(threads, "other_cores", lambda seconds=0.3: 2.0)  # both cores busy
     monkeypatch.setattr(threads, "sys", SimpleNamespace(modules={}))  # as before torch loads

@@ -1,16 +1,14 @@
 """The package's import graph, read from the source (every import statement, at module level and
-inside functions alike: a lazy import is still a dependency).
+inside functions alike: a lazy import is still a dependency; a registry's `importlib` load of a
+module named by a string counts as an import of it).
 
-Three rules: no cycles in `draftsmith/`, no module imports another's private (`_`) names, and no
-engine (`draftsmith/engines/`) imports a stage CLI
-(a module the rules run as `python -m draftsmith.<module>`): the stage CLIs call the engines, so
-what both need lives in a lower module that each imports.
+Three rules: the subpackages form layers and import only their own or lower ones (LAYERS), no
+cycles in `draftsmith/`, and no module imports another's private (`_`) names.
 """
 
 from __future__ import annotations
 
 import ast
-import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -51,6 +49,17 @@ def imports_of(name: str, path: Path, modules: set[str]) -> set[str]:
                 target = target.rpartition(".")[0]
             if target and target != name:
                 found.add(target)
+    # a registry: a module that loads modules by name (importlib.import_module) depends on every
+    # package module its string constants name
+    tree = ast.parse(path.read_text(), filename=str(path))
+    if any(
+        isinstance(n, ast.Attribute | ast.Name)
+        and getattr(n, "attr", getattr(n, "id", "")) == "import_module"
+        for n in ast.walk(tree)
+    ):
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Constant) and node.value in modules and node.value != name:
+                found.add(node.value)
     # `from draftsmith.x import y` also names `draftsmith` (the package); importing a submodule
     # runs its package's __init__, which is no dependency of the importer's own making.
     found.discard("draftsmith")
@@ -89,15 +98,44 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
     return None
 
 
-def stage_cli_modules() -> set[str]:
-    """The stage CLIs: modules the rules run (`-m draftsmith.<module>` in `rules/*.smk`) that
-    hand their stage to an engine (they import the registry, `draftsmith.engines`). Library
-    modules that also have a CLI (`tokens`, `target`, `shards`, ...) are not stage CLIs."""
-    run: set[str] = set()
-    for smk in sorted((ROOT / "rules").glob("*.smk")):
-        run.update(re.findall(r"-m (draftsmith(?:\.\w+)+)", smk.read_text()))
-    graph = import_graph()
-    return {name for name in run if "draftsmith.engines" in graph.get(name, ())}
+# subpackage -> its layer: a module may import its own subpackage's modules and those of lower
+# layers only. The package's top (draftsmith/__init__, cli, __main__) sits above them all.
+LAYERS = {
+    "runtime": 0,
+    "config": 1,
+    "data": 2,
+    "targets": 3,
+    "hidden": 4,
+    "algorithms": 5,
+    "interop": 5,
+    "train": 6,
+    "bench": 6,
+    "engines": 7,
+    "stages": 8,
+}
+TOP = 9
+
+
+def layer_of(name: str, modules: dict[str, Path]) -> tuple[str, int]:
+    """(subpackage, layer) of module `name`; the package's own top-level modules are TOP."""
+    parts = name.split(".")
+    if len(parts) == 1 or (len(parts) == 2 and modules[name].name != "__init__.py"):
+        return "(top)", TOP
+    return parts[1], LAYERS.get(parts[1], -1)
+
+
+def layer_violations(graph: dict[str, set[str]], modules: dict[str, Path]) -> list[str]:
+    bad = []
+    for name, deps in sorted(graph.items()):
+        pkg, level = layer_of(name, modules)
+        if level < 0:
+            bad.append(f"{name}: subpackage {pkg!r} has no layer in LAYERS")
+            continue
+        for dep in sorted(deps):
+            dpkg, dlevel = layer_of(dep, modules)
+            if dpkg != pkg and dlevel >= level:
+                bad.append(f"{name} ({pkg}, layer {level}) imports {dep} ({dpkg}, layer {dlevel})")
+    return bad
 
 
 def test_the_graph_reader_sees_lazy_and_relative_imports(tmp_path):
@@ -137,12 +175,44 @@ def test_no_private_names_imported_across_modules():
     assert not bad, "private names imported across modules:\n" + "\n".join(bad)
 
 
-def test_engines_never_import_a_stage_cli():
-    clis = stage_cli_modules()
-    assert {"draftsmith.capture", "draftsmith.regenerate", "draftsmith.bench"} <= clis, clis
-    bad = {
-        name: sorted(deps & clis)
-        for name, deps in import_graph().items()
-        if name.startswith("draftsmith.engines") and deps & clis
+def test_subpackages_import_only_their_own_or_lower_layers():
+    modules = package_modules()
+    subpackages = {p.parent.name for p in PACKAGE.glob("*/__init__.py")}
+    assert subpackages == set(LAYERS), subpackages ^ set(LAYERS)
+    bad = layer_violations(import_graph(), modules)
+    assert not bad, "imports against the layers:\n" + "\n".join(bad)
+
+
+def test_every_subpackage_says_what_it_holds_and_may_import():
+    for pkg in LAYERS:
+        doc = ast.get_docstring(ast.parse((PACKAGE / pkg / "__init__.py").read_text())) or ""
+        assert "May import" in doc, f"draftsmith/{pkg}/__init__.py: say what it may import"
+
+
+def test_a_planted_upward_import_and_a_registry_load_are_caught(tmp_path):
+    """The rule catches a lazy import of a higher layer and a registry's load by name."""
+    src = tmp_path / "draftsmith"
+    for pkg in ("runtime", "engines", "config"):
+        (src / pkg).mkdir(parents=True)
+        (src / pkg / "__init__.py").write_text("")
+    (src / "runtime" / "a.py").write_text("def f():\n    from draftsmith.engines import b\n")
+    (src / "engines" / "b.py").write_text("X = 1\n")
+    (src / "config" / "c.py").write_text(
+        "import importlib\nM = {'b': 'draftsmith.engines.b'}\n"
+        "def g():\n    return importlib.import_module(M['b'])\n"
+    )
+    files = {
+        "draftsmith.runtime": src / "runtime" / "__init__.py",
+        "draftsmith.engines": src / "engines" / "__init__.py",
+        "draftsmith.config": src / "config" / "__init__.py",
+        "draftsmith.runtime.a": src / "runtime" / "a.py",
+        "draftsmith.engines.b": src / "engines" / "b.py",
+        "draftsmith.config.c": src / "config" / "c.py",
     }
-    assert not bad, f"engines importing stage CLIs (move what they need lower): {bad}"
+    graph = {name: imports_of(name, path, set(files)) for name, path in files.items()}
+    bad = layer_violations(graph, files)
+    assert [b.split(" (")[0] + " -> " + b.split(" imports ")[1].split(" (")[0] for b in bad] == [
+        "draftsmith.config.c -> draftsmith.engines.b",
+        "draftsmith.runtime.a -> draftsmith.engines",
+        "draftsmith.runtime.a -> draftsmith.engines.b",
+    ], bad

@@ -72,7 +72,7 @@ def gemma3_states_as_sglang_captures(model, monkeypatch) -> None:
     captures for aux id i: the `hidden_states` its layer i returns, i.e. the MLP branch after
     post_feedforward_layernorm, without the residual it carries separately (ours: the residual
     stream, transformers' hidden_states[i + 1])."""
-    from draftsmith import specdec
+    from draftsmith.bench import specdec
 
     branch = {}
     for i, layer in enumerate(model.model.layers):
@@ -109,7 +109,7 @@ def test_gemma3_served_losslessly_with_sglangs_own_states(tmp_path, monkeypatch)
     draft each layer's MLP branch without the residual, not the residual stream the draft
     learned: the served tau is lower than ours. Measured (AVX512-AMX): ours 1.610, SGLang
     1.333; our engine fed SGLang's states gives SGLang's 1.333, so the states are the cause.
-    draftsmith.serving reports this pair as "mismatch"; this test pins it for SGLang 0.5.23."""
+    draftsmith.targets.serving reports this pair as "mismatch"; this test pins it for SGLang 0.5.23."""
     assert "sglang==0.5.23\n" in (ROOT / "envs" / "sglang-cpu.txt").read_text()
     root = train_tiny_project(tmp_path, arch="gemma3_text")
     family = json.loads((root / "results" / "draft" / "draftsmith_draft.json").read_text())

@@ -1,16 +1,22 @@
-"""draftsmith.launch: how the training processes are started, in and out of SLURM."""
+"""draftsmith.train.launch: how the training processes are started, in and out of SLURM."""
 
 from __future__ import annotations
 
 import pytest
 
-from draftsmith.launch import LaunchError, command
+from draftsmith.train.launch import LaunchError, command
 
 TRAIN = ["--cfg", "{}", "--out", "results/draft"]
 
 
 def test_one_process_runs_train_directly():
-    assert command(1, 1, 4, TRAIN, {}, python="py") == ["py", "-m", "draftsmith.train", *TRAIN]
+    assert command(1, 1, 4, TRAIN, {}, python="py") == [
+        "py",
+        "-m",
+        "draftsmith",
+        "train-rank",
+        *TRAIN,
+    ]
     # inside SLURM too: no srun step for a single process
     assert command(1, 1, 4, TRAIN, {"SLURM_JOB_ID": "7"}, python="py")[0] == "py"
 
@@ -18,7 +24,7 @@ def test_one_process_runs_train_directly():
 def test_one_node_outside_slurm_is_standalone_torchrun():
     cmd = command(4, 1, 8, TRAIN, {}, python="py")
     assert cmd[:5] == ["py", "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4"]
-    assert cmd[5:] == ["-m", "draftsmith.train", *TRAIN]
+    assert cmd[5:] == ["-m", "draftsmith", "train-rank", *TRAIN]
 
 
 def test_several_nodes_need_a_slurm_job():
@@ -36,7 +42,7 @@ def test_slurm_job_one_srun_task_per_node_and_a_rendezvous_on_the_first():
     assert "--nnodes=2" in torchrun and "--nproc-per-node=8" in torchrun
     assert "--rdzv-backend=c10d" in torchrun and "--rdzv-id=12345" in torchrun
     assert "--rdzv-endpoint=gpu-a7:31845" in torchrun  # 29500 + job id % 10000
-    assert torchrun[-len(TRAIN) - 2 :] == ["-m", "draftsmith.train", *TRAIN]
+    assert torchrun[-len(TRAIN) - 3 :] == ["-m", "draftsmith", "train-rank", *TRAIN]
 
 
 def test_node_count_must_match_the_allocation():

@@ -1,6 +1,6 @@
 """The export resolves the aux layer ids the way each pinned engine reads them for the target's
 model class, and refuses ids that would feed an engine other layers than training saw
-(draftsmith.layerids). Configs only: no engine runs here; the tables are reread from the
+(draftsmith.targets.layerids). Configs only: no engine runs here; the tables are reread from the
 pinned wheels' source in the engine roles' venvs (marked sglang / vllm: .ci/run's engine steps)."""
 
 from __future__ import annotations
@@ -15,16 +15,16 @@ import pytest
 import torch
 from roles import role_python
 
-from draftsmith import layerids
-from draftsmith.draft_contract import sglang_config
-from draftsmith.export import (
+from draftsmith.algorithms.eagle3.contract import sglang_config
+from draftsmith.algorithms.eagle3.model import DraftConfig, Eagle3Draft
+from draftsmith.algorithms.export import (
     ExportError,
     check_export,
     export_draft,
     serve_gate,
     target_family,
 )
-from draftsmith.model import DraftConfig, Eagle3Draft
+from draftsmith.targets import layerids
 
 LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "num_hidden_layers": 6}
 QWEN3 = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "num_hidden_layers": 6}

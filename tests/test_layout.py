@@ -1,6 +1,6 @@
 """Wrapped targets (issue 26): the text model under `language_model.` / `text_config`, as
 Kimi-K2.5 (`KimiK25ForConditionalGeneration`) and multimodal Gemma-3 ship, is found by
-draftsmith.layout and gives the same frozen pieces, captured states, training run and export as
+draftsmith.targets.layout and gives the same frozen pieces, captured states, training run and export as
 the same model unwrapped."""
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from draftsmith.layout import LayoutError, find_layout, read_pieces
-from draftsmith.tinymodel import wrap_target
+from draftsmith.targets.layout import LayoutError, find_layout, read_pieces
+from draftsmith.targets.tinymodel import wrap_target
 
-# SGLang's DeepSeek model file reads ids as trained only when the first is 1 (draftsmith.layerids),
+# SGLang's DeepSeek model file reads ids as trained only when the first is 1 (draftsmith.targets.layerids),
 # so the export refuses [0, 1, 2]: the tiny DeepSeek-V3 here has 5 layers, ids [1, 2, 3]
 IDS = [1, 2, 3]
 
@@ -26,8 +26,8 @@ IDS = [1, 2, 3]
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory) -> dict[str, Path]:
     """A tiny 5-layer DeepSeek-V3 as it is ("plain") and wrapped as Kimi-K2.5 ships ("kimi")."""
-    from draftsmith.target import write_meta
-    from draftsmith.tinymodel import make_tiny_target
+    from draftsmith.targets.model import write_meta
+    from draftsmith.targets.tinymodel import make_tiny_target
 
     root = tmp_path_factory.mktemp("layout_pair")
     tiny_deepseek_target = make_tiny_target(root / "src" / "model", "deepseek_v3", num_layers=5)
@@ -42,7 +42,7 @@ def pair(tmp_path_factory) -> dict[str, Path]:
 
 
 def test_layout_of_plain_and_kimi_wrapped(pair):
-    from draftsmith.target import read_meta, target_config
+    from draftsmith.targets.model import read_meta, target_config
 
     plain, kimi = find_layout(pair["plain"]), find_layout(pair["kimi"])
     assert (plain.base, plain.lm_head, plain.wrapped) == ("model.", "lm_head.weight", False)
@@ -64,8 +64,8 @@ def test_layout_of_plain_and_kimi_wrapped(pair):
 
 def test_target_tensors_of_a_wrapped_checkpoint(pair):
     """The reproduction of issue 26: training's frozen pieces of the wrapped model."""
-    from draftsmith.export import target_embedding
-    from draftsmith.traindata import target_tensors
+    from draftsmith.algorithms.export import target_embedding
+    from draftsmith.train.data import target_tensors
 
     plain, kimi = target_tensors(pair["plain"]), target_tensors(pair["kimi"])
     assert set(kimi) == {"embed", "lm_head", "norm"}
@@ -127,9 +127,9 @@ def test_other_layouts_and_refusals(tmp_path):
 def test_hf_capture_of_a_wrapped_target_equals_the_plain_one(pair, tmp_path):
     """The capture CLI (engine hf) on the wrapped model: shards with the same states bit for
     bit, while the wrapper's vision tensors are never read into the model."""
-    from draftsmith.capture import main
     from draftsmith.engines.hf import decoder_parts
-    from draftsmith.target import load_target
+    from draftsmith.stages.capture import main
+    from draftsmith.targets.model import load_target
 
     model, _ = load_target(pair["kimi"])
     base, layers = decoder_parts(model)
@@ -185,8 +185,8 @@ def test_train_and_export_on_a_wrapped_target(pair, tmp_path):
     """A few training steps and the export on the wrapped model's shards: the same losses and
     draft as on the plain model, a checked export whose verifier is the wrapper, the speculators
     copy carrying the text model's embedding."""
-    from draftsmith.export import check_export
-    from draftsmith.train import main as train_main
+    from draftsmith.algorithms.export import check_export
+    from draftsmith.train.loop import main as train_main
 
     hidden = pair["plain"].parent / "hidden" / "rows_000000-000004.safetensors"
     if not hidden.exists():
@@ -234,7 +234,7 @@ def test_tiny_deepseek_v3_with_engine_shapes(tmp_path):
     YaRN, and (always) the MoE routing keys; transformers loads and runs it."""
     from transformers import AutoModelForCausalLM
 
-    from draftsmith.tinymodel import DEEPSEEK_YARN, make_tiny_target
+    from draftsmith.targets.tinymodel import DEEPSEEK_YARN, make_tiny_target
 
     path = make_tiny_target(tmp_path / "m", "deepseek_v3", num_layers=2, engine_shapes=True)
     c = json.loads((path / "config.json").read_text())

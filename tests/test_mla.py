@@ -1,5 +1,5 @@
-"""draft.attention mla: the MLA draft layer (draftsmith.mla), trained under TTT as it is decoded,
-exported in `Eagle3DeepseekV2ForCausalLM`'s contract (draftsmith.draft_contract_mla) and read
+"""draft.attention mla: the MLA draft layer (draftsmith.algorithms.eagle3.mla), trained under TTT as it is decoded,
+exported in `Eagle3DeepseekV2ForCausalLM`'s contract (draftsmith.algorithms.eagle3.contract_mla) and read
 back. Equality with the engines' own classes: tests/test_mla_engines.py."""
 
 from __future__ import annotations
@@ -13,9 +13,15 @@ import torch
 import yaml
 from safetensors.torch import load_file, save_file
 
-from draftsmith import mla
-from draftsmith.export import ExportError, check_export, export_draft, load_export
-from draftsmith.model import DraftConfig, Eagle3Draft, KVCache, TTTCache, block_causal_mask
+from draftsmith.algorithms.eagle3 import mla
+from draftsmith.algorithms.eagle3.model import (
+    DraftConfig,
+    Eagle3Draft,
+    KVCache,
+    TTTCache,
+    block_causal_mask,
+)
+from draftsmith.algorithms.export import ExportError, check_export, export_draft, load_export
 
 ROOT = Path(__file__).resolve().parents[1]
 YARN = {
@@ -81,9 +87,9 @@ def export(draft, out: Path) -> Path:
 
 
 def test_schema_switch_defaults_to_llama_and_stales_nothing():
-    from draftsmith.config import neutral_defaults, sections_json
+    from draftsmith.config.checks import neutral_defaults, sections_json
 
-    schema = yaml.safe_load((ROOT / "schemas" / "config.schema.yaml").read_text())
+    schema = yaml.safe_load((ROOT / "draftsmith" / "config" / "config.schema.yaml").read_text())
     prop = schema["properties"]["draft"]["properties"]["attention"]
     assert prop["enum"] == ["llama", "mla"] and prop["default"] == "llama"
     neutral = neutral_defaults(schema)
@@ -190,7 +196,7 @@ def absorbed_attention(att, x, pos):
 
 @torch.no_grad()
 def test_decompressed_attention_equals_the_absorbed_form():
-    from draftsmith.model import CausalAttention
+    from draftsmith.algorithms.eagle3.model import CausalAttention
 
     att = tiny_mla(seed=1).midlayer.self_attn
     x = torch.randn(2, 9, 128, generator=torch.Generator().manual_seed(2))
@@ -231,9 +237,9 @@ def test_ttt_steps_equal_the_decoders_chain(algorithm):
 
 @torch.no_grad()
 def test_the_decoder_runs_an_mla_draft():
-    """draftsmith.specdec.DraftRunner proposes with an MLA draft exactly the argmax chain
+    """draftsmith.bench.specdec.DraftRunner proposes with an MLA draft exactly the argmax chain
     recomputed without a cache."""
-    from draftsmith.specdec import DraftRunner
+    from draftsmith.bench.specdec import DraftRunner
 
     draft = tiny_mla(seed=8, algorithm="eagle3.1")
     c = draft.config
@@ -289,7 +295,7 @@ def test_export_round_trip(algorithm, tmp_path):
 
 
 def test_contract_refusals(tmp_path):
-    from draftsmith.export import main
+    from draftsmith.algorithms.export import main
 
     good = export(tiny_mla(seed=5, algorithm="eagle3.1"), tmp_path / "good")
     main(["check", str(good)])
@@ -334,12 +340,12 @@ def test_contract_refusals(tmp_path):
 
 def test_training_an_mla_draft_on_a_deepseek_v3_target(tmp_path):
     """The train CLI with draft.attention mla, on a target whose config.json is the tiny
-    DeepSeek-V3 of `draftsmith.tinymodel --arch deepseek_v3` (with YaRN) at the synthetic
+    DeepSeek-V3 of `draftsmith.targets.tinymodel --arch deepseek_v3` (with YaRN) at the synthetic
     shards' widths: the loss drops, the export passes the MLA contract and reads back."""
     from test_train import TRAIN, make_inputs, read_metrics, train_args
 
-    from draftsmith.tinymodel import make_tiny_target
-    from draftsmith.train import main
+    from draftsmith.targets.tinymodel import make_tiny_target
+    from draftsmith.train.loop import main
 
     inputs = make_inputs(tmp_path / "in", n_shards=1, rows=12, aux_ids=[1, 2, 4])
     ours = json.loads((inputs["target"] / "config.json").read_text())
@@ -356,7 +362,7 @@ def test_training_an_mla_draft_on_a_deepseek_v3_target(tmp_path):
     cfg = {
         "train": {**TRAIN, "epochs": 4, "checkpoint_every": 0},
         "draft": {"vocab_size": 48, "init_from_target": True, "attention": "mla"},
-        # SGLang's deepseek_v2.py adds 1 only when the first id is 1 (draftsmith.layerids)
+        # SGLang's deepseek_v2.py adds 1 only when the first id is 1 (draftsmith.targets.layerids)
         "capture": {"aux_layer_ids": [1, 2, 4]},
     }
     torch.set_num_threads(1)
@@ -380,7 +386,7 @@ def test_training_an_mla_draft_on_a_deepseek_v3_target(tmp_path):
 def test_training_refuses_mla_for_a_target_without_mla_fields(tmp_path):
     from test_train import TRAIN, make_inputs, train_args
 
-    from draftsmith.train import main
+    from draftsmith.train.loop import main
 
     inputs = make_inputs(tmp_path / "in", n_shards=1, rows=4)  # a Llama target
     cfg = {

@@ -11,9 +11,9 @@ workers do with topk 1. Only the innermost attention kernel is a plain stand-in 
 over a latent list, with the engine's own kv_b_proj and softmax scale); the projections, norms,
 the fused q/kv down-projection, RoPE (interleaved, DeepSeek YaRN with mscale), fc / fc_norm and
 the state fed back are the engines' code. Their logits, final-norm states and fed-back states
-equal ours from the in-process decoder's chain (KVCache, `draftsmith.specdec.DraftRunner`'s
+equal ours from the in-process decoder's chain (KVCache, `draftsmith.bench.specdec.DraftRunner`'s
 path; tests/test_mla.py proves TTT equals that chain), step by step, and their parameter names
-and shapes are the ones draftsmith.draft_contract_mla checks the export against (SGLang).
+and shapes are the ones draftsmith.algorithms.eagle3.contract_mla checks the export against (SGLang).
 
 Not covered here: the real servers' MLA attention backends and KV pools, GPUs.
 """
@@ -32,9 +32,9 @@ from safetensors.torch import load_file, save_file
 from test_algorithms_engines import free_port, our_chain
 from test_mla import YARN, tiny_mla
 
-from draftsmith import draft_contract_mla
-from draftsmith.export import export_draft, load_export
-from draftsmith.sglang_cpu import server_env
+from draftsmith.algorithms.eagle3 import contract_mla as draft_contract_mla
+from draftsmith.algorithms.export import export_draft, load_export
+from draftsmith.engines.sglang_cpu import server_env
 
 pytestmark = pytest.mark.slow
 
@@ -133,7 +133,7 @@ def engine_chain(engine: str, algorithm: str, tmp_path: Path):
 )
 @pytest.mark.parametrize("algorithm", ["eagle3", "eagle3.1"])
 def test_engine_mla_draft_class_equals_ours(engine, algorithm, tmp_path):
-    from draftsmith import mla
+    from draftsmith.algorithms.eagle3 import mla
 
     ours, aux, embeds, theirs, config = engine_chain(engine, algorithm, tmp_path)
     assert bool(theirs["fc_norm"]) == bool(theirs["norm_output"]) == (algorithm == "eagle3.1")

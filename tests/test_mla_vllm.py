@@ -40,7 +40,7 @@ def deepseek_target(path: Path) -> Path:
     """A random 5-layer DeepSeek-V3 (1 dense + 4 MoE layers) that vLLM's CPU build serves."""
     from transformers import AutoModelForCausalLM, DeepseekV3Config
 
-    from draftsmith.tinymodel import make_tokenizer
+    from draftsmith.targets.tinymodel import make_tokenizer
 
     tok = make_tokenizer()
     config = DeepseekV3Config(
@@ -96,12 +96,12 @@ def train_mla_project(root: Path) -> Path:
     """results/target and results/draft (MLA, trained on the target's greedy outputs)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from draftsmith.bench.specdec import greedy_generate, prompt_ids, stop_ids
+    from draftsmith.data.prompts import prompt_turns
     from draftsmith.engines.hf import capture_shard
-    from draftsmith.prompts import prompt_turns
-    from draftsmith.specdec import greedy_generate, prompt_ids, stop_ids
-    from draftsmith.target import fingerprint, write_meta
-    from draftsmith.tinymodel import CORPUS
-    from draftsmith.train import main as train_main
+    from draftsmith.targets.model import fingerprint, write_meta
+    from draftsmith.targets.tinymodel import CORPUS
+    from draftsmith.train.loop import main as train_main
 
     torch.set_num_threads(1)
     src = deepseek_target(root / "src")
@@ -218,7 +218,7 @@ def test_vllm_serves_our_mla_draft_on_the_kimi_wrapped_target(project, tmp_path)
 
 @pytest.mark.sglang
 def test_sglang_serves_our_mla_draft_with_our_tau(project):
-    """SGLang's real server (role sglang-cpu, torch_native with draftsmith.sglang_cpu's MLA
+    """SGLang's real server (role sglang-cpu, torch_native with draftsmith.engines.sglang_cpu's MLA
     registration, which the draft's own latent attention takes too) runs the trained MLA draft
     as `Eagle3DeepseekV2ForCausalLM` on the MLA target, through the bench stage's code."""
     from test_engines_mla import SGLANG, SGLANG_BENCH

@@ -9,8 +9,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from draftsmith.export import ExportError, check_export, export_draft, load_export
-from draftsmith.model import (
+from draftsmith.algorithms.eagle3.model import (
     DraftConfig,
     Eagle3Draft,
     KVCache,
@@ -19,6 +18,7 @@ from draftsmith.model import (
     masked_attention,
     ttt_visibility,
 )
+from draftsmith.algorithms.export import ExportError, check_export, export_draft, load_export
 
 SMOLLM2 = {  # results/target/config.json of the embedded default (transformers 5 layout)
     "architectures": ["LlamaForCausalLM"],

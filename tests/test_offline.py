@@ -1,4 +1,4 @@
-"""The offline acceptance estimate (draftsmith.offline): the chains are the engine's, the counts
+"""The offline acceptance estimate (draftsmith.algorithms.eagle3.offline): the chains are the engine's, the counts
 are conditional and censored as documented, tau_est is exact on constructed cases, and the
 trainer writes it from rows it did not train on."""
 
@@ -12,7 +12,7 @@ import torch
 from test_model import tiny_draft
 from test_train import cfg_json, make_inputs, read_metrics, run_train, train_args
 
-from draftsmith.offline import (
+from draftsmith.algorithms.eagle3.offline import (
     chain_counts,
     chain_proposals,
     compare,
@@ -23,8 +23,8 @@ from draftsmith.offline import (
     tau_estimate,
     text,
 )
-from draftsmith.specdec import DraftRunner
-from draftsmith.storage import Storage
+from draftsmith.bench.specdec import DraftRunner
+from draftsmith.hidden.storage import Storage
 
 
 def test_tau_estimate_is_one_plus_the_sum_of_reach_products():
@@ -201,7 +201,7 @@ def test_compare_and_text_put_the_gap_next_to_the_measured_tau():
 def test_training_writes_the_estimate_from_rows_it_did_not_train_on(tmp_path):
     inputs = make_inputs(tmp_path / "in")
     out = tmp_path / "run"
-    from draftsmith.train import main
+    from draftsmith.train.loop import main
 
     torch.set_num_threads(1)
     offline = ["--offline", str(out / "offline.json")]
@@ -224,10 +224,10 @@ def test_training_writes_the_estimate_from_rows_it_did_not_train_on(tmp_path):
 def test_the_targets_argmax_reads_the_same_from_every_storage_mode(tmp_path):
     """states, trained, top-k over the target and over the draft vocabulary: the same argmax
     ids (or -1 outside the draft vocabulary) and the same known positions, row by row."""
-    from draftsmith.convert import recode
-    from draftsmith.shards import open_shard
-    from draftsmith.traindata import target_tensors
-    from draftsmith.vocab import load_vocab
+    from draftsmith.data.vocab import load_vocab
+    from draftsmith.hidden.shards import open_shard
+    from draftsmith.interop.convert import recode
+    from draftsmith.train.data import target_tensors
 
     inputs = make_inputs(tmp_path / "in", n_shards=1)
     lm_head = target_tensors(inputs["target"])["lm_head"]

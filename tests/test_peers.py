@@ -20,9 +20,9 @@ import torch
 from roles import role_python
 from safetensors.torch import load_file, save_file
 
-from draftsmith.convert import main
-from draftsmith.convert_common import apply_norm, final_norm
-from draftsmith.shards import manifest_path, open_shard
+from draftsmith.hidden.shards import manifest_path, open_shard
+from draftsmith.interop.common import apply_norm, final_norm
+from draftsmith.interop.convert import main
 
 pytestmark = [pytest.mark.slow, pytest.mark.peers]
 
@@ -46,8 +46,8 @@ def project(tiny_target, tmp_path_factory):
     from test_specdec import random_draft
     from transformers import AutoModelForCausalLM
 
-    from draftsmith.export import export_draft, target_embedding, verifier_ref
-    from draftsmith.target import write_meta
+    from draftsmith.algorithms.export import export_draft, target_embedding, verifier_ref
+    from draftsmith.targets.model import write_meta
 
     root = tmp_path_factory.mktemp("proj")
     target = shutil.copytree(tiny_target, root / "results" / "target")
@@ -73,8 +73,8 @@ def project(tiny_target, tmp_path_factory):
 
 @torch.no_grad()
 def test_export_gives_our_logits_through_peer_loaders(project, tmp_path):
-    from draftsmith.export import load_export, target_embedding
-    from draftsmith.model import TTTCache, block_causal_mask
+    from draftsmith.algorithms.eagle3.model import TTTCache, block_causal_mask
+    from draftsmith.algorithms.export import load_export, target_embedding
 
     root, target, model = project
     draft = load_export(root / "results" / "draft")
@@ -119,7 +119,7 @@ def test_export_gives_our_logits_through_peer_loaders(project, tmp_path):
 def shard(project, tmp_path_factory):
     """A captured bf16 shard of 3 rows (global rows 0..2) from the tiny target."""
     from draftsmith.engines.hf import capture_shard
-    from draftsmith.target import fingerprint
+    from draftsmith.targets.model import fingerprint
 
     root, target, model = project
     g = torch.Generator().manual_seed(5)
@@ -190,7 +190,7 @@ def test_specforge_writer_output_converts_bit_exact(project, tmp_path):
 def test_speculators_reader_accepts_to_speculators(project, shard, tmp_path):
     root, target, _ = project
     sp = tmp_path / "sp"
-    peers("draftsmith.convert", "to-speculators", "--shard", shard, "--target", target,
+    peers("draftsmith.interop.convert", "to-speculators", "--shard", shard, "--target", target,
           "--out", sp, module=True)  # fmt: skip
     peers("read-speculators", "--src", sp, "--out", tmp_path / "read.safetensors")
     got = load_file(str(tmp_path / "read.safetensors"))
@@ -227,7 +227,7 @@ def test_speculators_writer_output_converts(project, tmp_path):
     src = tmp_path / "sp"
     peers("write-speculators", "--samples", tmp_path / "samples.safetensors", "--out", src)
     out = tmp_path / "rows_000000-000003.safetensors"
-    peers("draftsmith.convert", "from-speculators", "--src", src, "--target", target,
+    peers("draftsmith.interop.convert", "from-speculators", "--src", src, "--target", target,
           "--out", out, "--aux-layer-ids", "1,2,4", module=True)  # fmt: skip
     s = open_shard(out, verify_sha=True)
     w, eps = final_norm(target)
@@ -241,5 +241,5 @@ def test_speculators_writer_output_converts(project, tmp_path):
     conv = json.loads(manifest_path(out).read_text())["converted_from"]
     assert conv["format"] == "speculators-arrow" and "input-of-layer" in conv["layer_numbering"]
     with pytest.raises(AssertionError, match="speculators' default capture is vLLM ids"):
-        peers("draftsmith.convert", "from-speculators", "--src", src, "--target", target,
+        peers("draftsmith.interop.convert", "from-speculators", "--src", src, "--target", target,
               "--out", tmp_path / "x" / out.name, module=True)  # fmt: skip

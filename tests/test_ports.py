@@ -14,8 +14,8 @@ import urllib.request
 import pytest
 from test_server import Log, spec
 
-from draftsmith.ports import PortTaken, check_free, listeners
-from draftsmith.server import ServerError, ServerSpec, Supervisor, free_port
+from draftsmith.engines.server import ServerError, ServerSpec, Supervisor, free_port
+from draftsmith.runtime.ports import PortTaken, check_free, listeners
 
 FOREIGN = textwrap.dedent(
     """

@@ -60,7 +60,7 @@ LLAMA_CONFIG = {
 def kimi_dir(path: Path) -> Path:
     """Kimi-K2.5's config.json layout with its published values, and a tiny tokenizer laid out
     as Kimi's (tiktoken rank file, remote-code class, reserved specials; no tokenizer.json)."""
-    from draftsmith.tinymodel import write_tiktoken_tokenizer
+    from draftsmith.targets.tinymodel import write_tiktoken_tokenizer
 
     path.mkdir()
     (path / "config.json").write_text(json.dumps(KIMI_CONFIG))
@@ -70,7 +70,7 @@ def kimi_dir(path: Path) -> Path:
 
 
 def llama_dir(path: Path) -> Path:
-    from draftsmith.tinymodel import make_tokenizer
+    from draftsmith.targets.tinymodel import make_tokenizer
 
     path.mkdir()
     (path / "config.json").write_text(json.dumps(LLAMA_CONFIG))

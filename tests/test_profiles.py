@@ -123,7 +123,9 @@ def test_multi_node_training_comes_from_the_site_profile(tmp_path: Path, tiny_ta
 
 def sglang_stages() -> list[str]:
     """The stages whose backend may be sglang in the config schema."""
-    props = yaml.safe_load((ROOT / "schemas/config.schema.yaml").read_text())["properties"]
+    props = yaml.safe_load((ROOT / "draftsmith/config/config.schema.yaml").read_text())[
+        "properties"
+    ]
     return [
         s
         for s in ("regenerate", "capture", "bench")

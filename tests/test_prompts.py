@@ -8,7 +8,7 @@ from collections import Counter
 
 import pytest
 
-from draftsmith.prompts import (
+from draftsmith.data.prompts import (
     BUNDLED_PATH,
     SourceError,
     heldout_indices,

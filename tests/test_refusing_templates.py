@@ -8,9 +8,9 @@ import shutil
 import pytest
 from wf import with_defaults
 
-from draftsmith.prompts import SourceError, load_sources, system_turn
-from draftsmith.tinymodel import CHATML_TEMPLATE, make_tokenizer
-from draftsmith.tokens import tokenize_rows
+from draftsmith.data.prompts import SourceError, load_sources, system_turn
+from draftsmith.data.tokens import tokenize_rows
+from draftsmith.targets.tinymodel import CHATML_TEMPLATE, make_tokenizer
 
 # Gemma-2's refusal of a system turn, in front of the tiny tokenizer's ChatML template
 NO_SYSTEM = (
@@ -82,7 +82,7 @@ def test_tokenize_skips_and_names_rows_the_template_refuses():
 
 
 def _run_regenerate(cfg, target, tmp_path):
-    from draftsmith.regenerate import main
+    from draftsmith.stages.regenerate import main
 
     out, rep = tmp_path / "rows.jsonl", tmp_path / "rows.report.json"
     args = ["--cfg", json.dumps(cfg), "--range", "rows_000000-000004", "--target", str(target)]
@@ -93,7 +93,7 @@ def _run_regenerate(cfg, target, tmp_path):
 def test_regenerate_skips_counts_and_names_refused_rows(tiny_target, tmp_path, caplog):
     from transformers import AutoTokenizer
 
-    from draftsmith.target import write_meta
+    from draftsmith.targets.model import write_meta
 
     target = tmp_path / "target"
     shutil.copytree(tiny_target, target)

@@ -8,8 +8,8 @@ import shutil
 import pytest
 from wf import with_defaults
 
+from draftsmith.data.regenerate import MissingAnswerError, copy_answers, dropped_ids, regenerate
 from draftsmith.engines.hf import HFGenerator
-from draftsmith.regenerate_base import MissingAnswerError, copy_answers, dropped_ids, regenerate
 
 
 def _conv(cid, *turns):
@@ -135,8 +135,8 @@ def test_sampling_is_seeded(tiny_model):
 
 
 def test_cli_regenerates_one_range(tiny_target, tmp_path):
-    from draftsmith.regenerate import main
-    from draftsmith.target import write_meta
+    from draftsmith.stages.regenerate import main
+    from draftsmith.targets.model import write_meta
 
     target = tmp_path / "target"
     shutil.copytree(tiny_target, target)
@@ -226,8 +226,8 @@ def test_regenerate_ends_a_conversation_at_a_turn_too_long():
 
 
 def test_cli_skips_a_100k_character_prompt_and_counts_it(tiny_target, tmp_path):
-    from draftsmith.regenerate import main
-    from draftsmith.target import write_meta
+    from draftsmith.stages.regenerate import main
+    from draftsmith.targets.model import write_meta
 
     target = tmp_path / "target"
     shutil.copytree(tiny_target, target)

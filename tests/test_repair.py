@@ -12,7 +12,7 @@ import pytest
 from test_train import cfg_json, make_inputs, run_train
 from wf import flip_byte
 
-from draftsmith.repair import keep_last_good
+from draftsmith.runtime.repair import keep_last_good
 
 
 def tree(d: Path) -> dict[str, bytes]:

@@ -1,4 +1,4 @@
-"""Speculative sampling (bench.temperature > 0, draftsmith.sampling): the emitted tokens are
+"""Speculative sampling (bench.temperature > 0, draftsmith.algorithms.sampling): the emitted tokens are
 distributed as the target's own sampling, checked with chi-square tests.
 
 Significance: every goodness-of-fit test passes when its p-value is above ALPHA = 1e-3 (a correct
@@ -13,9 +13,9 @@ import pytest
 import torch
 from test_specdec import AUX_IDS, PROMPTS, _ids, random_draft
 
-from draftsmith import sampling
-from draftsmith.sampling import Sampler, residual, verify, warp
-from draftsmith.specdec import greedy_generate, prompt_ids, speculative_generate, stop_ids
+from draftsmith.algorithms import sampling
+from draftsmith.algorithms.sampling import Sampler, residual, verify, warp
+from draftsmith.bench.specdec import greedy_generate, prompt_ids, speculative_generate, stop_ids
 
 ALPHA = 1e-3
 N = 200_000
@@ -227,8 +227,8 @@ def test_bench_cli_samples(target, tiny_target, tmp_path):
 
     from test_specdec import _bench_inputs
 
-    from draftsmith import bench
-    from draftsmith.prompts import prompt_turns
+    from draftsmith.data.prompts import prompt_turns
+    from draftsmith.stages import bench as bench
 
     model, tokenizer = target
     argv, out = _bench_inputs(tmp_path, tiny_target, model, num_heldout=2)
@@ -251,7 +251,7 @@ def test_bench_cli_samples(target, tiny_target, tmp_path):
     caption = (out / "captions" / "acceptance.rst").read_text()
     assert "speculative sampling at temperature 0.8, top-p 0.9" in caption
     # reproducible: the first prompt again, in this process, with the seed the CLI gave it
-    from draftsmith.export import load_export
+    from draftsmith.algorithms.export import load_export
 
     first = int(report["set_ids"]["heldout"][0].removeprefix("r"))  # row r<i> asks PROMPTS[i % 4]
     row = {"conversations": [{"role": "user", "content": PROMPTS[first % len(PROMPTS)]}]}

@@ -8,7 +8,7 @@ import pytest
 import yaml
 from wf import ROOT, snakemake, tiny_config, write_config
 
-SCHEMA = yaml.safe_load((ROOT / "schemas" / "config.schema.yaml").read_text())
+SCHEMA = yaml.safe_load((ROOT / "draftsmith" / "config" / "config.schema.yaml").read_text())
 RESOURCE_WORDS = ("threads", "mem", "gpus_per", "partition", "outdir", "cores")
 
 
@@ -74,8 +74,8 @@ def test_bad_config_fails_at_parse_time_naming_the_key(tmp_path: Path, section, 
 
 
 def test_config_doc_is_generated_from_the_schema():
-    from draftsmith.configdoc import render
+    from draftsmith.config.doc import render
 
     assert (ROOT / "docs" / "config.md").read_text() == render(SCHEMA), (
-        "docs/config.md is stale: run `python -m draftsmith.configdoc > docs/config.md`"
+        "docs/config.md is stale: run `python -m draftsmith config-doc > docs/config.md`"
     )

@@ -1,4 +1,4 @@
-"""Segments (draftsmith.segments, segcapture): the order by segment, the steps of each segment,
+"""Segments (draftsmith.hidden.segments, segcapture): the order by segment, the steps of each segment,
 the disk bound, the config checks and the per-tensor record of a capture. Fast: no workflow."""
 
 from __future__ import annotations
@@ -9,17 +9,17 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from draftsmith.config import ConfigError, check_segments, range_name
-from draftsmith.segcapture import compare, tensor_digests
-from draftsmith.segments import (
+from draftsmith.config.checks import ConfigError, check_segments, range_name
+from draftsmith.config.settings import section
+from draftsmith.hidden.segments import (
     global_order,
     peak_bytes,
     plan_segmented,
     segment_ranges,
     step_span,
 )
-from draftsmith.settings import section
-from draftsmith.traindata import plan_epochs, plan_rows
+from draftsmith.stages.segcapture import compare, tensor_digests
+from draftsmith.train.data import plan_epochs, plan_rows
 
 TRAIN = {"epochs": 3, "seed": 5, "batch_tokens": 64, "max_steps": 0}
 TCFG = section("train", TRAIN)

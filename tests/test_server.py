@@ -1,4 +1,4 @@
-"""Server lifecycle (draftsmith.server): health, fail-fast start-up, log tail, restarts that resume,
+"""Server lifecycle (draftsmith.engines.server): health, fail-fast start-up, log tail, restarts that resume,
 shutdown by process group, and no process left after the job is killed.
 
 The managed process here is a small standard-library HTTP program (it has a worker child, as
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from draftsmith.server import (
+from draftsmith.engines.server import (
     ServerError,
     ServerSpec,
     Supervisor,
@@ -186,7 +186,7 @@ def test_a_rejected_request_is_not_retried(tmp_path):
 JOB = """
 import sys, time
 sys.path.insert(0, {root!r})
-from draftsmith.server import ServerSpec, Supervisor
+from draftsmith.engines.server import ServerSpec, Supervisor
 spec = ServerSpec(name="prog", grace=3, command=lambda port: [sys.executable, {prog!r}, str(port), "0", "x"])
 with Supervisor(spec, tag={tag!r}):
     print("READY", flush=True)

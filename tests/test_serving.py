@@ -1,5 +1,5 @@
 """Which pinned engine serves an EAGLE-3 draft for which target class, with the residual stream
-the draft is trained on (draftsmith.serving); the export warns, --strict and
+the draft is trained on (draftsmith.targets.serving); the export warns, --strict and
 draft.serve_check: strict refuse. The table is reread from the engine roles' wheels (marked
 sglang / vllm, like tests/test_layerids.py's rereads)."""
 
@@ -11,7 +11,7 @@ import pytest
 import torch
 from test_layerids import classify, find_class, site_packages
 
-from draftsmith import serving
+from draftsmith.targets import serving
 
 GEMMA2 = {"architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2"}
 GEMMA3 = {
@@ -77,7 +77,9 @@ def test_moe_classes_vllm_cannot_serve(klass):
 def test_classes_not_in_the_table_are_reported_unchecked():
     found = serving.findings({"architectures": ["FalconForCausalLM"]})
     assert [f["verdict"] for f in found] == ["unchecked", "unchecked"]
-    assert all("FalconForCausalLM is not in draftsmith.serving" in f["reason"] for f in found)
+    assert all(
+        "FalconForCausalLM is not in draftsmith.targets.serving" in f["reason"] for f in found
+    )
     assert serving.problems(found) == [] and len(serving.warnings(found)) == 2
     assert [f["verdict"] for f in serving.findings({})] == ["unchecked", "unchecked"]
     # an older export's provenance: only bad entries, without a verdict
@@ -86,7 +88,7 @@ def test_classes_not_in_the_table_are_reported_unchecked():
 
 
 def test_serve_gate_refuses_under_strict_only(tmp_path):
-    from draftsmith.export import ExportError, serve_gate
+    from draftsmith.algorithms.export import ExportError, serve_gate
 
     (tmp_path / "config.json").write_text(json.dumps(GEMMA2))
     serve_gate(tmp_path, "warn")
@@ -99,8 +101,8 @@ def test_serve_gate_refuses_under_strict_only(tmp_path):
 
 
 def export_for(tmp_path, target: dict):
-    from draftsmith.export import export_draft, target_family
-    from draftsmith.model import DraftConfig, Eagle3Draft
+    from draftsmith.algorithms.eagle3.model import DraftConfig, Eagle3Draft
+    from draftsmith.algorithms.export import export_draft, target_family
 
     (tmp_path / "target").mkdir()
     (tmp_path / "target" / "config.json").write_text(json.dumps(target))
@@ -116,7 +118,7 @@ def export_for(tmp_path, target: dict):
 def test_export_check_warns_and_refuses_under_strict(tmp_path, capsys):
     """The export records the findings (draftsmith_draft.json target_family.serving); `export
     check` prints the bad ones on stderr; --strict refuses."""
-    from draftsmith.export import main
+    from draftsmith.algorithms.export import main
 
     out = export_for(tmp_path, GEMMA2)
     prov = json.loads((out / "draftsmith_draft.json").read_text())["target_family"]
@@ -130,7 +132,7 @@ def test_export_check_warns_and_refuses_under_strict(tmp_path, capsys):
 
 
 def test_export_check_of_a_served_target_passes_strict(tmp_path, capsys):
-    from draftsmith.export import main
+    from draftsmith.algorithms.export import main
 
     out = export_for(tmp_path, {**SERVED["llama"], "model_type": "llama"})
     main(["check", str(out), "--strict"])
@@ -197,7 +199,7 @@ def test_vllm_table_matches_the_pinned_wheel():
 def test_bench_report_carries_the_family_warnings(tmp_path):
     """The bench report (report.md, summary.html) lists the export's family warnings right
     under its title (and the gate line), where the user reads the result."""
-    from draftsmith.bench import family_warnings, render_html, render_md
+    from draftsmith.stages.bench import family_warnings, render_html, render_md
 
     out = export_for(tmp_path, GEMMA2)
     warnings = family_warnings(out)

@@ -1,4 +1,4 @@
-"""Typed settings (draftsmith.settings): the dataclasses match the schema key for key and type
+"""Typed settings (draftsmith.config.settings): the dataclasses match the schema key for key and type
 for type, carry no defaults of their own, and fill a job's sections so that they equal the
 validated config the Snakefile built. Fast: no workflow."""
 
@@ -14,19 +14,19 @@ from pathlib import Path
 import pytest
 import yaml
 
-from draftsmith import settings
-from draftsmith.common import merge_run
-from draftsmith.config import (
+from draftsmith.config import settings
+from draftsmith.config.checks import (
     ConfigError,
     execution_keys,
     neutral_defaults,
     sections_json,
 )
+from draftsmith.config.settings import plain
 from draftsmith.engines import ENGINES, own_settings
-from draftsmith.settings import plain
+from draftsmith.runtime.files import merge_run
 
 ROOT = Path(__file__).resolve().parents[1]
-SCHEMA = yaml.safe_load((ROOT / "schemas" / "config.schema.yaml").read_text())
+SCHEMA = yaml.safe_load((ROOT / "draftsmith" / "config" / "config.schema.yaml").read_text())
 SCALARS = {"integer": int, "number": float, "boolean": bool, "string": str}
 
 
@@ -125,7 +125,7 @@ def validated(cfg: dict) -> dict:
     from snakemake.utils import validate
 
     out = copy.deepcopy(cfg)
-    validate(out, str(ROOT / "schemas" / "config.schema.yaml"))
+    validate(out, str(ROOT / "draftsmith" / "config" / "config.schema.yaml"))
     return out
 
 

@@ -28,7 +28,7 @@ import pytest
 from roles import role_python
 from wf import ROOT, snakemake, write_config
 
-from draftsmith.server import server_processes
+from draftsmith.engines.server import server_processes
 
 pytestmark = [pytest.mark.slow, pytest.mark.sglang, pytest.mark.workflow, pytest.mark.extended]
 
@@ -102,7 +102,7 @@ def validated(cfg: dict) -> dict:
     from snakemake.utils import validate
 
     cfg = json.loads(json.dumps(cfg))
-    validate(cfg, str(ROOT / "schemas" / "config.schema.yaml"))
+    validate(cfg, str(ROOT / "draftsmith" / "config" / "config.schema.yaml"))
     return cfg
 
 
@@ -117,7 +117,7 @@ def agreement(a: list, b: list) -> float:
 
 
 def test_regeneration_agrees_with_hf(run, tmp_path):
-    from draftsmith.regenerate import main
+    from draftsmith.stages.regenerate import main
 
     work, cfg = run
     report = json.loads((work / f"results/data/{RANGE}.report.json").read_text())
@@ -138,7 +138,7 @@ def test_regeneration_agrees_with_hf(run, tmp_path):
 
 
 def test_benchmark_tau_agrees_with_hf(run, tmp_path):
-    from draftsmith import bench
+    from draftsmith.stages import bench as bench
 
     work, cfg = run
     sg = json.loads((work / "results/bench/report.json").read_text())
@@ -205,7 +205,7 @@ def start_job(cfg: dict, work: Path, out: Path, batch_size: int) -> tuple[subpro
     log = out.with_suffix(".log")
     job = subprocess.Popen(
         [
-            cfg["envs"]["sglang-cpu"]["python"], "-m", "draftsmith.regenerate",
+            cfg["envs"]["sglang-cpu"]["python"], "-m", "draftsmith", "regenerate",
             "--cfg", json.dumps(job_cfg), "--range", PART,
             "--target", str(work / "results/target"), "--out", str(out),
             "--report", str(out.with_suffix(".report.json")), "--threads", "1",

@@ -167,7 +167,7 @@ def capture_setup(tmp_path_factory, request):
 
 
 def prepare(tiny: Path, work: Path, python: str, aux_ids: list[int]) -> dict:
-    from draftsmith.target import link_path_target
+    from draftsmith.targets.model import link_path_target
 
     target = work / "target"
     link_path_target(tiny, target)
@@ -181,7 +181,7 @@ def prepare(tiny: Path, work: Path, python: str, aux_ids: list[int]) -> dict:
     )
     hf_out = work / "hf" / "rows_000010-000016.safetensors"
     run = subprocess.run(
-        [sys.executable, "-m", "draftsmith.capture", "--cfg", json.dumps(cfg), "--tokens",
+        [sys.executable, "-m", "draftsmith", "capture", "--cfg", json.dumps(cfg), "--tokens",
          str(tokens), "--target", str(target), "--out", str(hf_out), "--threads", "1"],
         cwd=ROOT, capture_output=True, text=True,
     )  # fmt: skip
@@ -202,7 +202,7 @@ def patched_overlay(work: Path, python: str) -> Path:
     patch_dir = ROOT / "patches" / "sglang-0.5.23"
     (work / "pins.txt").write_text("sglang==0.5.23\n")
     run = subprocess.run(
-        [python, "-m", "draftsmith.sglang_patch", "--pins", str(work / "pins.txt"), "--patches",
+        [python, "-m", "draftsmith", "sglang-patch", "--pins", str(work / "pins.txt"), "--patches",
          *map(str, sorted(patch_dir.glob("*.patch"))), "--pristine",
          str(patch_dir / "pristine.sha256"), "--overlay", str(work / "overlay"),
          "--out", str(work / "patched.json")],
@@ -238,8 +238,8 @@ def sglang_capture(setup, out: Path, faults: dict, retries: int = 2, restarts: i
 def test_sglang_shard_equals_hf_despite_bad_dump_and_killed_server(capture_setup):
     """One job: row 2's first dump arrives torn (the row is retried), and just before that retry
     the server is SIGKILLed (relaunched, the unfinished rows re-sent). The shard equals hf's."""
-    from draftsmith.server import server_processes
-    from draftsmith.shards import open_shard
+    from draftsmith.engines.server import server_processes
+    from draftsmith.hidden.shards import open_shard
 
     out = capture_setup["work"] / "sg" / "rows_000010-000016.safetensors"
     run = sglang_capture(
@@ -278,7 +278,7 @@ def test_persistently_wrong_dump_fails_naming_the_row(capture_setup):
 
 
 def assert_same_shard(hf_path: Path, sg_path: Path, ids: list[int]) -> dict:
-    from draftsmith.shards import open_shard
+    from draftsmith.hidden.shards import open_shard
 
     hf, sg = open_shard(hf_path), open_shard(sg_path, verify_sha=True)
     for name in ("input_ids", "loss_mask", "row_offsets"):
@@ -298,19 +298,19 @@ def test_tiny_deepseek_v3_through_the_cpu_server(tmp_path_factory, capture_setup
     """A 6-layer DeepSeek-V3-shaped model (MLA, MoE, YaRN rope as in DeepSeek-V3 and Kimi-K2.5)
     in the patched server on CPU: SGLang's deepseek_v2 loads, the patch records the captured
     layers (ids [1, 2, 4] -> inputs of [2, 3, 5]) and, with `torch_native` registered in
-    SGLang's DeepSeek attention dispatch (draftsmith.sglang_cpu.mla), every forward takes the
+    SGLang's DeepSeek attention dispatch (draftsmith.engines.sglang_cpu.mla), every forward takes the
     absorbed MLA path: the shard equals the hf capture of the same rows. Stock SGLang 0.5.23
     fails the first prefill here (`Expected size for first two dimensions of batch2 tensor`:
     its MHA prefill path reads MLA's latent KV cache)."""
     work = tmp_path_factory.mktemp("sglcap_dsv3")
     model = work / "model"
     script = f"""
-from draftsmith.tinymodel import make_tiny_target
+from draftsmith.targets.tinymodel import make_tiny_target
 make_tiny_target({str(model)!r}, "deepseek_v3", num_layers=6, engine_shapes=True)
 """
     run = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True)
     assert run.returncode == 0, run.stderr[-2000:]
-    from draftsmith.target import link_path_target
+    from draftsmith.targets.model import link_path_target
 
     link_path_target(model, work / "target")
     setup = {**capture_setup, "ids": [1, 2, 4], "target": work / "target"}
@@ -320,7 +320,7 @@ make_tiny_target({str(model)!r}, "deepseek_v3", num_layers=6, engine_shapes=True
     })  # fmt: skip
     hf_out = work / "hf" / "rows_000010-000016.safetensors"
     run = subprocess.run(
-        [sys.executable, "-m", "draftsmith.capture", "--cfg", json.dumps(cfg), "--tokens",
+        [sys.executable, "-m", "draftsmith", "capture", "--cfg", json.dumps(cfg), "--tokens",
          str(setup["tokens"]), "--target", str(setup["target"]), "--out", str(hf_out),
          "--threads", "1"],
         cwd=ROOT, capture_output=True, text=True,
@@ -344,9 +344,9 @@ def test_dump_server_refuses_radix_cache_and_chunked_prefill(capture_setup, tmp_
     script = f"""
 import json, sys
 from pathlib import Path
-from draftsmith import settings
+from draftsmith.config import settings
 from draftsmith.engines import sglang_capture as sc
-from draftsmith.server import ServerError, Supervisor
+from draftsmith.engines.server import ServerError, Supervisor
 job = settings.stage_job(json.loads(sys.argv[1]), "capture")
 spec = sc.capture_server_spec(job, Path(sys.argv[2]), 1, {AUX_IDS!r}, Path(sys.argv[3]),
                               sys.argv[4])

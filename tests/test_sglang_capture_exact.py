@@ -28,7 +28,7 @@ import torch
 from test_sglang_capture import AUX_IDS, CPU_SERVER_ARGS, ROOT, patched_overlay, token_file
 from wf import with_defaults
 
-from draftsmith.shards import _read_header, open_shard
+from draftsmith.hidden.shards import _read_header, open_shard
 
 # short rows (1-5 tokens: few-row GEMMs) among longer ones, the longest first in the queue
 LENGTHS = [37, 5, 120, 64, 1, 90, 17, 33, 16, 250, 3, 48]
@@ -39,7 +39,7 @@ NAME = "rows_000000-000012.safetensors"
 def exact_setup(tmp_path_factory, request) -> dict:
     python = roles.role_python("sglang-cpu")  # skips, or fails under DRAFTSMITH_REQUIRE_ENGINES=1
     tiny = request.getfixturevalue("tiny_target")
-    from draftsmith.target import link_path_target
+    from draftsmith.targets.model import link_path_target
 
     work = tmp_path_factory.mktemp("sglexact")
     link_path_target(tiny, work / "target")
@@ -133,7 +133,7 @@ def test_the_capture_launch_prefills_one_row_per_forward(tmp_path):
     """The capture job's server command: radix cache and chunked prefill off and one request per
     prefill forward, after `sglang.extra_args`, so that a user's own value there loses (SGLang
     parses its flags with argparse: the last one wins)."""
-    from draftsmith import settings
+    from draftsmith.config import settings
     from draftsmith.engines.sglang_capture import capture_server_spec
 
     cfg = with_defaults({

@@ -1,12 +1,12 @@
 """The real SGLang 0.5.23 server on CPU (role sglang-cpu, compatibility layer on).
 
 Needs DRAFTSMITH_PYTHON_SGLANG_CPU (the role's venv); skips without it unless
-DRAFTSMITH_REQUIRE_ENGINES=1. Every server runs under draftsmith.server.Supervisor, which stops
+DRAFTSMITH_REQUIRE_ENGINES=1. Every server runs under draftsmith.engines.server.Supervisor, which stops
 its whole process group; each test checks that no process of it is left.
 
 The speculative checks compare float32 EAGLE3 output with plain greedy output of the same
 server build on the same prompts (6 at once, so verification runs batched). Drafts are exported
-by draftsmith.export: a "constant" draft (final norm zeroed, so every position's draft logits
+by draftsmith.algorithms.export: a "constant" draft (final norm zeroed, so every position's draft logits
 tie and the draft proposes its first vocabulary entries, mapped through d2t onto the two tokens
 the target emits most) gets many drafts accepted, which drives the accept paths (bonus tokens,
 accepted cache slots, KV moves); a random draft with topk 4 drives wide trees that are rejected.
@@ -26,12 +26,12 @@ import torch
 from roles import role_python
 from wf import ROOT
 
-from draftsmith.envcheck import check
-from draftsmith.export import export_draft, target_embedding, verifier_ref
-from draftsmith.model import DraftConfig, Eagle3Draft
-from draftsmith.server import ServerSpec, Supervisor, http_json, server_processes
-from draftsmith.sglang_cpu import LAUNCH_ARGS, OVERLAY, server_env
-from draftsmith.tinymodel import make_tiny_target
+from draftsmith.algorithms.eagle3.model import DraftConfig, Eagle3Draft
+from draftsmith.algorithms.export import export_draft, target_embedding, verifier_ref
+from draftsmith.engines.server import ServerSpec, Supervisor, http_json, server_processes
+from draftsmith.engines.sglang_cpu import LAUNCH_ARGS, OVERLAY, server_env
+from draftsmith.stages.env import check
+from draftsmith.targets.tinymodel import make_tiny_target
 
 pytestmark = [pytest.mark.slow, pytest.mark.sglang]
 
@@ -149,7 +149,7 @@ def test_validate_env_proves_the_compatibility_layer_is_active(python):
     # the same check without the overlay names what is missing
     env = {**os.environ, "SGLANG_USE_CPU_ENGINE": "1", "PYTHONPATH": str(ROOT)}
     proc = subprocess.run(
-        [python, "-m", "draftsmith.sglang_cpu.selfcheck"], env=env, capture_output=True, text=True
+        [python, "-m", "draftsmith", "sglang-selfcheck"], env=env, capture_output=True, text=True
     )
     assert proc.returncode == 1
     problems = json.loads(proc.stdout.strip().splitlines()[-1])["problems"]

@@ -1,7 +1,7 @@
 """SGLang 0.5.23 (role sglang-cpu) refuses DFlash speculative decoding on CPU.
 
 The server is started with our CPU launch arguments, a tiny target and a DFlash draft exported
-here (draftsmith.dflash_export), `--speculative-algorithm DFLASH`: SGLang stops while resolving
+here (draftsmith.algorithms.dflash.export), `--speculative-algorithm DFLASH`: SGLang stops while resolving
 its arguments, before loading anything, with its platform gate's message. Pinned so that a
 SGLang that lifts the gate fails here and the docs (docs/algorithms.md) get revisited. Nothing
 listens: the process exits by itself (its process group is killed if it does not).
@@ -18,9 +18,9 @@ import torch
 from roles import role_python
 from test_algorithms_engines import free_port
 
-from draftsmith.dflash_export import export_draft
-from draftsmith.dflash_model import DFlashConfig, DFlashDraft
-from draftsmith.sglang_cpu import LAUNCH_ARGS, server_env
+from draftsmith.algorithms.dflash.export import export_draft
+from draftsmith.algorithms.dflash.model import DFlashConfig, DFlashDraft
+from draftsmith.engines.sglang_cpu import LAUNCH_ARGS, server_env
 
 pytestmark = [pytest.mark.slow, pytest.mark.sglang]
 
@@ -30,7 +30,7 @@ REFUSAL = "DFLASH speculative decoding is not supported by CpuSRTPlatform"
 def test_sglang_cpu_refuses_dflash(tmp_path):
     import json
 
-    from draftsmith.tinymodel import make_tiny_target
+    from draftsmith.targets.tinymodel import make_tiny_target
 
     target = make_tiny_target(tmp_path / "target", num_layers=4, hidden_size=128)
     tc = json.loads((target / "config.json").read_text())

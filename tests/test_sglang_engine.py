@@ -11,12 +11,12 @@ import sys
 
 import pytest
 
-from draftsmith import settings
-from draftsmith.benchfigures import set_figures
-from draftsmith.common import merge_run
+from draftsmith.bench.figures import set_figures
+from draftsmith.config import settings
 from draftsmith.engines import implements
 from draftsmith.engines import sglang as eng
 from draftsmith.engines.sglang_server import server_spec
+from draftsmith.runtime.files import merge_run
 
 SGLANG = {"tp_size": 2, "extra_args": ["--max-total-tokens", "4096"], "port": 0}
 RUN = {"startup_timeout": 60, "request_timeout": 60, "retries": 1}
@@ -46,7 +46,7 @@ def test_sglang_implements_regenerate_and_bench():
 
 
 def test_gpu_role_launches_stock_sglang(tmp_path, monkeypatch):
-    monkeypatch.delitem(sys.modules, "draftsmith.sglang_cpu", raising=False)
+    monkeypatch.delitem(sys.modules, "draftsmith.engines.sglang_cpu", raising=False)
     spec = server_spec(cfg("sglang"), "regenerate", target=tmp_path, threads=4)
     argv = spec.command(12345)
     assert argv[:3] == [sys.executable, "-m", "sglang.launch_server"]
@@ -55,7 +55,7 @@ def test_gpu_role_launches_stock_sglang(tmp_path, monkeypatch):
     assert argv[-2:] == ["--max-total-tokens", "4096"]
     assert "--device" not in argv and "--dtype" not in argv  # the checkpoint's dtype on GPUs
     assert "SGLANG_USE_CPU_ENGINE" not in spec.env and "PYTHONPATH" not in spec.env
-    assert "draftsmith.sglang_cpu" not in sys.modules  # never imported for a GPU role
+    assert "draftsmith.engines.sglang_cpu" not in sys.modules  # never imported for a GPU role
 
 
 def test_pythonpath_entries_go_first(tmp_path, monkeypatch):
@@ -70,7 +70,7 @@ def test_cpu_role_gets_the_compatibility_layer(tmp_path):
     spec = server_spec(cfg("sglang-cpu"), "regenerate", target=tmp_path, threads=1)
     argv = spec.command(1)
     assert spec.env["SGLANG_USE_CPU_ENGINE"] == "1"
-    assert spec.env["PYTHONPATH"].split(":")[0].endswith("draftsmith/sglang_cpu/overlay")
+    assert spec.env["PYTHONPATH"].split(":")[0].endswith("draftsmith/engines/sglang_cpu/overlay")
     assert argv[argv.index("--device") + 1] == "cpu"
     assert argv[argv.index("--dtype") + 1] == "float32"
 
@@ -160,8 +160,8 @@ def test_rules_keep_run_settings_out_of_params(tmp_path, tiny_target):
     cfg["envs"] = {"cpu": {"python": ""}, "sglang": {"python": sys.executable}}
     write_config(tmp_path, cfg)
     out = snakemake(tmp_path, "-n", "-p").stdout
-    commands = [line for line in out.splitlines() if "-m draftsmith." in line]
-    for module in ("regenerate", "bench"):
-        cmd = next(c for c in commands if f"-m draftsmith.{module} " in c)
+    commands = [line for line in out.splitlines() if "-m draftsmith " in line]
+    for command in ("regenerate", "bench"):
+        cmd = next(c for c in commands if f"-m draftsmith {command} " in c)
         assert '"extra_args": ["--flag-x"]' in cmd and '"tp_size": 1' in cmd, cmd
         assert "8123" not in cmd and "retries" not in cmd, cmd

@@ -12,8 +12,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from draftsmith.shard_writer import ShardWriter, estimate_bytes
-from draftsmith.shards import (
+from draftsmith.hidden.shards import (
     STORAGE_DTYPES,
     ShardError,
     main,
@@ -22,6 +21,7 @@ from draftsmith.shards import (
     verify,
     verify_dir,
 )
+from draftsmith.hidden.writer import ShardWriter, estimate_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -168,7 +168,7 @@ def test_manifest_is_checked_against_the_copy_inside_the_shard(tmp_path):
 
 
 def test_rebuilt_shard_with_the_same_tensors_has_the_same_sha256(tmp_path, monkeypatch):
-    import draftsmith.shard_writer as shard_writer
+    import draftsmith.hidden.writer as shard_writer
 
     clock = iter(f"2026-01-0{i}T00:00:00+0000" for i in range(1, 9))
     monkeypatch.setattr(shard_writer.time, "strftime", lambda *_: next(clock))
@@ -184,7 +184,7 @@ def test_rebuilt_shard_with_the_same_tensors_has_the_same_sha256(tmp_path, monke
 
 
 def test_verified_stamp_skips_unchanged_shards_only(tmp_path):
-    from draftsmith.shards import verify_cached
+    from draftsmith.hidden.shards import verify_cached
 
     path = tmp_path / "rows_000000-000004.safetensors"
     make_shard(path)
@@ -209,7 +209,7 @@ def test_killed_writer_leaves_no_temp_after_the_next_start(tmp_path):
         f"""
         import os, signal, sys, torch
         sys.path.insert(0, {str(ROOT)!r})
-        from draftsmith.shard_writer import ShardWriter
+        from draftsmith.hidden.writer import ShardWriter
         with ShardWriter({str(path)!r}, input_ids=torch.arange(4), loss_mask=torch.ones(4),
                          row_offsets=torch.tensor([0, 4]), hidden_size=8, dtype="float32",
                          manifest={{}}):
@@ -249,7 +249,7 @@ def test_writer_refuses_incomplete_and_double_writes(tmp_path):
 RSS_SCRIPT = textwrap.dedent(
     """
     import resource, sys, torch
-    from draftsmith.shard_writer import ShardWriter
+    from draftsmith.hidden.writer import ShardWriter
     rows, row_len, hidden = int(sys.argv[2]), 512, 1024
     t = rows * row_len
     offs = torch.arange(0, t + 1, row_len)
@@ -291,8 +291,8 @@ def test_plan_estimate(tiny_target, tmp_path, capsys, monkeypatch):
 
     from safetensors.torch import save_file
 
-    from draftsmith import plan
-    from draftsmith.target import write_meta
+    from draftsmith.hidden import plan
+    from draftsmith.targets.model import write_meta
 
     target = shutil.copytree(tiny_target, tmp_path / "target")
     write_meta(target, source="path", origin=str(tiny_target))

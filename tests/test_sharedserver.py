@@ -1,4 +1,4 @@
-"""One server for the jobs of a run (draftsmith.sharedserver): leases share one launch, the
+"""One server for the jobs of a run (draftsmith.engines.sharedserver): leases share one launch, the
 host stops the server after the run's last capture, after the idle timeout, when the run's
 Snakemake process is gone (kill -9 included) or when the host itself is killed, and relaunches
 a server that died; Snakemake's own service() cannot express segment mode's order.
@@ -21,15 +21,15 @@ from pathlib import Path
 import pytest
 from test_server import PROGRAM
 
-from draftsmith.server import ServerError, ServerSpec, http_json, server_processes
-from draftsmith.sharedserver import SCRATCH, SharedServer, pid_alive, spec_key
+from draftsmith.engines.server import ServerError, ServerSpec, http_json, server_processes
+from draftsmith.engines.sharedserver import SCRATCH, SharedServer, pid_alive, spec_key
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture
 def owner(monkeypatch):
-    """A stand-in for the run's Snakemake process: the host follows it (draftsmith.lifeline)."""
+    """A stand-in for the run's Snakemake process: the host follows it (draftsmith.runtime.lifeline)."""
     proc = subprocess.Popen(["sleep", "600"])
     monkeypatch.setenv("DRAFTSMITH_JOB_PARENT", str(proc.pid))
     yield proc
@@ -175,7 +175,7 @@ rule train:
 
 
 def test_snakemake_service_cannot_express_the_segment_order(tmp_path):
-    """Why draftsmith.sharedserver exists: a service() output joins its consumers into one
+    """Why draftsmith.engines.sharedserver exists: a service() output joins its consumers into one
     group, and the capture of index i waiting for the training of i - 2 leaves that group and
     comes back into it, which Snakemake refuses (docs/scale.md)."""
     (tmp_path / "Snakefile").write_text(TOY)
@@ -203,7 +203,7 @@ def test_a_server_that_cannot_start_fails_the_lease_with_its_log(tmp_path, owner
 
 def test_one_key_for_the_jobs_of_a_run_another_for_other_settings(tmp_path):
     """The jobs of one run differ in their own environment (OMP_WAIT_POLICY chosen for the
-    load each started under, draftsmith.threads): one server still; other flags: another."""
+    load each started under, draftsmith.runtime.threads): one server still; other flags: another."""
     a, b, c = spec(tmp_path), spec(tmp_path), spec(tmp_path)
     a.env = {**a.env, "OMP_WAIT_POLICY": "PASSIVE"}
     c.command = lambda port: [sys.executable, "-c", "pass", str(port)]

@@ -8,10 +8,9 @@ import pytest
 import torch
 from wf import with_defaults
 
-from draftsmith import specdec
-from draftsmith.bench import GateError, gate
-from draftsmith.model import DraftConfig, Eagle3Draft
-from draftsmith.specdec import (
+from draftsmith.algorithms.eagle3.model import DraftConfig, Eagle3Draft
+from draftsmith.bench import specdec
+from draftsmith.bench.specdec import (
     Trace,
     greedy_generate,
     prompt_ids,
@@ -19,6 +18,7 @@ from draftsmith.specdec import (
     stop_ids,
     summarize,
 )
+from draftsmith.stages.bench import GateError, gate
 
 AUX_IDS = [1, 2, 3]
 PROMPTS = [
@@ -209,8 +209,8 @@ def _bench_inputs(tmp_path, tiny_target, model, num_heldout=3):
     import json
     import shutil
 
-    from draftsmith.export import export_draft, target_embedding, verifier_ref
-    from draftsmith.target import write_meta
+    from draftsmith.algorithms.export import export_draft, target_embedding, verifier_ref
+    from draftsmith.targets.model import write_meta
 
     target_dir = tmp_path / "target"
     shutil.copytree(tiny_target, target_dir)
@@ -274,12 +274,14 @@ def _bench_inputs(tmp_path, tiny_target, model, num_heldout=3):
 def test_bench_cli_report(target, tiny_target, tmp_path, monkeypatch):
     import json
 
-    from draftsmith import bench
+    from draftsmith.stages import bench as bench
 
     model, tokenizer = target
     install_oracle(monkeypatch, model, tokenizer, error_rate=0.3)
     argv, out = _bench_inputs(tmp_path, tiny_target, model)
-    offline = tmp_path / "offline_acceptance.json"  # what train writes (draftsmith.offline)
+    offline = (
+        tmp_path / "offline_acceptance.json"
+    )  # what train writes (draftsmith.algorithms.eagle3.offline)
     offline.write_text(json.dumps({"rows": 5, "tau_est_by_k": [1.5, 1.7, 1.8, 1.85]}))
     bench.main([*argv, "--offline", str(offline)])
     report = json.loads((out / "report.json").read_text())
@@ -313,7 +315,7 @@ def test_bench_cli_report(target, tiny_target, tmp_path, monkeypatch):
 def test_bench_cli_gate_writes_nothing(target, tiny_target, tmp_path):
     """An untrained draft on a random target is (almost) never accepted: the gate fails the job
     with the causes and leaves no report behind."""
-    from draftsmith import bench
+    from draftsmith.stages import bench as bench
 
     model, _ = target
     argv, out = _bench_inputs(tmp_path, tiny_target, model, num_heldout=2)
@@ -334,7 +336,7 @@ def test_bench_smoke_reports_a_failed_gate_without_failing(target, tiny_target, 
     """bench.smoke: the gate is checked and reported, the report is written, the job succeeds."""
     import json
 
-    from draftsmith import bench
+    from draftsmith.stages import bench as bench
 
     model, _ = target
     argv, out = _bench_inputs(tmp_path, tiny_target, model, num_heldout=2)

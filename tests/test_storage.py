@@ -10,9 +10,15 @@ import pytest
 import torch
 from wf import with_defaults
 
-from draftsmith.shard_writer import ShardWriter, estimate_bytes
-from draftsmith.shards import ShardError, manifest_path, open_shard
-from draftsmith.storage import (
+from draftsmith.algorithms.eagle3.ttt import (
+    batch_teacher,
+    pack_batch,
+    teacher_argmax_in_vocab,
+    teacher_logprobs,
+    teacher_ok,
+)
+from draftsmith.hidden.shards import ShardError, manifest_path, open_shard
+from draftsmith.hidden.storage import (
     Storage,
     StorageError,
     check_layout,
@@ -21,13 +27,7 @@ from draftsmith.storage import (
     encode_fp8,
     topk_teacher,
 )
-from draftsmith.ttt import (
-    batch_teacher,
-    pack_batch,
-    teacher_argmax_in_vocab,
-    teacher_logprobs,
-    teacher_ok,
-)
+from draftsmith.hidden.writer import ShardWriter, estimate_bytes
 
 H, V = 16, 300
 MODES = {
@@ -188,7 +188,7 @@ def test_compact_modes_are_smaller(tmp_path):
 
 
 def test_corrupt_compact_shard_caught_like_reference(tmp_path):
-    from draftsmith.shards import verify_dir
+    from draftsmith.hidden.shards import verify_dir
 
     d = data()
     paths = {}
@@ -335,7 +335,7 @@ def test_tail_bucket_loss():
     distributions coarsened to (each listed token, the rest as one outcome), so the draft that
     minimizes it puts exactly p on each listed token and r on the rest together; an exact teacher
     (every token listed) or a renormalized top-k gets no tail term."""
-    from draftsmith.ttt import soft_cross_entropy, tail_mass
+    from draftsmith.algorithms.eagle3.ttt import soft_cross_entropy, tail_mass
 
     g = torch.Generator().manual_seed(0)
     exact = torch.log_softmax(torch.randn(5, 12, generator=g) * 2, -1)
@@ -432,9 +432,9 @@ def test_capture_fp8_topk_matches_model(tiny_target, tmp_path):
 def test_convert_compact_modes(tmp_path, tiny_target):
     """to-specforge dequantizes float8 shards and refuses top-k ones; from-specforge writes any
     mode (top-k through the target's lm_head)."""
-    from draftsmith.convert import main, to_specforge
-    from draftsmith.convert_common import ConvertError, lm_head_weight
-    from draftsmith.target import write_meta
+    from draftsmith.interop.common import ConvertError, lm_head_weight
+    from draftsmith.interop.convert import main, to_specforge
+    from draftsmith.targets.model import write_meta
 
     target = shutil.copytree(tiny_target, tmp_path / "target")
     write_meta(target, source="path", origin=str(tiny_target))
@@ -521,7 +521,7 @@ def test_convert_compact_modes(tmp_path, tiny_target):
 def test_plan_uses_storage_mode(tiny_target, tmp_path):
     from safetensors.torch import save_file
 
-    from draftsmith.plan import make_plan
+    from draftsmith.hidden.plan import make_plan
 
     d = data(lengths=(20, 30))
     tok = tmp_path / "tokens" / "rows_000000-000002.safetensors"
@@ -546,11 +546,11 @@ def test_plan_uses_storage_mode(tiny_target, tmp_path):
 
 
 def test_capture_cli_compact_mode(tiny_target, tmp_path):
-    """`python -m draftsmith.capture` with capture.storage: the manifest records the mode."""
+    """`python -m draftsmith capture` with capture.storage: the manifest records the mode."""
     from safetensors.torch import save_file
 
-    from draftsmith.capture import main
-    from draftsmith.target import write_meta
+    from draftsmith.stages.capture import main
+    from draftsmith.targets.model import write_meta
 
     target = shutil.copytree(tiny_target, tmp_path / "target")
     write_meta(target, source="path", origin=str(tiny_target))
@@ -575,8 +575,8 @@ def test_capture_cli_compact_mode(tiny_target, tmp_path):
 def test_recode_trained_capture_to_fp8_topk(tmp_path, tiny_target):
     """`convert recode`: a `trained` shard rewritten as float8 + top-k equals writing that mode
     directly from the same states (the top-k recomputed from the stored bf16 states)."""
-    from draftsmith.convert import main
-    from draftsmith.convert_common import ConvertError, lm_head_weight
+    from draftsmith.interop.common import ConvertError, lm_head_weight
+    from draftsmith.interop.convert import main
 
     head = lm_head_weight(tiny_target)
     h = head.shape[1]
@@ -622,13 +622,13 @@ def test_recode_trained_capture_to_fp8_topk(tmp_path, tiny_target):
             key
         )
     with pytest.raises(ConvertError, match="no final states"):
-        from draftsmith.convert import recode
+        from draftsmith.interop.convert import recode
 
         recode(out, tmp_path / "x" / "rows_000000-000003.safetensors", Storage(), None, "cpu")
 
 
 def _vocab_file(path, vocab_size: int, draft: torch.Tensor):
-    from draftsmith.vocab import save_vocab
+    from draftsmith.data.vocab import save_vocab
 
     t2d = torch.zeros(vocab_size, dtype=torch.bool)
     t2d[draft] = True
@@ -645,10 +645,10 @@ def test_capture_cli_and_recode_draft_topk(tiny_target, tmp_path):
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
 
-    from draftsmith.capture import main
-    from draftsmith.convert import main as convert_main
-    from draftsmith.convert_common import ConvertError, lm_head_weight
-    from draftsmith.target import write_meta
+    from draftsmith.interop.common import ConvertError, lm_head_weight
+    from draftsmith.interop.convert import main as convert_main
+    from draftsmith.stages.capture import main
+    from draftsmith.targets.model import write_meta
 
     target = shutil.copytree(tiny_target, tmp_path / "target")
     write_meta(target, source="path", origin=str(tiny_target))
@@ -720,14 +720,14 @@ def test_capture_cli_and_recode_draft_topk(tiny_target, tmp_path):
     assert x.manifest["storage"] == y.manifest["storage"]
     for key in ("teacher_topk_ids", "teacher_topk_logprobs", "teacher_in_vocab"):
         assert torch.equal(getattr(x, key).view(torch.uint8), getattr(y, key).view(torch.uint8))
-    from draftsmith.convert_common import write_shard
+    from draftsmith.interop.common import write_shard
 
     with pytest.raises(ConvertError, match="recode"):
         write_shard(tmp_path / "z.safetensors", [], None, "bfloat16", {}, st, target)
 
 
 def test_training_refuses_another_draft_vocabulary(tmp_path):
-    from draftsmith.storage import check_draft_vocab
+    from draftsmith.hidden.storage import check_draft_vocab
 
     d = data()
     path = tmp_path / "rows_000000-000004.safetensors"

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file, save_file
 
-from draftsmith import target as tgt
+from draftsmith.targets import model as tgt
 
 
 @pytest.fixture

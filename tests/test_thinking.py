@@ -12,7 +12,13 @@ import json
 import pytest
 from test_tokens import word_tokenizer
 
-from draftsmith.tokens import TemplateError, encode_turns, render, template_kwargs, tokenize_rows
+from draftsmith.data.tokens import (
+    TemplateError,
+    encode_turns,
+    render,
+    template_kwargs,
+    tokenize_rows,
+)
 
 QWEN3 = (
     "{%- set ns = namespace(last_user=-1) -%}"
@@ -232,12 +238,12 @@ def test_hf_regeneration_renders_with_the_switch(tiny_target):
 
 
 def test_tokens_cli_reads_both_keys(tmp_path, tiny_target):
-    """python -m draftsmith.tokens with data.reasoning and regenerate.thinking in its cfg."""
+    """python -m draftsmith tokens with data.reasoning and regenerate.thinking in its cfg."""
     import shutil
 
     from safetensors import safe_open
 
-    from draftsmith.tokens import main
+    from draftsmith.data.tokens import main
 
     target = shutil.copytree(tiny_target, tmp_path / "target")
     cfg_file = target / "tokenizer_config.json"

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from draftsmith.tokens import (
+from draftsmith.data.tokens import (
     TemplateError,
     encode_with_mask,
     end_of_turn_id,
@@ -187,7 +187,7 @@ def test_assistant_content_equal_to_header_word_is_found_after_header():
 
 def test_byte_level_bpe_chatml_masks_exact_spans():
     """A trained byte-level BPE (like SmolLM2/Qwen): masked runs decode to content + <|im_end|>."""
-    from draftsmith.tinymodel import make_tokenizer
+    from draftsmith.targets.tinymodel import make_tokenizer
 
     tok = make_tokenizer()
     turns = [

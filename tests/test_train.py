@@ -22,8 +22,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from draftsmith.shard_writer import ShardWriter
-from draftsmith.ttt import step_masks
+from draftsmith.algorithms.eagle3.ttt import step_masks
+from draftsmith.hidden.writer import ShardWriter
 
 ROOT = Path(__file__).resolve().parents[1]
 REFERENCE = ROOT / "tests" / "assets" / "losses" / "tiny_cpu.json"
@@ -154,7 +154,7 @@ def read_metrics(path: Path) -> list[dict]:
 
 
 def run_train(inputs: dict, out: Path, cfg: str) -> list[dict]:
-    from draftsmith.train import main
+    from draftsmith.train.loop import main
 
     torch.set_num_threads(1)
     main(train_args(inputs, out, cfg))
@@ -223,7 +223,7 @@ def test_kill_and_resume_equals_uninterrupted(inputs, tmp_path):
     baseline = run_train(inputs, tmp_path / "uninterrupted", cfg)
     out = tmp_path / "killed"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "draftsmith.train", *train_args(inputs, out, cfg)]
+    cmd = [sys.executable, "-m", "draftsmith", "train-rank", *train_args(inputs, out, cfg)]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     deadline = time.time() + 120
     while time.time() < deadline:
@@ -257,7 +257,8 @@ def test_two_process_gloo_matches_single(inputs, baseline, tmp_path):
         "--nproc-per-node",
         "2",
         "-m",
-        "draftsmith.train",
+        "draftsmith",
+        "train-rank",
         *train_args(inputs, out, cfg_json(nproc=2)),
     ]
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
@@ -294,10 +295,10 @@ def test_reference_curve(baseline):
 def test_loss_positions_all_trains_the_prompt_too(inputs, baseline, tmp_path):
     """train.loss_positions all: the teacher flags cover prompt positions as well, the curve
     differs from the assistant-only default's from step 1, and it still learns."""
-    from draftsmith.shards import open_shard
-    from draftsmith.train import target_tensors
-    from draftsmith.ttt import teacher_ok
-    from draftsmith.vocab import load_vocab
+    from draftsmith.algorithms.eagle3.ttt import teacher_ok
+    from draftsmith.data.vocab import load_vocab
+    from draftsmith.hidden.shards import open_shard
+    from draftsmith.train.loop import target_tensors
 
     shard = open_shard(inputs["shards"][0])
     lm_head, t2d = target_tensors(inputs["target"])["lm_head"], load_vocab(inputs["vocab"])[1]
@@ -314,7 +315,7 @@ def test_loss_positions_all_trains_the_prompt_too(inputs, baseline, tmp_path):
 
 def test_each_shard_is_proven_once_and_a_corrupt_one_is_refused(tmp_path, monkeypatch):
     """sha256 is checked before the first use, cached by file state, and a flipped byte stops."""
-    import draftsmith.shards as shards
+    import draftsmith.hidden.shards as shards
 
     inputs = make_inputs(tmp_path / "in", rows=4)
     run_train(inputs, tmp_path / "out", cfg_json(max_steps=1))
@@ -338,7 +339,7 @@ def test_each_shard_is_proven_once_and_a_corrupt_one_is_refused(tmp_path, monkey
 
 def test_run_key_ignores_manifest_keys_outside_the_shard_bytes(tmp_path):
     """A rebuilt shard with the same bytes (new creation time) resumes the same run."""
-    from draftsmith.train import run_key
+    from draftsmith.train.loop import run_key
 
     inputs = make_inputs(tmp_path / "in", rows=4)
     cfg = json.loads(cfg_json())
@@ -355,8 +356,8 @@ def test_training_on_draft_topk_shards(tmp_path):
     """Shards recoded to the teacher's top-k over the draft vocabulary: with k = the whole draft
     vocabulary training follows the reference's losses (float16 log-probs); with k = 8 the
     tail-bucket loss trains; a shard stored over another draft vocabulary is refused by name."""
-    from draftsmith.convert import recode
-    from draftsmith.storage import Storage
+    from draftsmith.hidden.storage import Storage
+    from draftsmith.interop.convert import recode
 
     inputs = make_inputs(tmp_path / "in")
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from draftsmith import envcheck
+from draftsmith.stages import env as envcheck
 
 
 @pytest.fixture

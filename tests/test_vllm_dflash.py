@@ -2,7 +2,7 @@
 
 The tiny project of tests/trained.py, trained with draft.algorithm dflash (our objective, on
 the same shards as EAGLE-3), is benchmarked by the hf engine (our block decoder,
-draftsmith.dflash_decode) and by the vllm engine (vLLM's own DFlash proposer, method dflash,
+draftsmith.algorithms.dflash.decode) and by the vllm engine (vLLM's own DFlash proposer, method dflash,
 from `results/draft`) on the same prompts: both outputs equal plain greedy, and vLLM's
 acceptance counters equal ours (up to a float32 near-tie, trained.assert_same_acceptance).
 

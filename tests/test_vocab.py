@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from draftsmith.tokens import write_tokens
-from draftsmith.vocab import (
+from draftsmith.data.tokens import write_tokens
+from draftsmith.data.vocab import (
     build_vocab,
     check_row_counts,
     check_vocab,

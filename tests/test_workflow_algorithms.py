@@ -60,7 +60,7 @@ def build(workdir: Path, algorithm: str) -> dict:
     draft = workdir / "results" / "draft"
     CHECKS[algorithm](draft)
     check = subprocess.run(
-        [sys.executable, "-m", "draftsmith.export", "check", str(draft)],
+        [sys.executable, "-m", "draftsmith", "export", "check", str(draft)],
         capture_output=True,
         text=True,
         cwd=workdir,

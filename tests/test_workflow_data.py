@@ -37,8 +37,8 @@ def test_data_stage_builds_and_rebuilds_only_what_is_stale(tmp_path: Path, tiny_
         assert len(report["dropped_ids"]) == report["dropped_rows"]
         assert all(json.loads(x)["conversations"][-1]["role"] == "assistant" for x in lines)
         assert "tokens/s" in (tmp_path / f"logs/regenerate/{rows}.log").read_text()
-    from draftsmith.tokens import read_tokens
-    from draftsmith.vocab import load_vocab
+    from draftsmith.data.tokens import read_tokens
+    from draftsmith.data.vocab import load_vocab
 
     tokens = read_tokens(tmp_path / f"results/tokens/{R0}.safetensors")
     n0 = len((tmp_path / f"results/data/{R0}.jsonl").read_text().splitlines())

@@ -14,7 +14,7 @@ import yaml
 from test_workflow_staleness import copy_workflow, fake_build, run_in, set_config, stale
 from wf import ROOT, tiny_config
 
-from draftsmith.config import execution_keys
+from draftsmith.config.checks import execution_keys
 
 pytestmark = pytest.mark.workflow
 
@@ -33,7 +33,7 @@ def project(built: Path, tmp_path: Path) -> Path:
     return shutil.copytree(built, tmp_path / "draftsmith", symlinks=True)
 
 
-SCHEMA = yaml.safe_load((ROOT / "schemas" / "config.schema.yaml").read_text())
+SCHEMA = yaml.safe_load((ROOT / "draftsmith" / "config" / "config.schema.yaml").read_text())
 # a value other than the default for every execution-only key
 CHANGED = {
     ("capture", "concurrency"): 7,

@@ -51,7 +51,7 @@ def test_bare_interpreter_stops_in_validate_env_before_any_other_job(
 
 
 def test_path_target_errors_are_clear(tmp_path: Path):
-    from draftsmith.target import TargetError, check_hf_dir
+    from draftsmith.targets.model import TargetError, check_hf_dir
 
     with pytest.raises(TargetError, match="does not exist"):
         check_hf_dir(tmp_path / "missing")

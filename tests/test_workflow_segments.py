@@ -48,11 +48,19 @@ def start(work: Path) -> subprocess.Popen:
         return subprocess.Popen(cmd, cwd=work, stdout=out, stderr=subprocess.STDOUT)
 
 
+def command(cmd: list[str]) -> str | None:
+    """The draftsmith command a process runs (`python -m draftsmith <command> ...`), or None."""
+    for i, word in enumerate(cmd[:-2]):
+        if word == "-m" and cmd[i + 1] == "draftsmith":
+            return cmd[i + 2]
+    return None
+
+
 def job(work: Path, module: str, *words: str) -> psutil.Process | None:
-    """The running `python -m draftsmith.<module>` job of this project with all `words`."""
+    """The running `python -m draftsmith <command>` job of this project with all `words`."""
     for p in psutil.process_iter(["cmdline", "cwd"]):
         cmd = p.info["cmdline"] or []
-        if f"draftsmith.{module}" in cmd and p.info["cwd"] == str(work):
+        if command(cmd) == module and p.info["cwd"] == str(work):
             if all(any(w in c for c in cmd) for w in words):
                 return p
     return None
@@ -67,7 +75,7 @@ def kill_a_capture(work: Path, proc: subprocess.Popen) -> str:
     """SIGKILL the first capture job of epoch 1 seen running; its range."""
     deadline = time.monotonic() + PATIENCE
     while time.monotonic() < deadline and proc.poll() is None:
-        p = job(work, "segcapture", "epoch001/")
+        p = job(work, "segment-capture", "epoch001/")
         if p is not None:
             p.kill()
             return Path(arg(p, "--out")).stem
@@ -89,7 +97,7 @@ def kill_training_mid_segment(work: Path, proc: subprocess.Popen) -> tuple[str, 
     checkpoint of its own but not its segment's output, then SIGKILL it; (segment, step)."""
     deadline = time.monotonic() + PATIENCE
     while time.monotonic() < deadline and proc.poll() is None:
-        p = job(work, "segtrain", "--segment")
+        p = job(work, "segment-train", "--segment")
         if p is None:
             time.sleep(0.02)
             continue

@@ -68,7 +68,7 @@ def run_in(repo: Path, *args: str, check: bool = True) -> subprocess.CompletedPr
 
 def env_check(repo: Path, role: str = "cpu") -> str:
     """validate_env's keyed output for the role (default interpreter: this one, no GPUs)."""
-    from draftsmith.envcheck import stamp_key
+    from draftsmith.stages.env import stamp_key
 
     key = stamp_key((repo / "envs" / f"{role}.txt").read_text(), sys.executable, 0)
     return f"results/env/{role}/{key}.json"
@@ -114,7 +114,7 @@ def copy_workflow(dest: Path) -> Path:
     dest.mkdir(parents=True)
     for name in ("Snakefile", "config.yaml"):
         shutil.copy2(ROOT / name, dest / name)
-    for name in ("rules", "draftsmith", "envs", "schemas", "report", "profiles"):
+    for name in ("rules", "draftsmith", "envs", "report", "profiles"):
         shutil.copytree(ROOT / name, dest / name, ignore=ignore)
     return dest
 

@@ -130,7 +130,7 @@ def test_ctrl_c_stops_within_the_bound_and_resumes_exactly(captured: Path, tmp_p
 
 def test_sigterm_to_snakemake_alone_stops_its_jobs(captured: Path):
     """Snakemake's own SIGTERM handling waits for running jobs; the workflow's handler
-    (draftsmith.stopping.forward_stop_signals) ends them first."""
+    (draftsmith.runtime.stopping.forward_stop_signals) ends them first."""
     proc = start(captured)
     wait_for_checkpoint(captured, proc)
     elapsed = stop(proc, lambda: proc.send_signal(signal.SIGTERM))

@@ -46,12 +46,12 @@ def train_tiny_project(root: Path, draft: dict | None = None, **target) -> Path:
     DeepSeek-V3 target the engines' CPU MLA paths run, same layer count and ids)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from draftsmith.bench.specdec import greedy_generate, prompt_ids, stop_ids
+    from draftsmith.data.prompts import prompt_turns
     from draftsmith.engines.hf import capture_shard
-    from draftsmith.prompts import prompt_turns
-    from draftsmith.specdec import greedy_generate, prompt_ids, stop_ids
-    from draftsmith.target import fingerprint, write_meta
-    from draftsmith.tinymodel import CORPUS, make_tiny_target
-    from draftsmith.train import main as train_main
+    from draftsmith.targets.model import fingerprint, write_meta
+    from draftsmith.targets.tinymodel import CORPUS, make_tiny_target
+    from draftsmith.train.loop import main as train_main
 
     torch.set_num_threads(1)  # shared cores: one thread is fastest for a model this small
     src = make_tiny_target(root / "src", hidden_size=128, **target)
@@ -132,7 +132,7 @@ def run_bench(
     root: Path, engine: str, draft: str, cfg: dict, python: str | None = None, texts=PROMPTS
 ) -> dict:
     """bench_sets of `engine` on `texts` (PROMPTS), run in `python` (a role interpreter) from `root`, its
-    measurements turned into figures as the bench stage does (draftsmith.benchfigures):
+    measurements turned into figures as the bench stage does (draftsmith.bench.figures):
     {"res": {"s": figures}, "info": ..., "log": the process's output}. `cfg` gets the schema's
     defaults, as the workflow hands a job its sections, and bench.backend `engine` (the job's
     settings type that engine's own section)."""
@@ -140,7 +140,7 @@ def run_bench(
     code = (
         "import json, sys\n"
         "from draftsmith import settings\n"
-        "from draftsmith.benchfigures import bench_figures\n"
+        "from draftsmith.bench.figures import bench_figures\n"
         "from draftsmith.engines import engine\n"
         "def main():\n"
         "    sets, cfg, draft = json.loads(sys.argv[1]), json.loads(sys.argv[2]), sys.argv[3]\n"
@@ -172,9 +172,9 @@ def chain_acceptance(root: Path, bench: dict, adjust=None) -> dict:
     num_steps, max_new_tokens), after `adjust(model, draft)` where a test alters either."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from draftsmith import specdec
-    from draftsmith.export import load_export
-    from draftsmith.prompts import prompt_turns
+    from draftsmith.algorithms.export import load_export
+    from draftsmith.bench import specdec
+    from draftsmith.data.prompts import prompt_turns
 
     model = AutoModelForCausalLM.from_pretrained(root / "results" / "target").float().eval()
     tok = AutoTokenizer.from_pretrained(root / "results" / "target")

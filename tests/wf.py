@@ -49,7 +49,7 @@ def with_defaults(cfg: dict) -> dict:
     from snakemake.utils import validate
 
     out = copy.deepcopy(cfg)
-    validate(out, str(ROOT / "schemas" / "config.schema.yaml"))
+    validate(out, str(ROOT / "draftsmith" / "config" / "config.schema.yaml"))
     return out
 
 

@@ -5,7 +5,7 @@ plain data and functions (no torch, no I/O) with the same names:
 
     NAME            the schema value
     DRAFT           the draft-model switches it turns on ({} = plain EAGLE-3), read by
-                    draftsmith.model.DraftConfig: `fc_norm` (one RMSNorm per aux state before
+                    draftsmith.algorithms.eagle3.model.DraftConfig: `fc_norm` (one RMSNorm per aux state before
                     fc) and `norm_output` (the post-norm state fed back between draft steps)
     SPECULATORS     whether the export also writes the speculators copy (speculators/)
     export_keys(c)  the top-level keys it adds to the exported config.json
@@ -20,6 +20,9 @@ The exported config.json names no algorithm: both engines read the same architec
 (`LlamaForCausalLMEagle3`) and switch on its keys, so `of_export` tells the algorithm from
 those keys. Keys that either engine would apply but no algorithm here trains are refused for
 every algorithm (FOREIGN).
+
+May import: draftsmith.runtime, config, data, targets, hidden (an algorithm's folder imports
+no other algorithm's, except the shared EAGLE-3 draft layers).
 """
 
 from __future__ import annotations
@@ -71,7 +74,7 @@ def of_export(c: dict) -> ModuleType:
 
 def part(algo: ModuleType, role: str) -> ModuleType | None:
     """An algorithm's own module for `role` (TRAINER, EXPORTER), None where it uses the
-    EAGLE-3 draft's (draftsmith.train / draftsmith.export themselves)."""
+    EAGLE-3 draft's (draftsmith.train.loop / draftsmith.algorithms.export themselves)."""
     name = getattr(algo, role, None)
     return import_module(name) if name else None
 
@@ -83,4 +86,6 @@ def export_problems(c: dict) -> list[str]:
         for k, why in FOREIGN.items()
         if c.get(k) not in (None, False)
     ]
-    return out + of_export(c).config_problems(c)
+    algo = of_export(c)
+    own = part(algo, "EXPORTER")
+    return out + (own.config_problems if own else algo.config_problems)(c)

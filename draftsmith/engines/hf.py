@@ -10,7 +10,7 @@
   so a real token never sees a pad. The padded length is rounded up to a multiple of
   `PAD_MULTIPLE`, which makes a row's states bit-identical whichever rows share its batch (see
   `pad_rows`).
-- bench: chain speculative decoding with the draft (`draftsmith.specdec`) against plain greedy
+- bench: chain speculative decoding with the draft (`draftsmith.bench.specdec`) against plain greedy
   decoding (or speculative sampling against plain sampling), in `draftsmith.engines.hf_bench`;
   `bench_sets` and `load_models` are re-exported here.
 
@@ -26,12 +26,12 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from draftsmith.capture_base import CaptureError, plan_batches
+from draftsmith.data.regenerate import new_stats
 from draftsmith.engines.hf_bench import bench_sets, load_models  # the bench stage (re-exported)
-from draftsmith.hardware import announce
-from draftsmith.regenerate_base import new_stats
-from draftsmith.shard_writer import ShardWriter
-from draftsmith.storage import Storage
+from draftsmith.hidden.capture_base import CaptureError, plan_batches
+from draftsmith.hidden.storage import Storage
+from draftsmith.hidden.writer import ShardWriter
+from draftsmith.runtime.hardware import announce
 
 log = logging.getLogger("draftsmith.engines.hf")
 # the work runs in the job's process: SIGINT/SIGTERM may end it at once (engines.stop_guard)
@@ -68,7 +68,7 @@ class HFGenerator:
         progress: bool = True,
         thinking: str = "template",
     ):
-        from draftsmith.tokens import end_of_turn_id
+        from draftsmith.data.tokens import end_of_turn_id
 
         self.model, self.tokenizer = model, tokenizer
         self.max_new_tokens, self.temperature = int(max_new_tokens), float(temperature)
@@ -105,7 +105,7 @@ class HFGenerator:
         )
 
     def _encode(self, prompt: list[dict]) -> list[int]:
-        from draftsmith.tokens import render
+        from draftsmith.data.tokens import render
 
         text = render(self.tokenizer, prompt, add_generation_prompt=True, thinking=self.thinking)
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
@@ -196,9 +196,9 @@ def regenerate_rows(conversations, job, *, target, threads: int, seed: int, max_
     Prompt + reply stay within `max_total` (data.max_length) and the target's positions
     (HFGenerator).
     """
-    from draftsmith.common import set_threads
-    from draftsmith.regenerate_base import regenerate
-    from draftsmith.target import load_target
+    from draftsmith.data.regenerate import regenerate
+    from draftsmith.runtime.files import set_threads
+    from draftsmith.targets.model import load_target
 
     regen = job.regenerate
     set_threads(threads)
@@ -239,8 +239,8 @@ def regenerate_rows(conversations, job, *, target, threads: int, seed: int, max_
 
 def decoder_parts(model) -> tuple[torch.nn.Module, torch.nn.ModuleList]:
     """(base model, its decoder layers) of a transformers causal LM (Llama, DeepSeek-V3, ...),
-    or of the text model inside a multimodal wrapper (draftsmith.layout.MODULE_PATHS)."""
-    from draftsmith.layout import MODULE_PATHS, decoder_modules
+    or of the text model inside a multimodal wrapper (draftsmith.targets.layout.MODULE_PATHS)."""
+    from draftsmith.targets.layout import MODULE_PATHS, decoder_modules
 
     found = decoder_modules(model)
     if found is None:
@@ -353,8 +353,8 @@ def capture_range(
     """The capture stage: load the target and write the shard of one row range (`job`: the
     JobSettings of the engine seam, draftsmith.engines; draft_ids: the draft vocabulary, for a
     top-k teacher stored over it)."""
-    from draftsmith.common import set_threads
-    from draftsmith.target import load_target
+    from draftsmith.runtime.files import set_threads
+    from draftsmith.targets.model import load_target
 
     set_threads(threads)
     dtype = getattr(torch, job.target.dtype)

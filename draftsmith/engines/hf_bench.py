@@ -1,7 +1,7 @@
-"""The `hf` engine's bench stage: chain speculative decoding with the draft (`draftsmith.specdec`)
+"""The `hf` engine's bench stage: chain speculative decoding with the draft (`draftsmith.bench.specdec`)
 against plain greedy decoding of the target, both timed in this process, batch size 1; with
-bench.temperature > 0, speculative sampling against plain sampling (`draftsmith.sampling`).
-It returns raw measurements; `draftsmith.benchfigures` computes the figures.
+bench.temperature > 0, speculative sampling against plain sampling (`draftsmith.algorithms.sampling`).
+It returns raw measurements; `draftsmith.bench.figures` computes the figures.
 
 `draftsmith.engines.hf` re-exports `bench_sets` (the registry's entry point) and `load_models`.
 """
@@ -15,8 +15,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from draftsmith.hardware import announce
-from draftsmith.load import LoadMeter
+from draftsmith.runtime.hardware import announce
+from draftsmith.runtime.load import LoadMeter
 
 log = logging.getLogger("draftsmith.engines.hf")
 
@@ -28,9 +28,9 @@ def _sync(device) -> None:
 
 def run_set(model, tokenizer, draft, rows, bench, aux_ids: list[int]) -> dict:
     """Speculative and baseline generation of every row, timed: the raw measurements
-    `draftsmith.benchfigures.set_figures` turns into the report's figures."""
-    from draftsmith.prompts import prompt_turns
-    from draftsmith.specdec import greedy_generate, prompt_ids, speculative_generate, stop_ids
+    `draftsmith.bench.figures.set_figures` turns into the report's figures."""
+    from draftsmith.bench.specdec import greedy_generate, prompt_ids, speculative_generate, stop_ids
+    from draftsmith.data.prompts import prompt_turns
 
     stops = stop_ids(model, tokenizer)
     k, max_new = bench.num_steps, bench.max_new_tokens
@@ -82,7 +82,7 @@ def run_set(model, tokenizer, draft, rows, bench, aux_ids: list[int]) -> dict:
 
 def sampling(bench) -> dict | None:
     """{temperature, top_p, seed} when the benchmark samples (bench.temperature > 0), else None
-    (`bench`: the BenchSettings, draftsmith.settings)."""
+    (`bench`: the BenchSettings, draftsmith.config.settings)."""
     temperature = float(bench.temperature)
     if temperature <= 0:
         return None
@@ -95,7 +95,7 @@ def sampling(bench) -> dict | None:
 
 def sampler(bench, index: int, device):
     """The Sampler of prompt `index` (seeded bench.seed + index), or None when greedy."""
-    from draftsmith.sampling import Sampler
+    from draftsmith.algorithms.sampling import Sampler
 
     s = sampling(bench)
     return (
@@ -105,8 +105,8 @@ def sampler(bench, index: int, device):
 
 def warm_up(model, tokenizer, draft, row, bench, aux_ids: list[int]) -> None:
     """One untimed pass of both paths (allocator, kernels, lazy init)."""
-    from draftsmith.prompts import prompt_turns
-    from draftsmith.specdec import greedy_generate, prompt_ids, speculative_generate, stop_ids
+    from draftsmith.bench.specdec import greedy_generate, prompt_ids, speculative_generate, stop_ids
+    from draftsmith.data.prompts import prompt_turns
 
     ids = prompt_ids(tokenizer, prompt_turns(row))
     stops = stop_ids(model, tokenizer)
@@ -119,9 +119,9 @@ def warm_up(model, tokenizer, draft, row, bench, aux_ids: list[int]) -> None:
 def load_models(target_dir: Path, draft_dir: Path, target_dtype: str, device: str):
     """(target, tokenizer, draft) in `target_dtype` (target.dtype), the draft checked against the
     target it must serve."""
-    from draftsmith.config import aux_layer_ids
-    from draftsmith.export import ExportError, load_export
-    from draftsmith.target import TargetError, load_target
+    from draftsmith.algorithms.export import ExportError, load_export
+    from draftsmith.config.checks import aux_layer_ids
+    from draftsmith.targets.model import TargetError, load_target
 
     dtype = getattr(torch, target_dtype)
     try:
@@ -177,9 +177,9 @@ def method_text(bench, device: str, threads: int, algorithm: str = "eagle3") -> 
 def bench_sets(sets: dict, job, *, target, draft, threads: int):
     """The bench stage: speculative and greedy generation of every set, in this process (`job`:
     the JobSettings of the engine seam, draftsmith.engines)."""
-    from draftsmith.common import set_threads
-    from draftsmith.config import concurrency_levels
-    from draftsmith.settings import plain
+    from draftsmith.config.checks import concurrency_levels
+    from draftsmith.config.settings import plain
+    from draftsmith.runtime.files import set_threads
 
     bench = job.bench
     if bench.topk != 1:

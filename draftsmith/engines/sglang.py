@@ -2,11 +2,11 @@
 
 The job runs in its stage's role interpreter (`sglang` on GPUs, `sglang-cpu` on a CPU-only
 machine), launches `python -m sglang.launch_server` with that same interpreter once for the job
-(`draftsmith.server`: health, log streaming into the rule's log, restarts, shutdown by process
+(`draftsmith.engines.server`: health, log streaming into the rule's log, restarts, shutdown by process
 group) and talks to it over HTTP on 127.0.0.1.
 
 Requests go to SGLang's native `/generate` with token ids, not to the OpenAI chat API: the
-prompt is rendered by our own chat template code (`draftsmith.tokens.render`, the one the hf
+prompt is rendered by our own chat template code (`draftsmith.data.tokens.render`, the one the hf
 engine and the tokenize stage use), so the regenerated text follows exactly the template the
 draft is later trained on, and the reply comes back as token ids with SGLang's counters
 (`completion_tokens`, `spec_verify_ct`, the accepted-length histogram) in `meta_info`. The chat
@@ -28,10 +28,10 @@ import logging
 import time
 from pathlib import Path
 
+from draftsmith.data.regenerate import new_stats
+from draftsmith.engines.server import Supervisor, http_json, run_requests
 from draftsmith.engines.sglang_capture import capture_range  # noqa: F401 (the capture stage)
 from draftsmith.engines.sglang_server import CPU_ROLE, SGLangSettings, server_spec
-from draftsmith.regenerate_base import new_stats
-from draftsmith.server import Supervisor, http_json, run_requests
 
 log = logging.getLogger("draftsmith.engines.sglang")
 # what the workflow needs from this engine (draftsmith.engines.NEEDS, read without importing
@@ -69,7 +69,7 @@ def load_tokenizer(target, role: str, trust_remote_code: bool = False):
     if role == CPU_ROLE:
         # the role's torchvision is a CUDA build that transformers imports on the way to the
         # tokenizer: its op schemas come from the compatibility layer here too
-        from draftsmith.sglang_cpu.hook import declare_torchvision_ops
+        from draftsmith.engines.sglang_cpu.hook import declare_torchvision_ops
 
         declare_torchvision_ops()
     from transformers import AutoTokenizer
@@ -92,7 +92,7 @@ def _generation_eos(target) -> list[int]:
 
 
 class SGLangGenerator:
-    """generate_fn of `draftsmith.regenerate` through the job's server; stats as HFGenerator's.
+    """generate_fn of `draftsmith.stages.regenerate` through the job's server; stats as HFGenerator's.
 
     Prompt + reply stay within `max_total` tokens (data.max_length): replies are capped to the
     room a prompt leaves, and a prompt with no room is not sent (None, counted).
@@ -127,7 +127,7 @@ class SGLangGenerator:
     def __call__(self, prompts: list[list[dict]]) -> list[str | None]:
         from tqdm import tqdm
 
-        from draftsmith.tokens import render
+        from draftsmith.data.tokens import render
 
         encoded = [
             list(
@@ -187,8 +187,8 @@ class SGLangGenerator:
 
 def regenerate_rows(conversations, job, *, target, threads: int, seed: int, max_total: int):
     """The regenerate stage: one server for the range, every user turn answered again."""
-    from draftsmith.regenerate_base import regenerate
-    from draftsmith.tokens import end_of_turn_id
+    from draftsmith.data.regenerate import regenerate
+    from draftsmith.data.tokens import end_of_turn_id
 
     regen, s = job.regenerate, job.engine
     if float(regen.temperature) > 0:
@@ -225,7 +225,7 @@ def regenerate_rows(conversations, job, *, target, threads: int, seed: int, max_
 
 def speculative_args(bench, draft) -> list[str]:
     """EAGLE-3 flags from bench.num_steps / topk / num_draft_tokens (0: a chain's K + 1);
-    `bench`: the BenchSettings (draftsmith.settings)."""
+    `bench`: the BenchSettings (draftsmith.config.settings)."""
     k, topk = int(bench.num_steps), int(bench.topk)
     n = int(bench.num_draft_tokens) or (k + 1 if topk == 1 else 0)
     if not n:
@@ -248,7 +248,7 @@ def speculative_args(bench, draft) -> list[str]:
 
 def draft_info(draft, target) -> dict:
     """aux ids and vocab of the exported draft, checked against the target it must serve."""
-    from draftsmith.export import ExportError, check_export
+    from draftsmith.algorithms.export import ExportError, check_export
 
     try:
         check_export(draft)
@@ -301,7 +301,7 @@ def serve_sets(spec, sets_ids: dict, sampling: dict, bench, s: SGLangSettings, s
     stats. A level during which the server was restarted is run again (timing and counters
     whole).
     """
-    from draftsmith.config import concurrency_levels
+    from draftsmith.config.checks import concurrency_levels
 
     timeout = float(s.request_timeout)
     first = next(iter(sets_ids.values()))[0]
@@ -347,7 +347,7 @@ def serve_sets(spec, sets_ids: dict, sampling: dict, bench, s: SGLangSettings, s
 
 
 def set_measurements(prompts, ids, base: dict, spec: dict, stops, k: int) -> dict:
-    """The raw measurements of one set at one concurrency level (draftsmith.benchfigures) from
+    """The raw measurements of one set at one concurrency level (draftsmith.bench.figures) from
     both servers' answers: SGLang's per-request counters (completion_tokens, spec_verify_ct,
     the accepted-drafts histogram), the outputs cut at the first stop token, each request's
     latency."""
@@ -389,7 +389,7 @@ def set_measurements(prompts, ids, base: dict, spec: dict, stops, k: int) -> dic
 
 def set_levels(prompts, ids, base: dict, spec: dict, stops, bench) -> dict:
     """A set's raw measurements: its first level's, with every level under `by_concurrency`."""
-    from draftsmith.config import concurrency_levels
+    from draftsmith.config.checks import concurrency_levels
 
     k, sampled = int(bench.num_steps), float(bench.temperature) > 0
     levels = [
@@ -405,7 +405,7 @@ def set_levels(prompts, ids, base: dict, spec: dict, stops, bench) -> dict:
 
 def check_server_counter(name: str, raw: dict) -> None:
     """Warn when /get_server_info's accept length disagrees with the per-request counters."""
-    from draftsmith.benchfigures import accept_length, pooled_counters
+    from draftsmith.bench.figures import accept_length, pooled_counters
 
     srv = raw["extra"]["server_accept_length"]
     if srv is None:
@@ -432,7 +432,7 @@ CPU_GREEDY_VERIFY = (
 
 
 def method_text(bench, role: str, threads: int) -> str:
-    from draftsmith.config import concurrency_levels
+    from draftsmith.config.checks import concurrency_levels
 
     where = f"CPU ({threads} threads, role {role})" if role == CPU_ROLE else f"role {role}"
     t = float(bench.temperature)
@@ -454,8 +454,8 @@ def method_text(bench, role: str, threads: int) -> str:
 
 def bench_sets(sets: dict, job, *, target, draft, threads: int):
     """The bench stage: the target served without, then with EAGLE-3; SGLang's own counters."""
-    from draftsmith.prompts import prompt_turns
-    from draftsmith.specdec import prompt_ids
+    from draftsmith.bench.specdec import prompt_ids
+    from draftsmith.data.prompts import prompt_turns
 
     bench, s = job.bench, job.engine
     info = draft_info(draft, target)

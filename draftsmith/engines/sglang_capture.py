@@ -2,7 +2,7 @@
 
 The server is the pinned SGLang with the capture patch (`rule patch_sglang`, overlay first on
 its PYTHONPATH), started once per job (segment mode with `sglang.capture_server: run`: once per
-run, draftsmith.sharedserver, `capture_server`) in SGLang's capture-only mode: aux capture at the
+run, draftsmith.engines.sharedserver, `capture_server`) in SGLang's capture-only mode: aux capture at the
 configured ids without a draft (`--enable-return-aux-hidden-states --speculative-algorithm
 EAGLE3 --return-aux-hidden-state-layer-ids ...`, which calls each model's
 `set_eagle3_layers_to_capture`), radix cache, chunked prefill and the overlap scheduler off
@@ -20,7 +20,7 @@ actually captured (SGLang id i must capture the input of layer i + 1), the crc32
 ids and the file size, casts to `capture.dtype`, writes the rows into the shard through the same
 streaming `ShardWriter` as `hf`, and deletes the dump. A wrong or missing dump or an aborted
 request is retried up to `capture.retries` times, then the job fails naming the row; a server
-that dies is relaunched (bounded, `draftsmith.server.Supervisor`) and every row not yet written
+that dies is relaunched (bounded, `draftsmith.engines.server.Supervisor`) and every row not yet written
 is sent again. The shard is only renamed into place once every token is written.
 """
 
@@ -44,9 +44,9 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from draftsmith.capture_base import CaptureError
 from draftsmith.engines.sglang_server import server_spec
-from draftsmith.shard_writer import ShardWriter
+from draftsmith.hidden.capture_base import CaptureError
+from draftsmith.hidden.writer import ShardWriter
 
 log = logging.getLogger("draftsmith.engines.sglang_capture")
 
@@ -141,13 +141,13 @@ def capture_server_spec(job, target, threads: int, ids, dump_dir: Path, overlay:
 
 
 def shared_server(job) -> dict | None:
-    """Where and how to lease the run's shared server (draftsmith.sharedserver), or None for a
+    """Where and how to lease the run's shared server (draftsmith.engines.sharedserver), or None for a
     server of the job's own: segment mode's captures ask for it (`capture_server` in the job's
-    --cfg, set by draftsmith.segcapture; a key only those jobs are given) and
+    --cfg, set by draftsmith.stages.segcapture; a key only those jobs are given) and
     `sglang.capture_server` is `run` (the rules resolve `auto`; a job without DRAFTSMITH_RUN has
     the schema's `auto`); a job outside a Snakemake run (no DRAFTSMITH_JOB_PARENT: no run to
     share with) always launches its own."""
-    from draftsmith.lifeline import ENV
+    from draftsmith.runtime.lifeline import ENV
 
     asked, owner = job.given.get("capture_server"), os.environ.get(ENV, "")
     if not asked or job.engine.capture_server != "run" or not owner.isdigit():
@@ -158,9 +158,9 @@ def shared_server(job) -> dict | None:
 def capture_server(job, target, threads: int, ids, overlay: str, stack: contextlib.ExitStack):
     """(server, dump dir) of one capture job, entered on `stack`: a lease on the run's shared
     server (`shared_server`) with the dump dir of its host, else a server of the job's own
-    (`draftsmith.server.Supervisor`) with a dump dir of its own."""
-    from draftsmith.server import Supervisor
-    from draftsmith.sharedserver import SCRATCH, SharedServer
+    (`draftsmith.engines.server.Supervisor`) with a dump dir of its own."""
+    from draftsmith.engines.server import Supervisor
+    from draftsmith.engines.sharedserver import SCRATCH, SharedServer
 
     retries = int(job.engine.retries)
     shared = shared_server(job)
@@ -233,7 +233,7 @@ class RowCapture:
 
     def send(self, url: str, r: int, attempt: int) -> int:
         """Capture row r: request, dump, checks, shard write. Returns the row's token count."""
-        from draftsmith.server import http_json
+        from draftsmith.engines.server import http_json
 
         ids = self.row_ids(r)
         key = f"{self.stem}.r{r}.a{attempt}.{uuid.uuid4().hex[:8]}"
@@ -267,7 +267,7 @@ class RowCapture:
 
 def run_rows(sup, rc: RowCapture, rows: list[int], *, concurrency: int, retries: int, bar) -> dict:
     """Capture `rows` with bounded concurrency; restart a dead server; bounded retries per row."""
-    from draftsmith.server import RequestRejected, server_down
+    from draftsmith.engines.server import RequestRejected, server_down
 
     attempts = dict.fromkeys(rows, 0)
     pending = list(rows)
@@ -313,7 +313,7 @@ def run_rows(sup, rc: RowCapture, rows: list[int], *, concurrency: int, retries:
 def check_ids(target, ids, record: dict) -> tuple[int, dict]:
     """The target's hidden size and what each dump must say (patch, width, layer inputs), after
     refusing aux ids SGLang cannot capture for this target."""
-    from draftsmith.target import target_config
+    from draftsmith.targets.model import target_config
 
     text_cfg = target_config(target)
     hidden, n_layers = int(text_cfg["hidden_size"]), int(text_cfg["num_hidden_layers"])
@@ -337,8 +337,8 @@ def capture_range(
     """The capture stage through the patched SGLang server (`job`: the JobSettings of the
     engine seam, draftsmith.engines); returns the shard's manifest (draft_ids: unused, this
     engine refuses top-k teachers)."""
-    from draftsmith.sglang_patch import load_patched
-    from draftsmith.storage import Storage
+    from draftsmith.engines.sglang_patch import load_patched
+    from draftsmith.hidden.storage import Storage
 
     if patched is None:
         raise CaptureError("capture.backend sglang needs --patched results/sglang/patched.json")

@@ -3,16 +3,16 @@ capture engine alike (`draftsmith.engines.sglang`, `draftsmith.engines.sglang_ca
 
 `server_spec` describes the launch: `python -m sglang.launch_server` in the job's own (the
 role's) interpreter, `sglang.tp_size`, `sglang.port`, `sglang.extra_args`, the target's
-`trust_remote_code`; `draftsmith.server.Supervisor` runs it. `SGLangSettings` is the `sglang`
-section as the engine gets it (`job.engine`, draftsmith.settings: every key filled, the run
+`trust_remote_code`; `draftsmith.engines.server.Supervisor` runs it. `SGLangSettings` is the `sglang`
+section as the engine gets it (`job.engine`, draftsmith.config.settings: every key filled, the run
 settings among them from DRAFTSMITH_RUN, else at the schema's defaults).
 
-Role `sglang-cpu` (`CPU_ROLE`, which is `draftsmith.sglang_cpu.ROLE`: the one fact that switches
+Role `sglang-cpu` (`CPU_ROLE`, which is `draftsmith.engines.sglang_cpu.ROLE`: the one fact that switches
 the CPU compatibility layer on, here and in `validate_env`'s self-check): the launcher adds the
-layer's environment (`draftsmith.sglang_cpu.server_env`: SGLANG_USE_CPU_ENGINE=1, its overlay
+layer's environment (`draftsmith.engines.sglang_cpu.server_env`: SGLANG_USE_CPU_ENGINE=1, its overlay
 first on PYTHONPATH) and launch flags, and serves in `target.dtype` (float32 by default, as the hf
 engine computes on CPU). Any other role launches stock SGLang: the overlay is never put on its
-path (`draftsmith.sglang_cpu` itself is constants and path helpers; it imports neither torch nor
+path (`draftsmith.engines.sglang_cpu` itself is constants and path helpers; it imports neither torch nor
 sglang).
 """
 
@@ -20,28 +20,13 @@ from __future__ import annotations
 
 import os
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
-from draftsmith import sglang_cpu
-from draftsmith.server import ServerSpec
+from draftsmith.config.settings import SGLangSettings
+from draftsmith.engines import sglang_cpu
+from draftsmith.engines.server import ServerSpec
 
 CPU_ROLE = sglang_cpu.ROLE
-
-
-@dataclass(frozen=True)
-class SGLangSettings:
-    """The `sglang` section (schemas/config.schema.yaml describes each key; no defaults here:
-    draftsmith.settings fills them from the schema, tests/test_settings.py checks the fields)."""
-
-    tp_size: int
-    extra_args: tuple[str, ...]
-    port: int
-    startup_timeout: float
-    request_timeout: float
-    retries: int
-    capture_server: str
-    idle_timeout: float
 
 
 def server_spec(
@@ -54,7 +39,7 @@ def server_spec(
     env: dict | None = None,
     pythonpath=(),
 ) -> ServerSpec:
-    """The SGLang server of a `stage` job (`job`: its JobSettings, draftsmith.settings): the
+    """The SGLang server of a `stage` job (`job`: its JobSettings, draftsmith.config.settings): the
     role's interpreter (this one), `sglang.tp_size`, the port (free by default),
     `sglang.extra_args` then `extra_args`; `env` merged in and `pythonpath` entries first on the
     server's PYTHONPATH."""

@@ -10,7 +10,7 @@ template gives (the hf engine's exactly), the stop tokens the hf engine's.
 
 Sampling: the draft samples its proposals (`draft_sample_method` "probabilistic", a proposal x
 drawn from the draft's tempered distribution q) and vLLM's rejection sampler accepts x with
-probability min(1, p(x) / q(x)): the standard rule, the hf engine's (draftsmith.sampling), so
+probability min(1, p(x) / q(x)): the standard rule, the hf engine's (draftsmith.algorithms.sampling), so
 the two engines' sampled tau estimate the same quantity. vLLM's default, "greedy", proposes the
 draft's argmax and accepts it with probability p(x), also lossless but another acceptance: at
 temperature 0.7 close to the standard rule's on the embedded default's draft (tau 1.269 vs
@@ -75,8 +75,8 @@ def check_draft(draft: Path, target: Path) -> dict:
     """The export's (SGLang-contract) config after the contract check, matched against the
     target. `draft` is an export (`results/draft`) or its speculators copy, which is checked
     with the export it belongs to."""
-    from draftsmith.export import ExportError, check_export
-    from draftsmith.target import target_config
+    from draftsmith.algorithms.export import ExportError, check_export
+    from draftsmith.targets.model import target_config
 
     export = draft
     if "speculators_model_type" in json.loads((draft / "config.json").read_text()):
@@ -108,7 +108,7 @@ def counted_passes(drafts: int, per_pos: list[int], k: int) -> list[int]:
 def kv_bytes(target: Path, max_len: int, dtype: str) -> int:
     """KV cache for one request of `max_len` tokens (target + one draft layer), x4 slack, at
     least 64 MiB: requests run one at a time, so vLLM's default reservation is mostly waste."""
-    from draftsmith.target import target_config
+    from draftsmith.targets.model import target_config
 
     t = target_config(target)
     heads = t.get("num_key_value_heads") or t["num_attention_heads"]
@@ -190,7 +190,7 @@ def closed_loop(llm, prompts: list[list[int]], params, level: int, tag: str) -> 
 def sampling_params(bench, stops):
     """params(i) of prompt i: greedy, or (bench.temperature > 0) sampled with top_p and the
     seed bench.seed + i (the same on both engines: each side's draws reproducible); `bench`:
-    the BenchSettings (draftsmith.settings)."""
+    the BenchSettings (draftsmith.config.settings)."""
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
@@ -212,7 +212,7 @@ def sampling_params(bench, stops):
 
 def run_level(spec_llm, base_llm, prompts, rows, bench, stops, level: int, order: int):
     """Both engines on every prompt at `level` requests in flight, timed, and vLLM's counters
-    over the level: the raw measurements `draftsmith.benchfigures` turns into figures."""
+    over the level: the raw measurements `draftsmith.bench.figures` turns into figures."""
     k = bench.num_steps
     params = sampling_params(bench, stops)
     runs = {}
@@ -275,8 +275,8 @@ DRAFTING = {  # draft.algorithm of the export -> how vLLM's proposer drafts
 
 def run_set(spec_llm, base_llm, prompts: list[list[int]], rows, bench, stops) -> dict:
     """A set at every bench.concurrency level: its first level's measurements, with every
-    level's under `by_concurrency` (draftsmith.benchfigures)."""
-    from draftsmith.config import concurrency_levels
+    level's under `by_concurrency` (draftsmith.bench.figures)."""
+    from draftsmith.config.checks import concurrency_levels
 
     levels = [
         run_level(spec_llm, base_llm, prompts, rows, bench, stops, c, order)
@@ -286,7 +286,7 @@ def run_set(spec_llm, base_llm, prompts: list[list[int]], rows, bench, stops) ->
 
 
 def method_text(bench, threads: int, version: str, algorithm: str = "eagle3") -> str:
-    from draftsmith.config import concurrency_levels
+    from draftsmith.config.checks import concurrency_levels
 
     t = float(bench.temperature)
     how = (
@@ -326,10 +326,10 @@ def bench_sets(sets: dict, job, *, target, draft, threads: int):
     import vllm
     from transformers import AutoTokenizer, GenerationConfig
 
-    from draftsmith.config import concurrency_levels
+    from draftsmith.bench.specdec import prompt_ids, stop_ids
+    from draftsmith.config.checks import concurrency_levels
+    from draftsmith.data.prompts import prompt_turns
     from draftsmith.engines import vllm_cpu
-    from draftsmith.prompts import prompt_turns
-    from draftsmith.specdec import prompt_ids, stop_ids
 
     target, draft = Path(target), Path(draft)
     c = check_draft(draft, target)
@@ -378,7 +378,7 @@ def bench_sets(sets: dict, job, *, target, draft, threads: int):
 
 def _layer_ids(c: dict) -> dict:
     """The draft's aux ids (SGLang numbering) and vLLM's; a DFlash draft's vLLM ids are its
-    dflash_config.target_layer_ids + 1 (draftsmith.dflash_export)."""
+    dflash_config.target_layer_ids + 1 (draftsmith.algorithms.dflash.export)."""
     if "dflash_config" in c:
         ids = c["dflash_config"]["target_layer_ids"]
         return {"aux_layer_ids": ids, "vllm_aux_layer_ids": [i + 1 for i in ids]}

@@ -194,7 +194,7 @@ def is_wrapped(target: str | Path) -> bool:
 
 def uses_mla(target: str | Path) -> bool:
     """The target's text model has MLA attention (a `kv_lora_rank`), wrapped or not."""
-    from draftsmith.target import target_config
+    from draftsmith.targets.model import target_config
 
     return bool(target_config(Path(target)).get("kv_lora_rank"))
 

@@ -1,0 +1,5 @@
+"""`python -m draftsmith <command> ...`: see draftsmith.cli."""
+
+from draftsmith.cli import main
+
+main()

@@ -1,0 +1,67 @@
+"""CPU compatibility layer for the real SGLang 0.5.23 server (role `sglang-cpu` only).
+
+SGLang's CPU engine (`SGLANG_USE_CPU_ENGINE=1`) expects SGLang's compiled CPU kernels, which the
+package registry does not have (the `sgl-kernel` / `sglang-kernel` wheels are CUDA-only, the CPU
+kernels a source build). This package bridges exactly four gaps, in pure Python, so the
+unmodified server runs on a CPU-only machine:
+
+1. `sgl_kernel` (overlay/sgl_kernel, code in `kernels.py`): stand-ins for the eight helpers SGLang
+   imports from it on CPU: assign_req_to_token_pool_cpu, assign_extend_cache_locs_cpu,
+   assign_draft_cache_locs_contiguous_cpu, fill_bonus_tokens_cpu, fill_accept_out_cache_loc_cpu,
+   build_tree_kernel_efficient_cpu, verify_tree_greedy_cpu, copy_all_layer_kv_cache_cpu.
+   Nothing else of sgl_kernel exists, so SGLang's AMX detection stays off and each layer takes its
+   plain-torch `forward_native` path.
+2. torchvision (`hook.declare_torchvision_ops`): the registry's torchvision is a CUDA build whose
+   compiled ops cannot load next to CPU torch; SGLang imports it at start-up, and its Python part
+   needs the `torchvision::nms` / `qnms` schemas to exist. They are declared (no kernels).
+3. EAGLE / EAGLE3 with the `torch_native` attention backend (`attention.py`): the backend is added
+   to the draft backend maps, with a target-verify path (tree mask for topk > 1) and a multi-step
+   draft decode backend.
+4. MLA targets (DeepSeek-V3, Kimi-K2.5) with `torch_native` (`mla.py`): the backend is added to
+   SGLang's DeepSeek attention registry so that every batch takes the absorbed MLA path; the
+   MLA draft class shares the target's embedding without its CUDA synchronize.
+
+Everything else (HTTP server, scheduler, model classes, EAGLE worker, draft loading, acceptance
+counters) is SGLang's own code. The layer is loaded into every SGLang process through
+`overlay/sitecustomize.py` on PYTHONPATH (`server_env`), never by editing site-packages.
+GPU runs (role `sglang`) never import this package and never get the overlay on their path.
+
+This module itself imports neither torch nor sglang: the server launcher uses it from any role.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+OVERLAY = Path(__file__).resolve().parent / "overlay"
+ROLE = "sglang-cpu"
+
+# Server flags the CPU role needs (the launcher adds model, port, speculative flags).
+# --disable-cuda-graph: no graphs on CPU; torch_native: the only attention backend without
+# compiled kernels; float32 keeps speculative output equal to plain greedy.
+LAUNCH_ARGS = (
+    "--device",
+    "cpu",
+    "--attention-backend",
+    "torch_native",
+    "--disable-cuda-graph",
+)
+
+
+def server_env(base: dict[str, str] | None = None, threads: int = 1) -> dict[str, str]:
+    """Environment for an SGLang process of the CPU role: CPU engine on, overlay first on path.
+
+    `threads` sets OMP_NUM_THREADS (1 per server is steadier on shared cores).
+    """
+    env = dict(os.environ if base is None else base)
+    path = [str(OVERLAY), str(OVERLAY.parents[3])]
+    if env.get("PYTHONPATH"):
+        path.append(env["PYTHONPATH"])
+    env.update(
+        SGLANG_USE_CPU_ENGINE="1",
+        PYTHONPATH=os.pathsep.join(path),
+        OMP_NUM_THREADS=str(threads),
+        OMP_WAIT_POLICY="PASSIVE",
+    )
+    return env

@@ -1,0 +1,559 @@
+"""Train the EAGLE-3 draft with training-time test, resumable exactly, then export it.
+
+    python -m draftsmith train-rank --cfg JSON --shards results/hidden/rows_*.safetensors \
+        --vocab results/vocab/vocab.safetensors --target results/target \
+        --out results/draft --metrics results/train/metrics.jsonl [--state state/train]
+    torchrun --standalone --nproc-per-node N -m draftsmith train-rank ...      (DDP, gloo on CPU)
+
+The run, top to bottom: `check_inputs` (target pieces, vocabulary, shards proven against their
+manifests), `prepare_run` (run key and directory, teacher flags, the data plan), `build_draft`
+and `resume` (model, optimizer, newest checkpoint), the loop (`train_step`, metrics,
+`checkpoint_due`), `finish` (export and metrics copy).
+
+Data: every row of every shard, shuffled per epoch with a seeded generator, packed first-fit
+into `batch_tokens // longest_row` packs of `longest_row` tokens (attention stays within a
+row); one batch is one optimizer step, its packs split over the processes. The data position
+(epoch, batch) is part of every checkpoint.
+
+Shards: before its first use each shard's sha256 is proven against its manifest (the result is
+cached in `<state>/verified/<range>.json`, keyed by the file's size, mtime and sha256, so a rerun
+does not re-read unchanged shards).
+
+Precision: `train.precision` auto is resolved here, per process, from the device
+(draftsmith.runtime.hardware): bf16 autocast on a GPU or a CPU with native bf16, fp32 elsewhere. The
+resolved precision is part of the run key (a run never resumes in another precision) and of the
+draft's provenance, not of the workflow's params: a draft trained on one CPU kind is not stale
+on another (docs/training.md).
+
+State: `<state>/<run key>/` where the key hashes the train/draft/capture config, the resolved
+precision, the shards' names and sha256, the vocabulary and the target fingerprint, so a changed
+input never resumes a stale run, and a shard rebuilt with identical bytes resumes where it
+stopped. It holds the teacher argmax flags (computed once), `metrics.jsonl` and checkpoints
+(draftsmith.train.checkpoint), written every `checkpoint_every` steps, at least every
+`checkpoint_seconds` seconds and at the end. A rerun resumes from the newest complete one.
+SIGINT/SIGTERM end the process within seconds (draftsmith.runtime.stopping), losing at most the work
+since the last checkpoint.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import logging
+import math
+import os
+import resource
+import shutil
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from draftsmith import algorithms
+from draftsmith.algorithms.eagle3.model import DraftConfig, Eagle3Draft
+from draftsmith.algorithms.eagle3.offline import for_run as offline_estimate
+from draftsmith.algorithms.eagle3.ttt import (
+    TTTObjective,
+    batch_teacher,
+    pack_batch,
+    step_masks,
+    weighted_loss,
+)
+from draftsmith.algorithms.export import (
+    ExportError,
+    export_draft,
+    say_family,
+    serve_gate,
+    target_embedding,
+    target_family,
+    verifier_ref,
+)
+from draftsmith.config.checks import aux_layer_ids, execution_defaults
+from draftsmith.config.settings import JobSettings, TrainSettings
+from draftsmith.config.settings import job as job_settings
+from draftsmith.runtime.files import (
+    atomic_path,
+    init_logging,
+    merge_run,
+    parse_cfg,
+    set_threads,
+    sha256_file,
+    versions,
+)
+from draftsmith.runtime.finite import check_step
+from draftsmith.runtime.hardware import cpu_facts, resolve_precision
+from draftsmith.runtime.repair import keep_last_good
+from draftsmith.runtime.stopping import stop_promptly
+from draftsmith.targets.families import effective_norm_weight
+from draftsmith.targets.layout import text_config
+from draftsmith.train.checkpoint import (
+    latest_checkpoint,
+    load_checkpoint,
+    reset_metrics,
+    save_checkpoint,
+)
+from draftsmith.train.data import (  # noqa: F401 (target_tensors, run_key: public here too)
+    Data,
+    Inputs,
+    check_inputs,
+    prepare_run,
+    row_tensors,
+    run_key,
+    target_tensors,
+)
+
+CLIP = 0.5
+log = logging.getLogger("draftsmith.train.loop")
+
+
+# ---------------------------------------------------------------------------------------------
+# Schedule and processes
+
+
+def lr_at(step: int, total: int, peak: float, warmup_ratio: float) -> float:
+    """Linear warmup then cosine decay to 0 (a pure function of the step: the schedule state)."""
+    warmup = math.ceil(warmup_ratio * total)
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    progress = (step - warmup) / max(1, total - warmup)
+    return peak * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def dist_info() -> tuple[int, int]:
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1 and not torch.distributed.is_initialized():
+        torch.distributed.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    return (torch.distributed.get_rank() if world > 1 else 0), world
+
+
+def all_sum(x: torch.Tensor, world: int) -> torch.Tensor:
+    if world > 1:
+        x = x.clone()
+        torch.distributed.all_reduce(x)
+    return x
+
+
+# ---------------------------------------------------------------------------------------------
+# The run
+
+
+@dataclass
+class Progress:
+    """Where the run is (read by the stop watcher to say where a rerun resumes)."""
+
+    step: int = 0
+    epoch: int = 0
+    batch: int = 0
+    saved_step: int | None = None
+    saved_at: float = field(default_factory=time.monotonic)
+    run_dir: Path | None = None
+
+
+def build_draft(job: JobSettings, inputs: Inputs, device):
+    """The seeded draft (lm_head and norm from the target's with draft.init_from_target) and
+    its optimizer."""
+    torch.manual_seed(job.train.seed)
+    attention, algorithm = job.draft.attention, algorithms.get(job.draft.algorithm)
+    own = algorithms.part(algorithm, "TRAINER")
+    if own is not None:  # an algorithm with its own draft module (dflash)
+        if attention != "llama":
+            raise SystemExit(
+                f"error: draft.attention {attention!r}: the "
+                f"{algorithm.NAME} draft has no attention variant"
+            )
+        draft = own.build_draft(job, inputs).to(device)
+        return draft, torch.optim.AdamW(draft.parameters(), lr=job.train.lr, weight_decay=0.0)
+    try:
+        dcfg = DraftConfig.from_target_config(
+            inputs.target_cfg,
+            job.draft.vocab_size,
+            inputs.aux_ids,
+            attention=attention,
+            algorithm=algorithm.NAME,
+        )
+    except ValueError as e:  # e.g. draft.attention mla for a target without MLA fields
+        raise SystemExit(f"error: {e}") from None
+    draft = Eagle3Draft(dcfg)
+    draft.set_vocab(inputs.d2t, inputs.t2d)
+    hot = inputs.d2t + torch.arange(inputs.d2t.shape[0])
+    if job.draft.init_from_target:
+        with torch.no_grad():
+            draft.lm_head.weight.copy_(inputs.heads["lm_head"][hot])
+            # a Gemma-style target applies its norm as 1 + w; the draft's norm is x * w
+            draft.norm.weight.copy_(effective_norm_weight(inputs.heads["norm"], inputs.target_cfg))
+    draft.to(device)
+    opt = torch.optim.AdamW(draft.parameters(), lr=job.train.lr, weight_decay=0.0)
+    return draft, opt
+
+
+def resume(run_dir: Path, key: str, draft, opt, rank: int) -> Progress:
+    """Load the newest complete checkpoint of this run key (if any); cut the metrics back."""
+    pos = Progress(run_dir=run_dir)
+    ckpt = latest_checkpoint(run_dir, key)
+    if ckpt is not None:
+        meta = load_checkpoint(ckpt, draft, opt)
+        pos.step, pos.epoch, pos.batch = meta["step"], meta["epoch"], meta["batch"]
+        pos.saved_step = pos.step
+        log.info(
+            "resuming %s at step %d (epoch %d, batch %d)", ckpt, pos.step, pos.epoch, pos.batch
+        )
+    if rank == 0:
+        reset_metrics(run_dir / "metrics.jsonl", pos.step)
+    return pos
+
+
+@dataclass
+class Step:
+    """Everything one optimizer step uses besides the batch."""
+
+    model: torch.nn.Module  # the TTT objective, DDP-wrapped with several processes
+    draft: Eagle3Draft
+    opt: torch.optim.Optimizer
+    embed: torch.Tensor
+    draft_rows: torch.Tensor
+    draft_index: torch.Tensor
+    autocast: torch.autocast
+    device: torch.device
+    own: object = None  # the algorithm's TRAINER module (dflash), None for EAGLE-3's
+
+
+def train_step(
+    s: Step, tcfg: TrainSettings, inputs: Inputs, data: Data, pos: Progress, rank, world
+) -> dict:
+    """One optimizer step on batch `pos.batch` of epoch `pos.epoch`; its metrics record."""
+    steps, hidden = tcfg.ttt_steps, s.draft.config.target_hidden_size
+    t0 = time.perf_counter()
+    lr = lr_at(pos.step, data.total, tcfg.lr, tcfg.warmup_ratio)
+    for g in s.opt.param_groups:
+        g["lr"] = lr
+    packs = [
+        [
+            row_tensors(inputs.shards, data.names, data.ok, data.rows[r], data.all_positions)
+            for r in pack
+        ]
+        for pack in data.plans[pos.epoch][pos.batch][rank::world]
+    ]
+    b = pack_batch(packs, steps, len(inputs.aux_ids) * hidden, hidden)
+    aux = b.aux
+    gen = torch.Generator().manual_seed(tcfg.seed * 7919 + pos.step * 104729 + rank)
+    if tcfg.noise_std > 0:
+        aux = aux + (torch.rand(aux.shape, generator=gen) * 2 - 1) * tcfg.noise_std * 3**0.5
+    if s.own is not None:  # the algorithm's own objective (dflash)
+        with s.autocast:
+            ce, correct, counts, weights = s.own.batch_losses(s.model, b, aux, gen, s.device)
+        counts = all_sum(counts, world)
+    else:
+        masks = step_masks(b.seg, b.loss_mask, b.ok, steps, b.length).to(s.device)
+        counts, weights = all_sum(masks.sum(dim=(1, 2)).float(), world), None
+        teacher = batch_teacher(b, s.draft_rows, s.draft_index)
+        embeds = s.embed[b.ids[:, : b.length + steps + 1].to(s.device)]
+        with s.autocast:
+            ce, correct = s.model(
+                aux.to(s.device), embeds, b.pos.to(s.device), b.seg[:, : b.length].to(s.device),
+                masks, teacher,
+            )  # fmt: skip
+    loss = weighted_loss(ce, counts, scale=world, weights=weights)
+    s.opt.zero_grad(set_to_none=True)
+    loss.backward()
+    grad_norm = torch.nn.utils.clip_grad_norm_(s.draft.parameters(), CLIP)
+    check_step(
+        pos.step + 1, loss, grad_norm, pos.run_dir
+    )  # before the update: checkpoints stay good
+    s.opt.step()
+    ce_all = all_sum(ce.detach().float(), world)
+    correct_all = all_sum(correct.detach().float(), world)
+    tokens = int(all_sum(torch.tensor([float(b.tokens)]), world).item())
+    return {
+        "step": pos.step + 1,
+        "epoch": pos.epoch,
+        "loss": float(weighted_loss(ce_all, counts, weights=weights)),
+        "loss_per_pos": (ce_all / counts.clamp(min=1)).tolist(),
+        "acc_per_pos": (correct_all / counts.clamp(min=1)).tolist(),
+        "lr": lr,
+        "grad_norm": float(grad_norm),
+        "tokens": tokens,
+        "tokens_per_s": tokens / (time.perf_counter() - t0),
+        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        **rss_now_mb(),
+    }
+
+
+def checkpoint_due(tcfg: TrainSettings, pos: Progress, total: int) -> bool:
+    """At the end, every `checkpoint_every` steps, and once `checkpoint_seconds` have passed
+    since the last one (a stop then loses at most about that much work on any CPU)."""
+    every, seconds = tcfg.checkpoint_every, tcfg.checkpoint_seconds
+    if pos.step == total or (every and pos.step % every == 0):
+        return True
+    return bool(seconds) and time.monotonic() - pos.saved_at >= seconds
+
+
+def step_helpers(job: JobSettings, inputs: Inputs, draft, opt, device, precision: str, world):
+    hot = inputs.d2t + torch.arange(inputs.d2t.shape[0])
+    draft_index = torch.full((inputs.t2d.shape[0],), -1, dtype=torch.long)
+    draft_index[hot] = torch.arange(hot.shape[0])  # target id -> draft id (top-k teachers)
+    own = algorithms.part(algorithms.get(job.draft.algorithm), "TRAINER")
+    if own is not None:
+        model = own.objective(draft, job, inputs, device)
+    else:
+        model = TTTObjective(draft, job.train.ttt_steps)
+    if world > 1:
+        model = torch.nn.parallel.DistributedDataParallel(model, broadcast_buffers=False)
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16")
+    return Step(
+        model,
+        draft,
+        opt,
+        inputs.heads["embed"].to(device),
+        inputs.heads["lm_head"][hot].to(device),
+        draft_index,
+        autocast,
+        device,
+        own,
+    )
+
+
+def layer_ids(job: JobSettings, target_dir: Path) -> list[int]:
+    """capture.aux_layer_ids resolved for the target (SGLang numbering)."""
+    n = text_config(json.loads((Path(target_dir) / "config.json").read_text()))["num_hidden_layers"]
+    return aux_layer_ids(job.capture.aux_layer_ids, int(n))
+
+
+def train(
+    job: JobSettings,
+    shard_paths: list[Path],
+    vocab_path: Path,
+    target_dir: Path,
+    out_dir: Path,
+    metrics_path: Path,
+    state_root: Path,
+    device: str | None = None,
+    progress: Progress | None = None,
+    offline_path: Path | None = None,
+) -> None:
+    tcfg = job.train
+    facts = cpu_facts()  # before the process group: it queries the CPU (cpuinfo, AMX)
+    rank, world = dist_info()
+    device = pick_device(device)
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    precision, why = resolve_precision(tcfg.precision, device.type, facts)
+    log.info("precision %s (%s)", precision, why)
+    try:
+        serve_gate(target_dir, job.draft.serve_check, layer_ids(job, target_dir))
+    except (ExportError, ValueError) as e:
+        raise SystemExit(str(e)) from None
+    inputs = check_inputs(job, shard_paths, vocab_path, target_dir, state_root, rank)
+    if world > 1:
+        torch.distributed.barrier()
+    key = run_key(job.given, shard_paths, vocab_path, target_dir, precision)
+    run_dir = state_root / key
+    run_dir.mkdir(parents=True, exist_ok=True)
+    data = prepare_run(job, inputs, shard_paths, run_dir, rank, world, device)
+    draft, opt = build_draft(job, inputs, device)
+    pos = resume(run_dir, key, draft, opt, rank)
+    if progress is not None:  # the stop watcher's view of this run
+        progress.__dict__.update(pos.__dict__)
+        pos = progress
+    s = step_helpers(job, inputs, draft, opt, device, precision, world)
+    log.info(
+        "run %s: %d rows, %d steps, pack length %d, %d process(es), device %s, precision %s",
+        key,
+        len(data.rows),
+        data.total,
+        data.pack_len,
+        world,
+        device,
+        precision,
+    )
+    bar = tqdm(total=data.total, initial=pos.step, desc="train", disable=None if rank else True)
+    while pos.step < data.total:
+        if pos.batch >= len(data.plans[pos.epoch]):
+            pos.epoch, pos.batch = pos.epoch + 1, 0
+            continue
+        record = train_step(s, tcfg, inputs, data, pos, rank, world)
+        pos.step, pos.batch = pos.step + 1, pos.batch + 1
+        if rank == 0:
+            with open(run_dir / "metrics.jsonl", "a") as f:
+                f.write(json.dumps(record) + "\n")
+            bar.update(1)
+            bar.set_postfix(loss=f"{record['loss']:.3f}", acc0=f"{record['acc_per_pos'][0]:.2f}")
+            if checkpoint_due(tcfg, pos, data.total):
+                meta = {"key": key, "epoch": pos.epoch, "batch": pos.batch, "config": job.given}
+                save_checkpoint(run_dir, pos.step, draft, opt, {**meta, "total_steps": data.total})
+                pos.saved_step, pos.saved_at = pos.step, time.monotonic()
+    bar.close()
+    if rank == 0:
+        provenance = run_provenance(
+            job, key, data, (precision, why, facts), inputs, (shard_paths, vocab_path)
+        )
+        longest = max((end - start for _, start, end in data.rows), default=0)
+        if (
+            offline_path is not None
+        ):  # on the train.eval_rows rows (draftsmith.algorithms.eagle3.offline)
+            offline_estimate(tcfg.ttt_steps, draft, inputs, data.eval_rows, offline_path)
+        paths = (target_dir, out_dir, run_dir, metrics_path)
+        finish(draft, provenance, tcfg.ttt_steps, paths, longest)
+    if world > 1:
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+
+
+def run_provenance(job: JobSettings, key, data, precision, inputs, paths) -> dict:
+    """What the exported draft records of its run: config, steps, the precision as resolved
+    (`precision`: resolved, why, CPU facts), the sha256 of each shard and of the vocabulary
+    (`paths`: shard paths, vocabulary path) and the target's fingerprint."""
+    (resolved, why, facts), (shard_paths, vocab_path) = precision, paths
+    return {
+        "key": key,
+        "config": job.given,
+        "total_steps": data.total,
+        "pack_len": data.pack_len,
+        "precision": {
+            "configured": job.train.precision,
+            "resolved": resolved,
+            "why": why,
+            "cpu": facts.as_dict(),
+        },
+        "shards": {
+            n: json.loads(p.with_suffix(".json").read_text()).get("sha256")
+            for n, p in zip(data.names, shard_paths, strict=True)
+        },
+        "vocab_sha256": sha256_file(vocab_path),
+        "target_fingerprint": inputs.fingerprint,
+    }
+
+
+def finish(draft, provenance: dict, num_tokens: int, paths, longest: int) -> None:
+    """Export the draft (SGLang layout, atomically; `num_tokens` = train.ttt_steps) and copy the
+    run's metrics out (`paths`: target, out and run directories, metrics file); say what the
+    target family means for it (RoPE not carried, engines that cannot serve it)."""
+    target_dir, out_dir, run_dir, metrics_path = paths
+    family = target_family(target_dir, draft.config, longest)
+    say_family(out_dir, family)
+    export_draft(
+        draft.cpu(),
+        out_dir,
+        {**provenance, "versions": versions()},
+        embed=target_embedding(target_dir),
+        verifier=verifier_ref(target_dir),
+        num_tokens=num_tokens,
+        family=family,
+    )
+    keep_last_good(out_dir)  # <out>.last-good/: outlives a failed rebuild
+    with atomic_path(metrics_path) as tmp:
+        shutil.copyfile(run_dir / "metrics.jsonl", tmp)
+    log.info("wrote %s and %s", out_dir, metrics_path)
+
+
+def pick_device(device: str | None) -> torch.device:
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda":
+        return torch.device(f"cuda:{os.environ.get('LOCAL_RANK', '0')}")
+    return torch.device(device)
+
+
+def bound_cpu_memory(primitive_cache: int = 64, mmap_threshold: int = 4 << 20) -> None:
+    """Keep the trainer's heap from growing with the number of distinct batch shapes.
+
+    Measured (docs/tuning.md): without this, RSS grows with every new shape (the packs' length
+    and the compact TTT layout change every step) and is not a leak: oneDNN caches one primitive
+    (with its bf16 weight copies) per matmul shape, 1024 by default, and glibc's dynamic mmap
+    threshold moves freed large tensors onto the fragmented heap. A small primitive cache
+    (unless ONEDNN_PRIMITIVE_CACHE_CAPACITY is set; read at oneDNN's first use) and a fixed mmap
+    threshold (tensors of 4 MiB and more go back to the system when freed; glibc only) bound
+    both. The threshold is a trade: at 128 KiB every activation was a fresh mapping and a step
+    took 1.34x as long (page faults); at 4 MiB only the large ones are.
+    """
+    os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", str(primitive_cache))
+    try:
+        ctypes.CDLL(None).mallopt(-3, mmap_threshold)  # M_MMAP_THRESHOLD
+    except (OSError, AttributeError):
+        pass  # not glibc
+
+
+def rss_now_mb() -> dict:
+    """Current (not peak) resident memory in MB: all of it, and the anonymous part (the heap;
+    RSS also counts the memory-mapped shard pages read so far, which the kernel may drop).
+    Empty where /proc is absent."""
+    try:
+        fields = dict(ln.split(":", 1) for ln in Path("/proc/self/status").read_text().splitlines())
+    except OSError:
+        return {}
+    kb = {k: int(v.split()[0]) for k, v in fields.items() if k in ("VmRSS", "RssAnon")}
+    return {
+        "rss_mb": kb.get("VmRSS", 0) / 1024,
+        "rss_anon_mb": kb.get("RssAnon", 0) / 1024,
+    }
+
+
+def log_stop(pos: Progress) -> None:
+    """Said by the stop watcher: where a rerun resumes and what the stop cost."""
+    if pos.run_dir is None:
+        log.warning("stopped before training started; a rerun starts from the beginning")
+        return
+    saved = "no checkpoint yet" if pos.saved_step is None else f"checkpoint step {pos.saved_step}"
+    log.warning(
+        "stopped at step %d: a rerun resumes from %s in %s (%.0f s of work since)",
+        pos.step,
+        saved,
+        pos.run_dir,
+        time.monotonic() - pos.saved_at,
+    )
+
+
+def recorded(job: JobSettings) -> JobSettings:
+    """`job` whose `given` train section (what provenance and checkpoints record) carries the
+    x-execution train keys a hand run's --cfg and DRAFTSMITH_RUN lack, at the schema's
+    defaults: the record the trainer wrote before the typed settings."""
+    train = {**execution_defaults("train"), **job.given["train"]}
+    return replace(job, given={**job.given, "train": train})
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(
+        prog="python -m draftsmith train-rank",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    ap.add_argument("--cfg", required=True, help="JSON of the train, draft and capture sections")
+    ap.add_argument("--shards", nargs="+", required=True, type=Path)
+    ap.add_argument("--vocab", required=True, type=Path)
+    ap.add_argument("--target", required=True, type=Path)
+    ap.add_argument("--out", required=True, type=Path, help="the exported draft directory")
+    ap.add_argument("--metrics", required=True, type=Path)
+    ap.add_argument("--offline", type=Path, help="results/train/offline_acceptance.json")
+    ap.add_argument("--state", type=Path, default=Path("state/train"))
+    ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda when available")
+    args = ap.parse_args(argv)
+    init_logging("draftsmith.train.loop")
+    cfg = merge_run(parse_cfg(args.cfg), sections=("train",))  # the x-execution train keys
+    job = recorded(job_settings(cfg, ("train", "draft", "capture")))
+    progress = Progress()
+    # under torchrun (WORLD_SIZE > 1) the elastic agent stops its workers itself (SIGTERM, whose
+    # default action ends a rank at once)
+    single = int(os.environ.get("WORLD_SIZE", "1")) == 1
+    guard = (
+        stop_promptly("draftsmith.train.loop", lambda sig: log_stop(progress))
+        if single
+        else nullcontext()
+    )
+    with guard:
+        set_threads(args.threads)
+        bound_cpu_memory()
+        train(
+            job,
+            sorted(args.shards),
+            args.vocab,
+            args.target,
+            args.out,
+            args.metrics,
+            args.state,
+            args.device,
+            progress,
+            args.offline,
+        )
