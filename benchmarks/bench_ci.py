@@ -6,7 +6,7 @@
 The first form clones this repository at `--rev` into a temporary directory and runs its
 `.ci/run` there, as CI does on a clean clone, while sampling the first line of /proc/stat every
 5 seconds. Whether the run is cold or warm is decided by the machine: `.ci/run` builds the role
-venvs with `draftsmith.stages.env venv --cache`, so a machine that has
+venvs with `python -m draftsmith env venv --cache`, so a machine that has
 ~/.cache/draftsmith/venvs for the same pin files runs warm: every venv the log names was
 "reused", none "built" (the engine venvs' lines are in the clone's .venvs/build.log, appended to
 the log here; give a finished run's log with that file appended). `--cold` gives the run an

@@ -81,6 +81,7 @@ def main() -> None:
 
     clock = time.process_time if args.clock == "cpu" else time.perf_counter
 
+    from draftsmith.algorithms.eagle3 import decode
     from draftsmith.bench import specdec
     from draftsmith.data.prompts import load_sources, prompt_turns
     from draftsmith.engines.hf import load_models
@@ -100,8 +101,8 @@ def main() -> None:
     current = {"k": ks[0]}
     real_forward, real_propose, real_extend = (
         specdec.target_forward,
-        specdec.DraftRunner.propose,
-        specdec.DraftRunner.extend,
+        decode.DraftRunner.propose,
+        decode.DraftRunner.extend,
     )
 
     def phase_of_forward(a, kw):
@@ -116,7 +117,7 @@ def main() -> None:
     def extend(*a, **kw):
         return timers[current["k"]].wrap(lambda *_: "draft", real_extend)(*a, **kw)
 
-    specdec.target_forward, specdec.DraftRunner.propose, specdec.DraftRunner.extend = (
+    specdec.target_forward, decode.DraftRunner.propose, decode.DraftRunner.extend = (
         forward,
         propose,
         extend,

@@ -791,7 +791,9 @@ def main(argv: list[str] | None = None) -> None:
             f"{args.results}: run `snakemake --cores 2 results/vocab/vocab.safetensors`"
         )
     cfg = yaml.safe_load((ROOT / "config.yaml").read_text())
-    validate(cfg, str(ROOT / "draftsmith" / "config" / "config.schema.yaml"))  # fills the schema's defaults
+    validate(
+        cfg, str(ROOT / "draftsmith" / "config" / "config.schema.yaml")
+    )  # fills the schema's defaults
     torch.set_num_threads(args.threads)
     load_start = round(os.getloadavg()[0], 1)
     t_start = time.perf_counter()

@@ -154,7 +154,7 @@ def main() -> None:
         root = Path(tmp)
         inputs = make_inputs(root, args.tokens)
         t0 = time.perf_counter()
-        from draftsmith.algorithms.eagle3.ttt import teacher_argmax_in_vocab
+        from draftsmith.algorithms.batches import teacher_argmax_in_vocab
         from draftsmith.hidden.shards import open_shard
         from draftsmith.train.loop import target_tensors
 

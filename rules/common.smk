@@ -15,7 +15,9 @@ from draftsmith.runtime.files import sha256_file  # noqa: E402
 from draftsmith.config.engines import NEEDS as ENGINE_DEFAULTS  # noqa: E402
 from draftsmith.config.engines import engine_inputs  # noqa: E402
 from draftsmith.config.engines import needs as engine_workflow  # noqa: E402
+from draftsmith.algorithms import refusals as algorithm_refusals  # noqa: E402
 from draftsmith.config.checks import (
+    ConfigError,
     check_config,
     check_finite,
     check_range,
@@ -45,6 +47,9 @@ config.update(_coerced)
 check_finite(config)
 validate(config, "../draftsmith/config/config.schema.yaml")
 check_config(config)
+# a draft algorithm the benchmark's engine cannot serve, or a setting the algorithm refuses
+if algorithm_refusals(config):
+    raise ConfigError("config: " + "; ".join(algorithm_refusals(config)))
 # options whose default builds what was built before them: left out of params at that default
 NEUTRAL_DEFAULTS = neutral_defaults(_SCHEMA)
 

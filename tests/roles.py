@@ -16,7 +16,7 @@ def role_python(role: str) -> str:
         return python
     why = (
         f"role {role!r}: set {var} to its interpreter (build it with `python3 -m "
-        f"draftsmith.stages.env venv --pins envs/{role}.txt --out .venvs/{role}`)"
+        f"draftsmith env venv --pins envs/{role}.txt --out .venvs/{role}`)"
     )
     if os.environ.get("DRAFTSMITH_REQUIRE_ENGINES") == "1":
         pytest.fail(why)

@@ -23,7 +23,7 @@ def test_schema_values_are_the_registry():
     assert prop["default"] == algorithms.DEFAULT == "eagle3"
     assert prop["x-omit-default"] is True
     for name in algorithms.names():
-        assert algorithms.get(name).NAME == name
+        assert algorithms.get(name).name == name
     with pytest.raises(algorithms.AlgorithmError, match="draft.algorithm 'medusa'"):
         algorithms.get("medusa")
 
@@ -43,8 +43,8 @@ def test_the_default_algorithm_stales_nothing():
     assert json.loads(sections_json(other, ["draft"], neutral=neutral))["draft"]["algorithm"] == (
         "eagle3.1"
     )
-    assert algorithms.of_config({"draft": draft}).NAME == "eagle3"
-    assert algorithms.of_config(other).NAME == "eagle3.1"
+    assert algorithms.of_config({"draft": draft}).name == "eagle3"
+    assert algorithms.of_config(other).name == "eagle3.1"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -140,7 +140,7 @@ def test_the_decoders_proposals_follow_the_algorithms_feedback():
     """draftsmith.bench.specdec.DraftRunner (the hf engine's draft side) proposes, for eagle3.1, the
     argmax chain fed the post-norm state, recomputed here without a KV cache from the whole
     sequence at every step; the pre-norm reading gives other proposals."""
-    from draftsmith.bench.specdec import DraftRunner
+    from draftsmith.algorithms.eagle3.decode import DraftRunner
 
     draft = tiny("eagle3.1", seed=8)
     c = draft.config

@@ -20,7 +20,7 @@ SCHEMA = ROOT / "draftsmith" / "config" / "config.schema.yaml"
 # (file, key) -> why that fallback stays; key None: the whole file.
 ALLOWED = {
     # Storage.from_config also reads the converters' `--storage` JSON (python -m
-    # draftsmith.interop.convert), which no schema validates: its defaults are that CLI's defaults.
+    # draftsmith convert), which no schema validates: its defaults are that CLI's defaults.
     ("draftsmith/hidden/storage.py", None): "reads unvalidated CLI JSON too",
     # storage_keys mirrors Storage.from_config's defaults for the same JSON.
     ("draftsmith/config/checks.py", None): "mirrors storage.py",

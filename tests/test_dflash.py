@@ -13,6 +13,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from draftsmith import algorithms
+from draftsmith.algorithms.batches import pack_batch
 from draftsmith.algorithms.dflash.export import (
     DFlashExportError,
     check_export,
@@ -26,7 +27,6 @@ from draftsmith.algorithms.dflash.train import (
     block_visibility,
     draw_anchors,
 )
-from draftsmith.algorithms.eagle3.ttt import pack_batch
 from draftsmith.bench import specdec
 
 
@@ -71,11 +71,12 @@ def rows(n_rows: int, length: int, width: int, vocab: int, seed: int = 0) -> lis
 
 def test_registry_and_schema_know_dflash():
     algo = algorithms.get("dflash")
-    assert algorithms.part(algo, "TRAINER").__name__ == "draftsmith.algorithms.dflash.train"
-    assert algorithms.part(algo, "EXPORTER").__name__ == "draftsmith.algorithms.dflash.export"
-    assert algorithms.part(algorithms.get("eagle3"), "TRAINER") is None
-    assert algorithms.of_export({"dflash_config": {}}).NAME == "dflash"
-    assert algorithms.of_config({"draft": {"algorithm": "dflash"}}).NAME == "dflash"
+    assert algorithms.part(algo, "trainer").__name__ == "draftsmith.algorithms.dflash.train"
+    assert algorithms.part(algo, "exporter").__name__ == "draftsmith.algorithms.dflash.export"
+    assert algorithms.part(algorithms.get("eagle3"), "trainer").__name__.endswith("eagle3.train")
+    assert algorithms.part(algorithms.get("eagle3"), "exporter") is None
+    assert algorithms.of_export({"dflash_config": {}}).name == "dflash"
+    assert algorithms.of_config({"draft": {"algorithm": "dflash"}}).name == "dflash"
 
 
 def test_draft_dflash_at_its_default_stales_nothing():

@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from draftsmith import algorithms
 from draftsmith.targets.families import OFFSET_NORM, norm_offset
 
 # family -> a tiny config (hidden 32, 2 layers); each is built by transformers offline
@@ -100,6 +101,7 @@ def test_initialised_draft_norm_scales_like_the_targets(family):
     assert (norm_offset(target_cfg) == 1.0) == (family in OFFSET_FAMILIES)
     vocab = SMALL["vocab_size"]
     inputs = SimpleNamespace(
+        algorithm=algorithms.get("eagle3"),
         target_cfg=target_cfg,
         aux_ids=[0, 0, 1],
         d2t=torch.zeros(vocab // 2, dtype=torch.long),

@@ -239,7 +239,7 @@ def test_ttt_steps_equal_the_decoders_chain(algorithm):
 def test_the_decoder_runs_an_mla_draft():
     """draftsmith.bench.specdec.DraftRunner proposes with an MLA draft exactly the argmax chain
     recomputed without a cache."""
-    from draftsmith.bench.specdec import DraftRunner
+    from draftsmith.algorithms.eagle3.decode import DraftRunner
 
     draft = tiny_mla(seed=8, algorithm="eagle3.1")
     c = draft.config

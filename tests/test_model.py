@@ -15,10 +15,10 @@ from draftsmith.algorithms.eagle3.model import (
     KVCache,
     TTTCache,
     block_causal_mask,
-    masked_attention,
     ttt_visibility,
 )
 from draftsmith.algorithms.export import ExportError, check_export, export_draft, load_export
+from draftsmith.algorithms.layers import masked_attention
 
 SMOLLM2 = {  # results/target/config.json of the embedded default (transformers 5 layout)
     "architectures": ["LlamaForCausalLM"],

@@ -12,18 +12,9 @@ import torch
 from test_model import tiny_draft
 from test_train import cfg_json, make_inputs, read_metrics, run_train, train_args
 
-from draftsmith.algorithms.eagle3.offline import (
-    chain_counts,
-    chain_proposals,
-    compare,
-    judge,
-    rates_of,
-    split_rows,
-    target_top1,
-    tau_estimate,
-    text,
-)
-from draftsmith.bench.specdec import DraftRunner
+from draftsmith.algorithms.eagle3.decode import DraftRunner
+from draftsmith.algorithms.eagle3.offline import chain_counts, chain_proposals, judge, target_top1
+from draftsmith.algorithms.offline import compare, rates_of, split_rows, tau_estimate, text
 from draftsmith.hidden.storage import Storage
 
 

@@ -9,7 +9,6 @@ import torch
 from wf import with_defaults
 
 from draftsmith.algorithms.eagle3.model import DraftConfig, Eagle3Draft
-from draftsmith.bench import specdec
 from draftsmith.bench.specdec import (
     Trace,
     greedy_generate,
@@ -84,7 +83,9 @@ def install_oracle(monkeypatch, model, tokenizer, error_rate: float, seed: int =
     vocab = model.config.vocab_size
     first = tokenizer.convert_tokens_to_ids("<|im_start|>")
 
-    class OracleRunner(specdec.DraftRunner):
+    from draftsmith.algorithms.eagle3 import decode
+
+    class OracleRunner(decode.DraftRunner):
         def extend(self, next_tokens, aux):
             self.seen = getattr(self, "seen", [first]) + list(next_tokens)
             super().extend(next_tokens, aux)
@@ -94,7 +95,7 @@ def install_oracle(monkeypatch, model, tokenizer, error_rate: float, seed: int =
             props = greedy_generate(model, self.seen, k, set())
             return [(t + 1) % vocab if rng.random() < error_rate else t for t in props]
 
-    monkeypatch.setattr(specdec, "DraftRunner", OracleRunner)
+    monkeypatch.setattr(decode, "DraftRunner", OracleRunner)
 
 
 @pytest.mark.parametrize("num_steps,error_rate", [(2, 0.3), (4, 0.2), (6, 0.5)])

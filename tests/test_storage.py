@@ -10,13 +10,8 @@ import pytest
 import torch
 from wf import with_defaults
 
-from draftsmith.algorithms.eagle3.ttt import (
-    batch_teacher,
-    pack_batch,
-    teacher_argmax_in_vocab,
-    teacher_logprobs,
-    teacher_ok,
-)
+from draftsmith.algorithms.batches import pack_batch, teacher_argmax_in_vocab, teacher_ok
+from draftsmith.algorithms.eagle3.ttt import batch_teacher, teacher_logprobs
 from draftsmith.hidden.shards import ShardError, manifest_path, open_shard
 from draftsmith.hidden.storage import (
     Storage,

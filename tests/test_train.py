@@ -295,7 +295,7 @@ def test_reference_curve(baseline):
 def test_loss_positions_all_trains_the_prompt_too(inputs, baseline, tmp_path):
     """train.loss_positions all: the teacher flags cover prompt positions as well, the curve
     differs from the assistant-only default's from step 1, and it still learns."""
-    from draftsmith.algorithms.eagle3.ttt import teacher_ok
+    from draftsmith.algorithms.batches import teacher_ok
     from draftsmith.data.vocab import load_vocab
     from draftsmith.hidden.shards import open_shard
     from draftsmith.train.loop import target_tensors

@@ -1,25 +1,14 @@
-"""Draft algorithms: what differs between them, one module each, chosen by `draft.algorithm`.
+"""Draft algorithms: one folder each (`<name>/`, its `SPEC`, draftsmith.algorithms.spec), chosen
+by `draft.algorithm` and resolved once per stage through this registry.
 
-The registry maps the schema's `draft.algorithm` values to their modules. Every module holds
-plain data and functions (no torch, no I/O) with the same names:
+`get(name)` is the spec of a `draft.algorithm` value; `of_export(c)` the spec of an exported
+config.json, which records the name it was trained as (`ALGORITHM_KEY`; a draft exported before
+the key existed is told from its keys) and is checked against its keys for consistency.
+`serving_problems(cfg)` and `setting_problems(cfg)` are what the workflow refuses at parse time:
+an engine that cannot serve the algorithm, a setting the algorithm does not support.
 
-    NAME            the schema value
-    DRAFT           the draft-model switches it turns on ({} = plain EAGLE-3), read by
-                    draftsmith.algorithms.eagle3.model.DraftConfig: `fc_norm` (one RMSNorm per aux state before
-                    fc) and `norm_output` (the post-norm state fed back between draft steps)
-    SPECULATORS     whether the export also writes the speculators copy (speculators/)
-    export_keys(c)  the top-level keys it adds to the exported config.json
-    extra_params(c) {SGLang parameter name: shape} it adds, for `export check` (c: config.json)
-    config_problems(c)  what in an exported config.json this algorithm refuses
-
-An algorithm that is not a switch on the EAGLE-3 draft (dflash) also names its own modules:
-TRAINER (draft, objective, losses) and EXPORTER (export, contract check, load back); `part`
-imports them.
-
-The exported config.json names no algorithm: both engines read the same architecture
-(`LlamaForCausalLMEagle3`) and switch on its keys, so `of_export` tells the algorithm from
-those keys. Keys that either engine would apply but no algorithm here trains are refused for
-every algorithm (FOREIGN).
+Keys that either engine would apply but no algorithm here trains are refused for every
+algorithm (FOREIGN).
 
 May import: draftsmith.runtime, config, data, targets, hidden (an algorithm's folder imports
 no other algorithm's, except the shared EAGLE-3 draft layers).
@@ -28,14 +17,18 @@ no other algorithm's, except the shared EAGLE-3 draft layers).
 from __future__ import annotations
 
 from importlib import import_module
-from types import ModuleType
+
+from draftsmith.algorithms.spec import AlgorithmSpec
 
 DEFAULT = "eagle3"
+# draft.algorithm value -> the module (folder) whose SPEC describes it
 MODULES = {
     "eagle3": "draftsmith.algorithms.eagle3",
     "eagle3.1": "draftsmith.algorithms.eagle31",
     "dflash": "draftsmith.algorithms.dflash",
 }
+# the exported config.json key that records the algorithm's name
+ALGORITHM_KEY = "draftsmith_algorithm"
 # config.json keys SGLang or vLLM act on that no algorithm here trains: a draft carrying one
 # would be served with a layer its training never had
 FOREIGN = {
@@ -52,40 +45,90 @@ def names() -> list[str]:
     return list(MODULES)
 
 
-def get(name: str) -> ModuleType:
-    """The module of algorithm `name` (a draft.algorithm value)."""
+def get(name: str) -> AlgorithmSpec:
+    """The spec of algorithm `name` (a draft.algorithm value)."""
     if name not in MODULES:
         raise AlgorithmError(f"draft.algorithm {name!r} is not one of {names()}")
-    return import_module(MODULES[name])
+    spec = import_module(MODULES[name]).SPEC
+    if spec.name != name:
+        raise AlgorithmError(f"{MODULES[name]}: SPEC.name is {spec.name!r}, registered as {name!r}")
+    return spec
 
 
-def of_config(cfg: dict) -> ModuleType:
+def of_config(cfg: dict) -> AlgorithmSpec:
     """The algorithm a workflow config selects (draft.algorithm; x-omit-default: a job's config
     lacks the key at its default)."""
-    return get((cfg.get("draft") or {}).get("algorithm", "eagle3"))
+    return get((cfg.get("draft") or {}).get("algorithm", DEFAULT))
 
 
-def of_export(c: dict) -> ModuleType:
-    """The algorithm an exported config.json was written by, told from its keys."""
+def by_keys(c: dict) -> str:
+    """The algorithm an exported config.json's keys say (the exports' own markers)."""
     if "dflash_config" in c or "DFlashDraftModel" in (c.get("architectures") or []):
-        return get("dflash")
-    return get("eagle3.1" if c.get("fc_norm") or c.get("norm_output") else DEFAULT)
+        return "dflash"
+    return "eagle3.1" if c.get("fc_norm") or c.get("norm_output") else DEFAULT
 
 
-def part(algo: ModuleType, role: str) -> ModuleType | None:
-    """An algorithm's own module for `role` (TRAINER, EXPORTER), None where it uses the
-    EAGLE-3 draft's (draftsmith.train.loop / draftsmith.algorithms.export themselves)."""
-    name = getattr(algo, role, None)
-    return import_module(name) if name else None
+def of_export(c: dict) -> AlgorithmSpec:
+    """The algorithm an exported config.json was written by: the name it records, else (an
+    export from before the key) the one its keys say."""
+    return get(c.get(ALGORITHM_KEY) or by_keys(c))
+
+
+def part(spec: AlgorithmSpec, role: str):
+    """An algorithm's own module for `role` (trainer, exporter, decoder), None where it uses
+    the EAGLE-3 draft's (draftsmith.train.loop, draftsmith.algorithms.export themselves)."""
+    return spec.part(role)
 
 
 def export_problems(c: dict) -> list[str]:
-    """What is wrong with config.json `c` for the algorithm its keys name (plus FOREIGN keys)."""
+    """What is wrong with config.json `c` for the algorithm it records (plus FOREIGN keys): the
+    algorithm's own checks refuse keys of another (EAGLE-3.1's switches in an EAGLE-3 draft)."""
     out = [
         f"config.json {k} is {c[k]!r}: {why}; draftsmith trains no draft with it"
         for k, why in FOREIGN.items()
         if c.get(k) not in (None, False)
     ]
-    algo = of_export(c)
-    own = part(algo, "EXPORTER")
-    return out + (own.config_problems if own else algo.config_problems)(c)
+    recorded = c.get(ALGORITHM_KEY)
+    if recorded is not None and recorded not in MODULES:
+        return out + [f"config.json {ALGORITHM_KEY} {recorded!r} is not one of {names()}"]
+    spec = of_export(c)  # its config_problems check the keys against the recorded name
+    own = spec.part("exporter")
+    return out + (own.config_problems if own else spec.config_problems)(c)
+
+
+def serving_problems(cfg: dict) -> list[str]:
+    """The engines this config benchmarks with that cannot serve its algorithm (parse time)."""
+    spec = of_config(cfg)
+    backend = (cfg.get("bench") or {}).get("backend", "hf")
+    serving = spec.serves(backend)
+    if serving.refused is None:
+        return []
+    return [f"draft.algorithm {spec.name} with bench.backend {backend}: {serving.refused}"]
+
+
+def refusals(cfg: dict) -> list[str]:
+    """What the workflow refuses at parse time for this config's algorithm (serving_problems,
+    setting_problems): before any job runs."""
+    return serving_problems(cfg) + setting_problems(cfg)
+
+
+def setting_problems(cfg: dict) -> list[str]:
+    """The settings of this config its algorithm refuses (spec.refuses), each with why; a
+    setting at its off value (NEUTRAL, or absent: the schema's default is the off value) is no
+    use of it."""
+    spec = of_config(cfg)
+    out = []
+    for key, why in spec.refuses.items():
+        section, _, name = key.partition(".")
+        value = (cfg.get(section) or {}).get(name)
+        if value is not None and value not in NEUTRAL[key]:
+            out.append(f"draft.algorithm {spec.name} with {key} {value!r}: {why}")
+    return out
+
+
+# a refusable setting's off value(s): the schema's default for each of them
+NEUTRAL = {
+    "bench.temperature": (0, 0.0),
+    "draft.attention": ("llama",),
+    "train.eval_rows": (0,),
+}

@@ -131,7 +131,7 @@ def check_export(out_dir: str | os.PathLike, metrics: str | os.PathLike | None =
         if not p.is_file():
             raise ExportError(f"{p} is missing")
     c = json.loads(cfg_path.read_text())
-    own = algorithms.part(algorithms.of_export(c), "EXPORTER")
+    own = algorithms.part(algorithms.of_export(c), "exporter")
     if own is not None:  # an algorithm with its own format (dflash)
         return own.check_export(out, metrics)
     problems = contract(c).config_problems(c)
@@ -153,11 +153,11 @@ def check_export(out_dir: str | os.PathLike, metrics: str | os.PathLike | None =
         view = (family.get("layer_ids") or {}).get("target")
         problems = layerids.problems(c, view) if view else []
     if not problems and (out / "speculators").exists():
-        if algorithms.of_export(c).SPECULATORS and contract(c).SPECULATORS:
+        if algorithms.of_export(c).speculators and contract(c).SPECULATORS:
             problems = speculators_problems(out / "speculators", c)
         else:
             problems = [
-                f"{out / 'speculators'}: a {algorithms.of_export(c).NAME} {contract(c).ARCH} draft "
+                f"{out / 'speculators'}: a {algorithms.of_export(c).name} {contract(c).ARCH} draft "
                 "has no speculators copy (speculators' format would drop its keys or layer)"
             ]
     if not problems:
@@ -247,7 +247,7 @@ def export_draft(
     `embed` is the target's input embedding as stored (its dtype): the speculators copy carries
     it, because speculators' loader otherwise leaves the embedding uninitialized (zeros under
     transformers 5.x), and vLLM shares it with the target when it is bit-identical."""
-    own = algorithms.part(algorithms.get(draft.config.algorithm), "EXPORTER")
+    own = algorithms.part(algorithms.get(draft.config.algorithm), "exporter")
     if own is not None:  # an algorithm with its own format (dflash)
         return own.export_draft(draft, out_dir, provenance, family=family)
     cfg = draft.config
@@ -263,7 +263,7 @@ def export_draft(
             state.pop("d2t"), state.pop("t2d")  # identity mapping; vLLM refuses a d2t here
         save_file(state, str(stage / WEIGHTS), metadata={"format": "pt"})
         atomic_write_json(stage / "config.json", contract(cfg).sglang_config(cfg))
-        if algorithms.get(cfg.algorithm).SPECULATORS and contract(cfg).SPECULATORS:
+        if algorithms.get(cfg.algorithm).speculators and contract(cfg).SPECULATORS:
             spec = stage / "speculators"
             spec.mkdir()
             renamed = {k.replace("midlayer.", "layers.0."): v for k, v in state.items()}
@@ -314,7 +314,7 @@ def load_export(out_dir) -> Eagle3Draft:
     from safetensors.torch import load_file
 
     c = json.loads((Path(out_dir) / "config.json").read_text())
-    own = algorithms.part(algorithms.of_export(c), "EXPORTER")
+    own = algorithms.part(algorithms.of_export(c), "exporter")
     if own is not None:  # an algorithm with its own format (dflash)
         return own.load_export(out_dir)
     check_export(out_dir)
@@ -364,5 +364,5 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"{args.draft_dir}: --strict: " + "; ".join(bad))
     c = json.loads((Path(args.draft_dir) / "config.json").read_text())
     algo = algorithms.of_export(c)
-    arch = getattr(algo, "ARCH", None) or f"SGLang {contract(c).ARCH}"
-    print(f"{args.draft_dir}: OK ({arch} contract, {algo.NAME})")
+    arch = algo.arch or f"SGLang {contract(c).ARCH}"
+    print(f"{args.draft_dir}: OK ({arch} contract, {algo.name})")

@@ -144,13 +144,14 @@ def load_models(target_dir: Path, draft_dir: Path, target_dtype: str, device: st
 
 
 def drafting_text(algorithm: str, n: int) -> str:
-    """How the draft proposes, for the report's method line (draft.algorithm of the export)."""
-    if algorithm == "dflash":
-        return f"Block speculative decoding (DFlash: one draft forward proposes all {n} tokens)"
-    return f"Chain speculative decoding ({'EAGLE-3.1' if algorithm == 'eagle3.1' else 'EAGLE-3'})"
+    """How the draft proposes, for the report's method line (draft.algorithm of the export;
+    the words are its spec's)."""
+    from draftsmith import algorithms
+
+    return algorithms.get(algorithm or algorithms.DEFAULT).drafting.format(n=n)
 
 
-def method_text(bench, device: str, threads: int, algorithm: str = "eagle3") -> str:
+def method_text(bench, device: str, threads: int, algorithm: str = "") -> str:
     s = sampling(bench)
     verify, base, step = "greedy verification", "greedy decoding", "greedy decoding"
     if s is not None:

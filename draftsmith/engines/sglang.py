@@ -223,6 +223,13 @@ def regenerate_rows(conversations, job, *, target, threads: int, seed: int, max_
 # ---------------------------------------------------------------- bench
 
 
+def draft_algorithm(draft):
+    """The spec of the exported draft's algorithm (the name its config.json records)."""
+    from draftsmith import algorithms
+
+    return algorithms.of_export(json.loads((Path(draft) / "config.json").read_text()))
+
+
 def speculative_args(bench, draft) -> list[str]:
     """EAGLE-3 flags from bench.num_steps / topk / num_draft_tokens (0: a chain's K + 1);
     `bench`: the BenchSettings (draftsmith.config.settings)."""
@@ -230,9 +237,12 @@ def speculative_args(bench, draft) -> list[str]:
     n = int(bench.num_draft_tokens) or (k + 1 if topk == 1 else 0)
     if not n:
         raise SystemExit(f"bench.topk {topk} > 1 needs bench.num_draft_tokens (a tree size)")
+    serving = draft_algorithm(draft).serves("sglang")
+    if serving.refused:
+        raise SystemExit(f"{draft}: {serving.refused}")
     return [
         "--speculative-algorithm",
-        "EAGLE3",
+        serving.flag,
         "--speculative-draft-model-path",
         str(Path(draft).resolve()),
         "--speculative-num-steps",

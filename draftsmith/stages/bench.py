@@ -33,8 +33,8 @@ import json
 import logging
 from pathlib import Path
 
-from draftsmith.algorithms.eagle3.offline import bench_entry as offline_estimate
-from draftsmith.algorithms.eagle3.offline import text as offline_text
+from draftsmith.algorithms.offline import bench_entry as offline_estimate
+from draftsmith.algorithms.offline import text as offline_text
 from draftsmith.bench.figures import bench_figures
 from draftsmith.bench.gate import GateError, check_gate, gate, gate_line  # noqa: F401 (re-exported)
 from draftsmith.config import settings

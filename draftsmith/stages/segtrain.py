@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from draftsmith.algorithms.eagle3.offline import for_run as offline_estimate
+from draftsmith.algorithms.offline import for_run as offline_estimate
 from draftsmith.config.settings import JobSettings
 from draftsmith.config.settings import job as job_settings
 from draftsmith.hidden.segments import plan_segmented, segment_of, step_span
@@ -218,7 +218,7 @@ def export_last(job: JobSettings, args) -> None:
         "versions": versions(),
     }
     steps = job.train.ttt_steps
-    offline_estimate(steps, draft, inputs, [], args.offline)  # eval_rows is 0 here (config)
+    offline_estimate(inputs.algorithm, steps, draft, inputs, [], args.offline)  # no eval_rows here
     longest = max(b - a for _, a, b in rows)
     finish(draft, provenance, steps, (args.target, args.out, args.ckpt, args.metrics), longest)
 

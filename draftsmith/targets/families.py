@@ -3,7 +3,7 @@ RoPE the draft mirrors, and the facts the export records about the family (with 
 serve its draft: draftsmith.targets.serving).
 
 Gemma-style RMSNorm multiplies by `1 + w` (the stored weight is centred on 0), where Llama's
-multiplies by `w`. The draft (SGLang's `LlamaForCausalLMEagle3`, `draftsmith.algorithms.eagle3.model.RMSNorm`)
+multiplies by `w`. The draft (SGLang's `LlamaForCausalLMEagle3`, `draftsmith.algorithms.layers.RMSNorm`)
 always multiplies by `w`, so a draft norm initialised from such a target, or a target norm applied
 to stored states by the converters, must use `1 + w`. `OFFSET_NORM` lists the model types of the
 pinned transformers (5.23.0) whose decoder's final norm is `1 + w`
@@ -72,7 +72,7 @@ def norm_convention(cfg: dict) -> str:
 # ---------------------------------------------------------------------------------------------
 # RoPE
 
-# what the draft (draftsmith.algorithms.eagle3.model.Rotary, the same inverse frequencies as SGLang's get_rope)
+# what the draft (draftsmith.algorithms.layers.Rotary, the same inverse frequencies as SGLang's get_rope)
 # computes; the target's other kinds are not carried and the export says so
 DRAFT_ROPE = ("default", "linear", "llama3")
 

@@ -23,8 +23,10 @@ import torch
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
-from draftsmith.algorithms.eagle3.offline import split_rows
-from draftsmith.algorithms.eagle3.ttt import teacher_ok
+from draftsmith import algorithms
+from draftsmith.algorithms.batches import teacher_ok
+from draftsmith.algorithms.offline import split_rows
+from draftsmith.algorithms.spec import AlgorithmSpec
 from draftsmith.config.checks import aux_layer_ids
 from draftsmith.data.vocab import load_vocab
 from draftsmith.hidden.segments import pack_order, packs_per_batch, plan_segmented, segment_of
@@ -139,6 +141,7 @@ class Inputs:
     heads: dict[str, torch.Tensor]
     fingerprint: str | None
     shards: list
+    algorithm: AlgorithmSpec  # draft.algorithm's spec, resolved once for the run
 
 
 @dataclass
@@ -195,7 +198,8 @@ def frozen_inputs(job: JobSettings, vocab_path: Path, target_dir: Path) -> Input
     fingerprint = None
     if meta_file.exists():
         fingerprint = json.loads(meta_file.read_text())["fingerprint"]
-    return Inputs(target_cfg, ids, d2t, t2d, heads, fingerprint, [])
+    algorithm = algorithms.get(job.draft.algorithm)
+    return Inputs(target_cfg, ids, d2t, t2d, heads, fingerprint, [], algorithm)
 
 
 def prepare_run(

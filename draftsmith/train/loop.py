@@ -53,16 +53,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from draftsmith import algorithms
-from draftsmith.algorithms.eagle3.model import DraftConfig, Eagle3Draft
-from draftsmith.algorithms.eagle3.offline import for_run as offline_estimate
-from draftsmith.algorithms.eagle3.ttt import (
-    TTTObjective,
-    batch_teacher,
-    pack_batch,
-    step_masks,
-    weighted_loss,
-)
+from draftsmith.algorithms.batches import pack_batch, weighted_loss
 from draftsmith.algorithms.export import (
     ExportError,
     export_draft,
@@ -72,6 +63,7 @@ from draftsmith.algorithms.export import (
     target_family,
     verifier_ref,
 )
+from draftsmith.algorithms.offline import for_run as offline_estimate
 from draftsmith.config.checks import aux_layer_ids, execution_defaults
 from draftsmith.config.settings import JobSettings, TrainSettings
 from draftsmith.config.settings import job as job_settings
@@ -88,7 +80,6 @@ from draftsmith.runtime.finite import check_step
 from draftsmith.runtime.hardware import cpu_facts, resolve_precision
 from draftsmith.runtime.repair import keep_last_good
 from draftsmith.runtime.stopping import stop_promptly
-from draftsmith.targets.families import effective_norm_weight
 from draftsmith.targets.layout import text_config
 from draftsmith.train.checkpoint import (
     latest_checkpoint,
@@ -157,35 +148,10 @@ def build_draft(job: JobSettings, inputs: Inputs, device):
     """The seeded draft (lm_head and norm from the target's with draft.init_from_target) and
     its optimizer."""
     torch.manual_seed(job.train.seed)
-    attention, algorithm = job.draft.attention, algorithms.get(job.draft.algorithm)
-    own = algorithms.part(algorithm, "TRAINER")
-    if own is not None:  # an algorithm with its own draft module (dflash)
-        if attention != "llama":
-            raise SystemExit(
-                f"error: draft.attention {attention!r}: the "
-                f"{algorithm.NAME} draft has no attention variant"
-            )
-        draft = own.build_draft(job, inputs).to(device)
-        return draft, torch.optim.AdamW(draft.parameters(), lr=job.train.lr, weight_decay=0.0)
-    try:
-        dcfg = DraftConfig.from_target_config(
-            inputs.target_cfg,
-            job.draft.vocab_size,
-            inputs.aux_ids,
-            attention=attention,
-            algorithm=algorithm.NAME,
-        )
-    except ValueError as e:  # e.g. draft.attention mla for a target without MLA fields
-        raise SystemExit(f"error: {e}") from None
-    draft = Eagle3Draft(dcfg)
-    draft.set_vocab(inputs.d2t, inputs.t2d)
-    hot = inputs.d2t + torch.arange(inputs.d2t.shape[0])
-    if job.draft.init_from_target:
-        with torch.no_grad():
-            draft.lm_head.weight.copy_(inputs.heads["lm_head"][hot])
-            # a Gemma-style target applies its norm as 1 + w; the draft's norm is x * w
-            draft.norm.weight.copy_(effective_norm_weight(inputs.heads["norm"], inputs.target_cfg))
-    draft.to(device)
+    algorithm = inputs.algorithm
+    if job.draft.attention != "llama" and "draft.attention" in algorithm.refuses:
+        raise SystemExit(f"error: {algorithm.refuses['draft.attention']}")  # parse time says so too
+    draft = algorithm.part("trainer").build_draft(job, inputs).to(device)
     opt = torch.optim.AdamW(draft.parameters(), lr=job.train.lr, weight_decay=0.0)
     return draft, opt
 
@@ -211,14 +177,14 @@ class Step:
     """Everything one optimizer step uses besides the batch."""
 
     model: torch.nn.Module  # the TTT objective, DDP-wrapped with several processes
-    draft: Eagle3Draft
+    draft: torch.nn.Module  # the algorithm's draft (its trainer builds it)
     opt: torch.optim.Optimizer
     embed: torch.Tensor
     draft_rows: torch.Tensor
     draft_index: torch.Tensor
     autocast: torch.autocast
     device: torch.device
-    own: object = None  # the algorithm's TRAINER module (dflash), None for EAGLE-3's
+    trainer: object = None  # the algorithm's trainer module (its spec's `trainer`)
 
 
 def train_step(
@@ -242,21 +208,9 @@ def train_step(
     gen = torch.Generator().manual_seed(tcfg.seed * 7919 + pos.step * 104729 + rank)
     if tcfg.noise_std > 0:
         aux = aux + (torch.rand(aux.shape, generator=gen) * 2 - 1) * tcfg.noise_std * 3**0.5
-    if s.own is not None:  # the algorithm's own objective (dflash)
-        with s.autocast:
-            ce, correct, counts, weights = s.own.batch_losses(s.model, b, aux, gen, s.device)
-        counts = all_sum(counts, world)
-    else:
-        masks = step_masks(b.seg, b.loss_mask, b.ok, steps, b.length).to(s.device)
-        counts, weights = all_sum(masks.sum(dim=(1, 2)).float(), world), None
-        teacher = batch_teacher(b, s.draft_rows, s.draft_index)
-        embeds = s.embed[b.ids[:, : b.length + steps + 1].to(s.device)]
-        with s.autocast:
-            ce, correct = s.model(
-                aux.to(s.device), embeds, b.pos.to(s.device), b.seg[:, : b.length].to(s.device),
-                masks, teacher,
-            )  # fmt: skip
-    loss = weighted_loss(ce, counts, scale=world, weights=weights)
+    ce, correct, counts, weights = s.trainer.losses(s, b, aux, gen)  # the algorithm's
+    counts = all_sum(counts, world)
+    loss = weighted_loss(ce, counts, weights=weights, scale=world)
     s.opt.zero_grad(set_to_none=True)
     loss.backward()
     grad_norm = torch.nn.utils.clip_grad_norm_(s.draft.parameters(), CLIP)
@@ -295,11 +249,8 @@ def step_helpers(job: JobSettings, inputs: Inputs, draft, opt, device, precision
     hot = inputs.d2t + torch.arange(inputs.d2t.shape[0])
     draft_index = torch.full((inputs.t2d.shape[0],), -1, dtype=torch.long)
     draft_index[hot] = torch.arange(hot.shape[0])  # target id -> draft id (top-k teachers)
-    own = algorithms.part(algorithms.get(job.draft.algorithm), "TRAINER")
-    if own is not None:
-        model = own.objective(draft, job, inputs, device)
-    else:
-        model = TTTObjective(draft, job.train.ttt_steps)
+    trainer = inputs.algorithm.part("trainer")
+    model = trainer.objective(draft, job, inputs, device)
     if world > 1:
         model = torch.nn.parallel.DistributedDataParallel(model, broadcast_buffers=False)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16")
@@ -312,7 +263,7 @@ def step_helpers(job: JobSettings, inputs: Inputs, draft, opt, device, precision
         draft_index,
         autocast,
         device,
-        own,
+        trainer,
     )
 
 
@@ -390,10 +341,10 @@ def train(
             job, key, data, (precision, why, facts), inputs, (shard_paths, vocab_path)
         )
         longest = max((end - start for _, start, end in data.rows), default=0)
-        if (
-            offline_path is not None
-        ):  # on the train.eval_rows rows (draftsmith.algorithms.eagle3.offline)
-            offline_estimate(tcfg.ttt_steps, draft, inputs, data.eval_rows, offline_path)
+        if offline_path is not None:  # on the train.eval_rows rows (the algorithm's estimator)
+            offline_estimate(
+                inputs.algorithm, tcfg.ttt_steps, draft, inputs, data.eval_rows, offline_path
+            )
         paths = (target_dir, out_dir, run_dir, metrics_path)
         finish(draft, provenance, tcfg.ttt_steps, paths, longest)
     if world > 1:

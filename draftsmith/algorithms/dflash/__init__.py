@@ -2,10 +2,11 @@
 
 Not a switch on the EAGLE-3 draft: this algorithm brings its own draft module, objective
 (draftsmith.algorithms.dflash.train), export and contract check (draftsmith.algorithms.dflash.export) and decoder
-(draftsmith.algorithms.dflash.decode), named here for train.py, export.py and specdec.py:
+(draftsmith.algorithms.dflash.decode), named by its spec for the trainer, the export and the decoder:
 
-    TRAINER   module with build_draft, objective, batch_losses
-    EXPORTER  module with export_draft, check_export, load_export, config_problems
+    trainer   module with build_draft, objective, batch_losses
+    exporter  module with export_draft, check_export, load_export, config_problems
+    decoder   module with the in-process runner (DFlashRunner)
 
 Capture: the configured `capture.aux_layer_ids` (the same shards as EAGLE-3 by default; DFlash
 recipes often list five ids, which the shards, the fc and the export follow); the block size
@@ -14,19 +15,30 @@ is train.ttt_steps + 1 (one known token and ttt_steps masks).
 
 from __future__ import annotations
 
-NAME = "dflash"
-DRAFT: dict[str, bool] = {}
-SPECULATORS = False
-TRAINER = "draftsmith.algorithms.dflash.train"
-EXPORTER = "draftsmith.algorithms.dflash.export"
-ARCH = "DFlashDraftModel"
+from draftsmith.algorithms.spec import AlgorithmSpec, Serving
 
-
-def export_keys(cfg) -> dict:
-    return {}
-
-
-def extra_params(c: dict) -> dict[str, tuple]:
-    return {}
-
-# config_problems: the EXPORTER's (the registry's export_problems asks it there)
+SPEC = AlgorithmSpec(
+    name="dflash",
+    title="DFlash",
+    drafting="Block speculative decoding (DFlash: one draft forward proposes all {n} tokens)",
+    serving={
+        "hf": Serving(flag="block"),
+        "vllm": Serving(flag="dflash"),
+        "sglang": Serving(
+            refused="SGLang 0.5.23 refuses DFLASH on CPU (CpuSRTPlatform), and no SGLang run "
+            "has served draftsmith's DFlash export (vLLM's DFlashDraftModel) on a GPU; "
+            "bench.backend hf or vllm serve it"
+        ),
+    },
+    arch="DFlashDraftModel",
+    trainer="draftsmith.algorithms.dflash.train",
+    exporter="draftsmith.algorithms.dflash.export",
+    decoder="draftsmith.algorithms.dflash.decode",
+    refuses={
+        "bench.temperature": "speculative sampling is not implemented for the DFlash block "
+        "drafter (greedy only): set bench.temperature 0",
+        "draft.attention": "the DFlash draft has no attention variant: set draft.attention llama",
+        "train.eval_rows": "the offline acceptance estimate runs EAGLE-3's chain decoder, not "
+        "DFlash's block drafter: set train.eval_rows 0",
+    },
+)

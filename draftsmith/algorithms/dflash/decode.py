@@ -1,6 +1,6 @@
 """The DFlash draft's side of our chain speculative decoding (draftsmith.bench.specdec).
 
-Same interface as `specdec.DraftRunner`, so the target side, the greedy verification (the
+Same interface as EAGLE-3's `DraftRunner` (draftsmith.algorithms.eagle3.decode), so the target side, the greedy verification (the
 longest prefix of proposals equal to the target's argmax, plus its token at the first
 disagreement: lossless) and the counting of tau are the EAGLE-3 path's, unchanged:
 
@@ -56,3 +56,9 @@ class DFlashRunner:
         ids, pos = self.draft.block_inputs(self.token, self.positions, k + 1, self.device)
         out = self.draft(self.embed(ids), pos, self.kv)
         return self.lm_head(out[0, 1:]).argmax(-1).tolist()
+
+
+def runner(draft, model, aux_ids: list[int]) -> DFlashRunner:
+    """The in-process decoder's side for a DFlash draft (its spec's `decoder`): the target's
+    embedding and lm_head shared; the aux ids are the draft's own (its config)."""
+    return DFlashRunner(draft, model.get_input_embeddings(), model.get_output_embeddings())

@@ -28,6 +28,7 @@ from pathlib import Path
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from draftsmith.algorithms import ALGORITHM_KEY
 from draftsmith.algorithms.dflash.model import DFlashConfig, DFlashDraft
 from draftsmith.algorithms.export import ExportError
 from draftsmith.runtime.files import atomic_dir, atomic_write_json
@@ -68,6 +69,7 @@ class DFlashExportError(ExportError):
 def config_json(cfg: DFlashConfig) -> dict:
     return {
         "architectures": [ARCH],
+        ALGORITHM_KEY: "dflash",
         "model_type": "qwen3",
         "hidden_size": cfg.hidden_size,
         "num_hidden_layers": cfg.num_hidden_layers,
@@ -256,3 +258,10 @@ def load_export(out_dir) -> DFlashDraft:
     draft = DFlashDraft(cfg)
     draft.load_state_dict(load_file(str(Path(out_dir) / WEIGHTS)), strict=True)
     return draft.eval()
+
+
+def layer_ids(c: dict) -> dict:
+    """The draft's aux ids (SGLang numbering) and vLLM's: dflash_config.target_layer_ids, which
+    vLLM reads + 1."""
+    ids = c["dflash_config"]["target_layer_ids"]
+    return {"aux_layer_ids": ids, "vllm_aux_layer_ids": [i + 1 for i in ids]}

@@ -32,7 +32,7 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import nn
 
-from draftsmith.algorithms.eagle3.model import MLP, RMSNorm, Rotary, masked_attention
+from draftsmith.algorithms.layers import MLP, RMSNorm, Rotary, masked_attention
 
 
 @dataclass
@@ -54,7 +54,7 @@ class DFlashConfig:
     max_position_embeddings: int = 8192
     hidden_act: str = "silu"
     algorithm: str = "dflash"
-    rope_scaling = None  # plain RoPE only (read by model.Rotary)
+    rope_scaling = None  # plain RoPE only (read by layers.Rotary)
 
     def __post_init__(self):
         problems = []
@@ -156,7 +156,7 @@ class DFlashAttention(nn.Module):
         return self._rope(k, pos), v
 
     def _rope(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        """RoPE on one [B, heads, T, d] tensor (model.Rotary rotates a q/k pair)."""
+        """RoPE on one [B, heads, T, d] tensor (layers.Rotary rotates a q/k pair)."""
         return self.rotary(x, x[:, :0], pos)[0]
 
     def context_kv(self, ctx: torch.Tensor, pos: torch.Tensor):

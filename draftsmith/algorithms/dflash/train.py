@@ -1,6 +1,6 @@
 """DFlash's objective: blocks at random anchors, plain token labels, decaying slot weights.
 
-Per pack of rows (draftsmith.algorithms.eagle3.ttt.pack_batch, the same batches and shards as EAGLE-3), up to
+Per pack of rows (draftsmith.algorithms.batches.pack_batch, the same batches and shards as EAGLE-3), up to
 `draft.dflash.anchors` anchor positions a are drawn at random (seeded per step and process)
 among the positions whose next token is trained (loss mask) in the same row. The block at a is
 what decoding builds after the target accepted token a: slot 0 holds token x[a], slots
@@ -154,3 +154,10 @@ def batch_losses(model, b, aux: torch.Tensor, gen: torch.Generator, device):
     counts = kept[..., 1:].sum(dim=(0, 1)).float().to(device)
     weights = torch.exp(-torch.arange(block - 1, dtype=torch.float32) / obj.decay)
     return ce, correct, counts, weights
+
+
+def losses(s, b, aux: torch.Tensor, gen: torch.Generator):
+    """The trainer's `losses` (draftsmith.algorithms.eagle3.train describes the three
+    functions): batch_losses under the loop's autocast."""
+    with s.autocast:
+        return batch_losses(s.model, b, aux, gen, s.device)

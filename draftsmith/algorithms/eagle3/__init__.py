@@ -4,17 +4,7 @@ steps. The export adds nothing to the common contract (draftsmith.algorithms.exp
 
 from __future__ import annotations
 
-NAME = "eagle3"
-DRAFT: dict[str, bool] = {}
-SPECULATORS = True
-
-
-def export_keys(cfg) -> dict:
-    return {}
-
-
-def extra_params(c: dict) -> dict[str, tuple]:
-    return {}
+from draftsmith.algorithms.spec import AlgorithmSpec, Serving
 
 
 def config_problems(c: dict) -> list[str]:
@@ -25,3 +15,20 @@ def config_problems(c: dict) -> list[str]:
         for k in ("fc_norm", "norm_output")
         if c.get(k) not in (None, False)
     ]
+
+
+SPEC = AlgorithmSpec(
+    name="eagle3",
+    title="EAGLE-3",
+    drafting="Chain speculative decoding (EAGLE-3)",
+    serving={
+        "hf": Serving(flag="chain"),
+        "sglang": Serving(flag="EAGLE3"),
+        "vllm": Serving(flag="eagle3"),
+    },  # fmt: skip
+    speculators=True,
+    trainer="draftsmith.algorithms.eagle3.train",
+    decoder="draftsmith.algorithms.eagle3.decode",
+    estimator="draftsmith.algorithms.eagle3.offline",
+    config_problems=config_problems,
+)

@@ -68,6 +68,7 @@ def sglang_config(cfg: DraftConfig) -> dict:
         # vLLM's reading of the same layers (it looks here before eagle_config); SGLang ignores it
         "eagle_aux_hidden_state_layer_ids": vllm_layer_ids(cfg.aux_layer_ids),
         "norm_before_residual": False,
+        algorithms.ALGORITHM_KEY: cfg.algorithm,
         **algorithms.get(cfg.algorithm).export_keys(cfg),
     }
 
@@ -102,7 +103,7 @@ def config_from_sglang(c: dict) -> DraftConfig:
         rope_scaling=c.get("rope_scaling"),
         max_position_embeddings=c.get("max_position_embeddings", 8192),
         hidden_act=c.get("hidden_act", "silu"),
-        algorithm=algorithms.of_export(c).NAME,
+        algorithm=algorithms.of_export(c).name,
     )
 
 

@@ -72,6 +72,7 @@ def sglang_config(cfg: DraftConfig) -> dict:
         },
         "eagle_aux_hidden_state_layer_ids": vllm_layer_ids(cfg.aux_layer_ids),
         "norm_before_residual": False,
+        algorithms.ALGORITHM_KEY: cfg.algorithm,
         **algorithms.get(cfg.algorithm).export_keys(cfg),
     }
 
@@ -96,7 +97,7 @@ def config_from_sglang(c: dict) -> DraftConfig:
         rope_scaling=c.get("rope_scaling"),
         max_position_embeddings=c["max_position_embeddings"],
         hidden_act=c["hidden_act"],
-        algorithm=algorithms.of_export(c).NAME,
+        algorithm=algorithms.of_export(c).name,
         attention="mla",
         mla={k: c[k] for k in mla.KEYS},
     )

@@ -170,7 +170,7 @@ class InterleavedRotary(nn.Module):
 class MLAAttention(nn.Module):
     """The MLA draft attention; parameter names are the checkpoint's (q_a_proj, q_a_layernorm,
     q_b_proj, kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj, o_proj). `norm` is the draft's
-    RMSNorm class (draftsmith.algorithms.eagle3.model.RMSNorm, the engines' fp32-statistics norm)."""
+    RMSNorm class (draftsmith.algorithms.layers.RMSNorm, the engines' fp32-statistics norm)."""
 
     def __init__(self, cfg, norm):
         super().__init__()

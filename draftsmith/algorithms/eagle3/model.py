@@ -28,14 +28,13 @@ Pure PyTorch: no I/O, no logging, no torch.distributed.
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass, field
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from draftsmith import algorithms
+from draftsmith.algorithms.layers import MLP, RMSNorm, Rotary, masked_attention, rope_type
 from draftsmith.targets.families import DRAFT_ROPE as SUPPORTED_ROPE
 from draftsmith.targets.families import target_rope
 
@@ -89,7 +88,7 @@ class DraftConfig:
 
             mla.check(self)
         elif self.rope_scaling is not None:
-            kind = _rope_type(self.rope_scaling)
+            kind = rope_type(self.rope_scaling)
             if kind not in SUPPORTED_ROPE:
                 raise ValueError(f"rope_scaling type {kind!r} is not one of {SUPPORTED_ROPE}")
 
@@ -100,12 +99,12 @@ class DraftConfig:
     @property
     def fc_norm(self) -> bool:
         """One RMSNorm per aux state before fc (EAGLE-3.1)."""
-        return bool(algorithms.get(self.algorithm).DRAFT.get("fc_norm"))
+        return bool(algorithms.get(self.algorithm).draft.get("fc_norm"))
 
     @property
     def norm_output(self) -> bool:
         """The post-norm output is fed back between draft steps (EAGLE-3.1)."""
-        return bool(algorithms.get(self.algorithm).DRAFT.get("norm_output"))
+        return bool(algorithms.get(self.algorithm).draft.get("norm_output"))
 
     def to_dict(self) -> dict:
         """The fields; `algorithm` only when not the default (the default's provenance is the
@@ -203,90 +202,8 @@ class DraftConfig:
         )
 
 
-def _rope_type(scaling: dict) -> str:
-    return str(scaling.get("rope_type", scaling.get("type", "default")))
-
-
-class RMSNorm(nn.Module):
-    """SGLang's RMSNorm (forward_native): fp32 statistics, weight applied in fp32."""
-
-    def __init__(self, size: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(size))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (x * self.weight.float()).to(dtype)
-
-
-class Rotary(nn.Module):
-    """Neox-style RoPE with SGLang's inverse frequencies (default, linear, llama3)."""
-
-    def __init__(self, cfg: DraftConfig):
-        super().__init__()
-        dim = cfg.head_dim
-        inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
-        self.position_scale = 1.0
-        kind = _rope_type(cfg.rope_scaling) if cfg.rope_scaling else "default"
-        if kind == "linear":
-            self.position_scale = 1.0 / float(cfg.rope_scaling["factor"])
-        elif kind == "llama3":
-            inv_freq = _llama3_inv_freq(inv_freq, cfg.rope_scaling)
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
-
-    def forward(self, q, k, position_ids):
-        """q [B,nh,T,d], k [B,nkv,T,d], position_ids [B,T] -> rotated q, k."""
-        t = position_ids.float()
-        if self.position_scale != 1.0:
-            t = t * self.position_scale
-        freqs = t[..., None] * self.inv_freq  # [B,T,d/2]
-        angles = torch.cat([freqs, freqs], -1)[:, None]
-        cos, sin = angles.cos().to(q.dtype), angles.sin().to(q.dtype)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    a, b = x.chunk(2, dim=-1)
-    return torch.cat([-b, a], dim=-1)
-
-
-def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
-    factor = float(s["factor"])
-    low, high = float(s["low_freq_factor"]), float(s["high_freq_factor"])
-    old_len = float(s["original_max_position_embeddings"])
-    low_wavelen, high_wavelen = old_len / low, old_len / high
-    wavelen = 2 * math.pi / inv_freq
-    smooth = (old_len / wavelen - low) / (high - low) if low != high else 0
-    return torch.where(
-        wavelen < high_wavelen,
-        inv_freq,
-        torch.where(
-            wavelen > low_wavelen,
-            inv_freq / factor,
-            (1 - smooth) * inv_freq / factor + smooth * inv_freq,
-        ),
-    )
-
-
 # ---------------------------------------------------------------------------------------------
 # Attention: masks and caches
-
-
-def _expand_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
-    """[B,nkv,S,d] -> [B,nkv*groups,S,d]; query head h uses kv head h // groups."""
-    return x if groups == 1 else x.repeat_interleave(groups, dim=1)
-
-
-def masked_attention(q, k, v, visible: torch.Tensor) -> torch.Tensor:
-    """Softmax attention; `visible` [B,T,S] bool broadcasts over heads. Rows see >= 1 key."""
-    groups = q.shape[1] // k.shape[1]
-    k, v = _expand_kv(k, groups), _expand_kv(v, groups)
-    scores = (q @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5
-    scores = scores.masked_fill(~visible[:, None], float("-inf"))
-    return torch.softmax(scores.float(), dim=-1).to(q.dtype) @ v
 
 
 def block_causal_mask(segment_ids: torch.Tensor) -> torch.Tensor:
@@ -452,17 +369,6 @@ class Attention(nn.Module):
         q, k = self.rotary(q, k, position_ids)
         out = cache.attend(q, k, v)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, self.nh * self.hd))
-
-
-class MLP(nn.Module):
-    def __init__(self, cfg: DraftConfig):
-        super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
-
-    def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class MidLayer(nn.Module):

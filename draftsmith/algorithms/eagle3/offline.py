@@ -42,9 +42,7 @@ than the engine's. It says nothing of throughput, batching or a GPU's kernels.
 
 from __future__ import annotations
 
-import json
 import logging
-import math
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -52,10 +50,10 @@ from typing import TYPE_CHECKING
 import torch
 
 from draftsmith.algorithms.eagle3.model import Eagle3Draft, TTTCache, block_causal_mask
-from draftsmith.runtime.files import atomic_write_json
+from draftsmith.algorithms.offline import rates_of, tau_estimate, write
 
 if TYPE_CHECKING:
-    from draftsmith.config.settings import BenchSettings
+    pass
 
 log = logging.getLogger("draftsmith.train.loop")
 
@@ -65,35 +63,6 @@ ASSUMES = (
     "verification pass with every held-out assistant position equally likely to start a pass; "
     "trainer numerics (draft float32, target states as captured), one request at a time"
 )
-
-
-def split_rows(rows: list, n_eval: int) -> tuple[list, list]:
-    """(training rows, held-out rows): `n_eval` evenly spaced rows of `rows` held out."""
-    from draftsmith.data.prompts import heldout_indices
-
-    if n_eval <= 0:
-        return list(rows), []
-    if n_eval >= len(rows):
-        raise SystemExit(
-            f"train.eval_rows = {n_eval} leaves no training rows: the shards hold {len(rows)} "
-            "rows; lower train.eval_rows"
-        )
-    held = set(heldout_indices(len(rows), n_eval))
-    return [r for i, r in enumerate(rows) if i not in held], [rows[i] for i in sorted(held)]
-
-
-def tau_estimate(rates: list[float | None]) -> float | None:
-    """1 + sum_k prod_{j<=k} a_j over the given conditional acceptance rates (None where any
-    rate the sum needs was not measured: an unmeasured rate is not a zero rate)."""
-    total, reach = 1.0, 1.0
-    for a in rates:
-        if reach == 0.0:
-            break  # nothing gets this far: later rates do not matter
-        if a is None:
-            return None
-        reach *= a
-        total += reach
-    return total
 
 
 def chain_counts(accepted: torch.Tensor, judged: torch.Tensor) -> tuple[list[int], list[int]]:
@@ -108,10 +77,6 @@ def chain_counts(accepted: torch.Tensor, judged: torch.Tensor) -> tuple[list[int
         accepted_n.append(int(ok.sum()))
         alive = ok
     return judged_n, accepted_n
-
-
-def rates_of(judged: list[int], accepted: list[int]) -> list[float | None]:
-    return [a / n if n else None for n, a in zip(judged, accepted, strict=True)]
 
 
 @torch.no_grad()
@@ -224,22 +189,9 @@ def estimate(draft: Eagle3Draft, embed, lm_head, shards, rows, steps: int) -> di
     }
 
 
-def not_computed(why: str) -> dict:
-    return {"rows": 0, "tau_est_by_k": [], "why": why}
-
-
-def write(path: Path, report: dict) -> None:
-    """Atomically (temp file, fsync, rename): a reader never sees half a file."""
-    atomic_write_json(path, report)
-    log.info("offline acceptance estimate -> %s: tau_est %s", path, report.get("tau_est_by_k"))
-
-
 def for_run(steps: int, draft: Eagle3Draft, inputs, rows: list, path: Path) -> None:
-    """The trainer's call: estimate on the held-out rows (K = train.ttt_steps) and write it;
-    without held-out rows, a file that says why there is no estimate."""
-    if not rows:
-        write(path, not_computed("train.eval_rows is 0: no rows were held out of training"))
-        return
+    """The estimator's call (draftsmith.algorithms.offline.for_run): estimate on the held-out
+    rows (K = train.ttt_steps) and write it."""
     t0 = time.perf_counter()
     device = next(draft.parameters()).device
     embed = inputs.heads["embed"].to(device)
@@ -248,60 +200,3 @@ def for_run(steps: int, draft: Eagle3Draft, inputs, rows: list, path: Path) -> N
 
 
 # ---------------------------------------------------------------- in the benchmark report
-
-
-def compare(offline: dict, sets: dict, num_steps: int, sampling: bool) -> dict:
-    """The estimate at the benchmark's K next to every set's measured tau, with the gap."""
-    by_k = offline.get("tau_est_by_k") or []
-    est = by_k[num_steps - 1] if 0 < num_steps <= len(by_k) else None
-    why = offline.get("why")
-    if est is None and not why:
-        why = f"the training run estimated K = 1..{len(by_k)} only, the benchmark runs K = {num_steps}"
-    out = {
-        "num_steps": num_steps,
-        "tau_est": est,
-        "rows": offline.get("rows", 0),
-        "accept_rate_by_step": (offline.get("accept_rate_by_step") or [])[:num_steps],
-        "gaps": {
-            name: {
-                "tau": r["tau"],
-                "gap": None if est is None or not math.isfinite(r["tau"]) else r["tau"] - est,
-            }
-            for name, r in sets.items()
-        },
-    }
-    if why:
-        out["why"] = why
-    if sampling:
-        out["note"] = "the benchmark sampled (temperature > 0); the estimate is for greedy"
-    return out
-
-
-def text(cmp: dict | None) -> str:
-    """One line for report.md and summary.html."""
-    if cmp is None:
-        return "Offline estimate: none (no results/train/offline_acceptance.json given)."
-    if cmp["tau_est"] is None:
-        return f"Offline estimate: not computed ({cmp.get('why', 'no estimate')})."
-    rates = " / ".join("n/a" if a is None else f"{a:.2f}" for a in cmp["accept_rate_by_step"])
-    gaps = "; ".join(
-        f"{n} {g['tau']:.3f} (gap {'n/a' if g['gap'] is None else format(g['gap'], '+.3f')})"
-        for n, g in cmp["gaps"].items()
-    )
-    note = f" ({cmp['note']})" if cmp.get("note") else ""
-    return (
-        f"Offline estimate from training (K = {cmp['num_steps']}, {cmp['rows']} held-out "
-        f"training rows, greedy): tau_est {cmp['tau_est']:.3f}, accept rate by step {rates}; "
-        f"measured tau, gap = measured - estimated: {gaps}{note}."
-    )
-
-
-def bench_entry(path: Path | None, sets: dict, bench: BenchSettings) -> dict | None:
-    """report.json's `offline_estimate`: `compare` of the training run's file (None without)."""
-    if path is None:
-        return None
-    try:
-        offline = json.loads(Path(path).read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise SystemExit(f"{path}: cannot read the offline acceptance estimate ({e})") from None
-    return compare(offline, sets, bench.num_steps, bench.temperature > 0)

@@ -14,9 +14,7 @@ the draft directory itself (config.json + model.safetensors).
 
 from __future__ import annotations
 
-NAME = "eagle3.1"
-DRAFT = {"fc_norm": True, "norm_output": True}
-SPECULATORS = False
+from draftsmith.algorithms.spec import AlgorithmSpec, Serving
 
 
 def _n_aux(c: dict) -> int:
@@ -40,3 +38,23 @@ def config_problems(c: dict) -> list[str]:
         for k in ("fc_norm", "norm_output")
         if c.get(k) is not True
     ]
+
+
+SPEC = AlgorithmSpec(
+    name="eagle3.1",
+    title="EAGLE-3.1",
+    drafting="Chain speculative decoding (EAGLE-3.1)",
+    # both engines read fc_norm / norm_output under the EAGLE-3 architecture and flag
+    serving={
+        "hf": Serving(flag="chain"),
+        "sglang": Serving(flag="EAGLE3"),
+        "vllm": Serving(flag="eagle3"),
+    },  # fmt: skip
+    draft={"fc_norm": True, "norm_output": True},
+    trainer="draftsmith.algorithms.eagle3.train",  # EAGLE-3's, with the two switches on
+    decoder="draftsmith.algorithms.eagle3.decode",
+    estimator="draftsmith.algorithms.eagle3.offline",
+    export_keys=export_keys,
+    extra_params=extra_params,
+    config_problems=config_problems,
+)
