@@ -1,4 +1,5 @@
-# Helpers shared by the stage files: config validation, row ranges, role interpreters.
+# The catalog's common file: config validation, constants, wildcard constraints and the input
+# functions the stage files use; the logic behind the helpers is draftsmith.config.workflow.
 import json
 import shlex
 import sys
@@ -12,9 +13,8 @@ sys.path.insert(0, workflow.basedir)
 import yaml  # noqa: E402
 
 from draftsmith.runtime.files import sha256_file  # noqa: E402
-from draftsmith.config.engines import NEEDS as ENGINE_DEFAULTS  # noqa: E402
+from draftsmith.config import workflow as wf  # noqa: E402
 from draftsmith.config.engines import engine_inputs  # noqa: E402
-from draftsmith.config.engines import needs as engine_workflow  # noqa: E402
 from draftsmith.algorithms import refusals as algorithm_refusals  # noqa: E402
 from draftsmith.config.checks import (
     ConfigError,
@@ -110,24 +110,16 @@ def uses_conda():
 
 
 def role_python(role):
-    """The interpreter a role's commands run with (validated by validate_env)."""
-    python = config["envs"].get(role, {}).get("python", "")
-    if uses_conda():
-        return "python"
-    if python == "":
-        return sys.executable
-    if python == "venv":
-        return f"results/venv/{role}/bin/python"
-    return python
+    """The interpreter a role's commands run with (draftsmith.config.workflow)."""
+    return wf.role_python(config, role, uses_conda())
 
 
 def role_gpus(role):
-    """GPUs the role's interpreter must see (envs.<role>.gpus); 0 = a CPU role."""
-    return config["envs"].get(role, {}).get("gpus", 0)
+    return wf.role_gpus(config, role)
 
 
 def gpu_roles():
-    return [r for r in ROLES if role_gpus(r) > 0]
+    return wf.gpu_roles(config, ROLES)
 
 
 def roles_regex(roles):
@@ -136,46 +128,24 @@ def roles_regex(roles):
 
 
 def engine_needs(stage):
-    """What the workflow needs from the engine of the stage (its WORKFLOW declaration,
-    draftsmith.engines.needs); the defaults for a stage without a backend (train)."""
-    backend = config[stage].get("backend")
-    return engine_workflow(backend) if backend else dict(ENGINE_DEFAULTS)
+    return wf.engine_needs(config, stage)
 
 
 def engine_gpus(stage):
-    """GPUs one job of the stage's engine takes on a GPU role: its WORKFLOW's number, or the
-    config key it names (a server's tensor-parallel size)."""
-    gpus = engine_needs(stage)["gpus"]
-    if isinstance(gpus, str):
-        section, key = gpus.split(".")
-        return int(config[section][key])
-    return int(gpus)
+    return wf.engine_gpus(config, stage)
 
 
 def stage_gpus(stage):
-    """GPUs one job of the stage uses, which is what it asks SLURM for: none on a CPU role;
-    on a GPU role train.nproc per node (train), else what the stage's engine declares.
-    """
-    if role_gpus(role_of(stage)) == 0:
-        return 0
-    if stage == "train":
-        return config["train"]["nproc"]
-    return engine_gpus(stage)
+    return wf.stage_gpus(config, stage)
 
 
 def gpu_resources(stage):
-    """The GPU part of a rule's resources: {} on CPU, else gpu=N (train: gres, per node)."""
-    n = stage_gpus(stage)
-    if n == 0:
-        return {}
-    if stage == "train":
-        # per node: a multi-node job (resource nodes > 1) gets train.nproc GPUs on each
-        return {"gres": f"gpu:{n}"}
-    return {"gpu": n}
+    """The GPU part of a rule's resources (draftsmith.config.workflow.gpu_resources)."""
+    return wf.gpu_resources(config, stage)
 
 
 def role_of(stage):
-    return "cpu" if stage in ("env", "target", "data") else config[stage]["role"]
+    return wf.role_of(config, stage)
 
 
 def env_key(role):
@@ -214,14 +184,6 @@ def stamp(stage):
 # draftsmith.runtime.files.merge_run). Every other key of a server engine's section is part of the
 # params of the stages that use the engine (server_cfg).
 RUN_KEYS = execution_keys(_SCHEMA)
-# <capture engine settings>.capture_server auto: `run` (one server for the run's segment
-# captures) on a CPU capture role, `job` on a GPU one (the schema says why); jobs get the
-# resolved value in DRAFTSMITH_RUN
-_capture_settings = config.get(engine_needs("capture")["settings"] or "", {})
-if _capture_settings.get("capture_server") == "auto":
-    _capture_settings["capture_server"] = (
-        "job" if role_gpus(role_of("capture")) else "run"
-    )
 
 
 def job_environment():
@@ -239,10 +201,8 @@ def job_environment():
     env = {
         "DRAFTSMITH_WORKFLOW": workflow.basedir,
         "DRAFTSMITH_DRIVER": sys.executable,
-        "DRAFTSMITH_RUN": json.dumps(
-            {s: {k: config[s][k] for k in keys} for s, keys in RUN_KEYS.items()},
-            sort_keys=True,
-        ),
+        # capture_server auto resolved for the capture role (config.workflow.run_settings)
+        "DRAFTSMITH_RUN": json.dumps(wf.run_settings(config, RUN_KEYS), sort_keys=True),
     }
     for stage in ("env", "target", "data", *STAGES):
         env[f"DRAFTSMITH_PY_{stage.upper()}"] = role_python(role_of(stage))
@@ -273,16 +233,7 @@ def role_env(stage):
 
 
 def server_cfg(stage):
-    """The result-relevant settings of the stage's engine (its WORKFLOW's settings section,
-    without the x-execution keys) and the target's dtype and remote-code permission; {} for an
-    engine without a settings section."""
-    section = engine_needs(stage)["settings"]
-    if section is None:
-        return {}
-    run = RUN_KEYS.get(section, ())
-    keep = {k: v for k, v in config[section].items() if k not in run}
-    target = {k: config["target"][k] for k in ("dtype", "trust_remote_code")}
-    return {section: keep, "target": target}
+    return wf.server_cfg(config, stage, RUN_KEYS)
 
 
 def cfg_json(*sections, server_of=None, **only):
@@ -346,29 +297,10 @@ def capture_vocab_input(wildcards):
 
 
 def print_gpu_layout():
-    """Print, at parse time when a role has GPUs, the GPUs each GPU stage's job takes and why
-    (stage_gpus: what the job asks the scheduler for), so `snakemake -n` shows the layout.
-    """
-    roles = gpu_roles()
-    if not roles:
-        return
-    stages = ["regenerate"] if config["regenerate"]["enabled"] else []
-    parts = []
-    for stage in [*stages, "capture", "train", "bench"]:
-        n, role = stage_gpus(stage), role_of(stage)
-        if n == 0:
-            how = "CPU"
-        elif stage == "train":
-            how = f"{n} training process{'es' if n > 1 else ''} per node, train.nproc"
-        else:
-            how = engine_needs(stage)["gpus_why"].format(n=n)
-        parts.append(f"{stage} {n} ({role}: {how})")
-    node = ", ".join(f"envs.{r}.gpus {role_gpus(r)}" for r in roles)
-    print(
-        f"GPU layout, GPUs per job: {'; '.join(parts)}; per node: {node} (jobs whose GPUs "
-        "fill the node run one at a time)",
-        file=sys.stderr,
-    )
+    """At parse time when a role has GPUs: the GPUs each GPU stage's job takes and why."""
+    layout = wf.gpu_layout(config, ROLES)
+    if layout:
+        print(layout, file=sys.stderr)
 
 
 def print_shard_estimate():
@@ -397,16 +329,11 @@ def print_shard_estimate():
 
 
 def remote_code_cfg():
-    """{"target": {"trust_remote_code": true}} when the config allows the target's code, else {}."""
-    if config["target"]["trust_remote_code"]:
-        return {"target": {"trust_remote_code": True}}
-    return {}
+    return wf.remote_code_cfg(config)
 
 
 def set_away(section, *keys):
-    """Those of `keys` (x-omit-default) set away from their default: a job's params name them
-    only then, so the default's params stay as they were."""
-    return tuple(k for k in keys if config[section][k] != NEUTRAL_DEFAULTS[section][k])
+    return wf.set_away(config, NEUTRAL_DEFAULTS, section, *keys)
 
 
 def thinking_cfg():

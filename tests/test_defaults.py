@@ -27,6 +27,10 @@ ALLOWED = {
     # read_source also reads specs built in code (the bundled set when data.sources is empty,
     # bench's sets), and load_sources any dict holding a data section (docs/data.md).
     ("draftsmith/data/prompts.py", "max_rows"): "specs built in code",
+    # envs holds an entry only for the roles a user configures: a role without one (`cpu`,
+    # usually) has no object for the schema to fill, so its item defaults are read here
+    ("draftsmith/config/workflow.py", "python"): "a role without an envs entry",
+    ("draftsmith/config/workflow.py", "gpus"): "a role without an envs entry",
 }
 
 

@@ -75,6 +75,10 @@ ALLOWED = {
         {"sglang", "vllm"},
         "the layer ids each engine feeds the draft, read from the engines' pinned wheels",
     ),
+    "draftsmith/algorithms/*/__init__.py": (
+        {"hf", "sglang", "vllm"},
+        "an algorithm's spec says how each engine serves it, or why it cannot (its serving table)",
+    ),
     "draftsmith/cli.py": (
         {"sglang"},
         "the command table lists the SGLang engine's own commands (its patch, its CPU self-check)",

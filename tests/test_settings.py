@@ -234,3 +234,11 @@ def test_a_job_without_a_section_or_with_a_bad_key_ends_naming_it():
         job.bench is None
         and job.train.epochs == SCHEMA["properties"]["train"]["properties"]["epochs"]["default"]
     )
+
+
+@pytest.mark.parametrize("backend", [b for b, own in OWN.items() if own])
+def test_the_config_layer_types_an_engine_section_with_the_engines_own_class(backend):
+    """The config layer types an engine's section (ENGINE_SECTIONS) without importing the
+    engine: the class must be the one the engine's module names as SETTINGS."""
+    section, cls = OWN[backend]
+    assert settings.ENGINE_SECTIONS[section] is cls

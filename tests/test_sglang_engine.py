@@ -75,18 +75,26 @@ def test_cpu_role_gets_the_compatibility_layer(tmp_path):
     assert argv[argv.index("--dtype") + 1] == "float32"
 
 
-def test_speculative_args():
+def test_speculative_args(tmp_path):
+    """The flags from bench settings, the algorithm's from the draft's spec (the name its
+    config.json records); a draft SGLang cannot serve is refused naming why."""
     bench = settings.section("bench", {"num_steps": 3, "topk": 1, "num_draft_tokens": 0})
-    args = eng.speculative_args(bench, "results/draft")
+    draft = tmp_path / "results" / "draft"
+    draft.mkdir(parents=True)
+    (draft / "config.json").write_text('{"architectures": ["LlamaForCausalLMEagle3"]}')
+    args = eng.speculative_args(bench, draft)
     flags = dict(zip(args[::2], args[1::2], strict=True))
     assert flags["--speculative-algorithm"] == "EAGLE3"
     assert flags["--speculative-draft-model-path"].endswith("results/draft")
     assert (flags["--speculative-num-steps"], flags["--speculative-eagle-topk"]) == ("3", "1")
     assert flags["--speculative-num-draft-tokens"] == "4"  # a chain: K + 1
     with pytest.raises(SystemExit, match="num_draft_tokens"):
-        eng.speculative_args(dataclasses.replace(bench, topk=2), "d")
-    tree = eng.speculative_args(dataclasses.replace(bench, topk=2, num_draft_tokens=6), "d")
+        eng.speculative_args(dataclasses.replace(bench, topk=2), draft)
+    tree = eng.speculative_args(dataclasses.replace(bench, topk=2, num_draft_tokens=6), draft)
     assert tree[tree.index("--speculative-num-draft-tokens") + 1] == "6"
+    (draft / "config.json").write_text('{"draftsmith_algorithm": "dflash"}')
+    with pytest.raises(SystemExit, match="refuses DFLASH on CPU"):
+        eng.speculative_args(bench, draft)
 
 
 def test_cut_at_stop():

@@ -99,7 +99,7 @@ def export_problems(c: dict) -> list[str]:
 def serving_problems(cfg: dict) -> list[str]:
     """The engines this config benchmarks with that cannot serve its algorithm (parse time)."""
     spec = of_config(cfg)
-    backend = (cfg.get("bench") or {}).get("backend", "hf")
+    backend = cfg["bench"]["backend"]
     serving = spec.serves(backend)
     if serving.refused is None:
         return []

@@ -1,0 +1,137 @@
+"""What the rules ask of a validated config, as plain functions (rules/common.smk wraps each in
+a one-line helper of the same name): the role and interpreter of a stage, the GPUs its jobs
+take, the run settings jobs get outside params, and the server settings that are params.
+
+Every function takes the config (validated, defaults filled) and never changes it.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from draftsmith.config.engines import NEEDS, needs
+
+STAGES = ("regenerate", "capture", "train", "bench")
+
+
+def role_of(config: dict, stage: str) -> str:
+    """The role whose interpreter runs a stage's jobs (env, target and data run on cpu)."""
+    return "cpu" if stage in ("env", "target", "data") else config[stage]["role"]
+
+
+def role_python(config: dict, role: str, conda: bool = False) -> str:
+    """The interpreter a role's commands run with (validated by validate_env): `python` under
+    --sdm conda, this one for "", the workflow's venv for "venv", else the path given."""
+    python = config["envs"].get(role, {}).get("python", "")
+    if conda:
+        return "python"
+    if python == "":
+        return sys.executable
+    if python == "venv":
+        return f"results/venv/{role}/bin/python"
+    return python
+
+
+def role_gpus(config: dict, role: str) -> int:
+    """GPUs the role's interpreter must see (envs.<role>.gpus); 0 = a CPU role."""
+    return int(config["envs"].get(role, {}).get("gpus", 0))
+
+
+def engine_needs(config: dict, stage: str) -> dict:
+    """What the workflow needs from the stage's engine (its WORKFLOW declaration); the
+    defaults for a stage without a backend (train)."""
+    backend = config[stage].get("backend")
+    return needs(backend) if backend else dict(NEEDS)
+
+
+def engine_gpus(config: dict, stage: str) -> int:
+    """GPUs one job of the stage's engine takes on a GPU role: its WORKFLOW's number, or the
+    config key it names (a server's tensor-parallel size)."""
+    gpus = engine_needs(config, stage)["gpus"]
+    if isinstance(gpus, str):
+        section, key = gpus.split(".")
+        return int(config[section][key])
+    return int(gpus)
+
+
+def stage_gpus(config: dict, stage: str) -> int:
+    """GPUs one job of the stage uses (what it asks SLURM for): none on a CPU role; on a GPU
+    role train.nproc per node (train), else what the stage's engine declares."""
+    if role_gpus(config, role_of(config, stage)) == 0:
+        return 0
+    if stage == "train":
+        return int(config["train"]["nproc"])
+    return engine_gpus(config, stage)
+
+
+def gpu_resources(config: dict, stage: str) -> dict:
+    """The GPU part of a rule's resources: {} on CPU, else gpu=N (train: gres, per node)."""
+    n = stage_gpus(config, stage)
+    if n == 0:
+        return {}
+    if stage == "train":  # per node: a multi-node job gets train.nproc GPUs on each
+        return {"gres": f"gpu:{n}"}
+    return {"gpu": n}
+
+
+def gpu_roles(config: dict, roles) -> list[str]:
+    return [r for r in roles if role_gpus(config, r) > 0]
+
+
+def gpu_layout(config: dict, roles) -> str | None:
+    """The GPUs each GPU stage's job takes and why, for the parse-time print; None on CPU."""
+    with_gpus = gpu_roles(config, roles)
+    if not with_gpus:
+        return None
+    stages = ["regenerate"] if config["regenerate"]["enabled"] else []
+    parts = []
+    for stage in [*stages, "capture", "train", "bench"]:
+        n, role = stage_gpus(config, stage), role_of(config, stage)
+        if n == 0:
+            how = "CPU"
+        elif stage == "train":
+            how = f"{n} training process{'es' if n > 1 else ''} per node, train.nproc"
+        else:
+            how = engine_needs(config, stage)["gpus_why"].format(n=n)
+        parts.append(f"{stage} {n} ({role}: {how})")
+    node = ", ".join(f"envs.{r}.gpus {role_gpus(config, r)}" for r in with_gpus)
+    return (
+        f"GPU layout, GPUs per job: {'; '.join(parts)}; per node: {node} (jobs whose GPUs "
+        "fill the node run one at a time)"
+    )
+
+
+def run_settings(config: dict, run_keys: dict) -> dict:
+    """The settings that change no result (the schema's x-execution keys), as jobs get them in
+    DRAFTSMITH_RUN. The capture engine's `capture_server: auto` is resolved here: `run` (one
+    server for the run's segment captures) on a CPU capture role, `job` on a GPU one."""
+    out = {s: {k: config[s][k] for k in keys} for s, keys in run_keys.items()}
+    section = engine_needs(config, "capture")["settings"]
+    if section and out.get(section, {}).get("capture_server") == "auto":
+        gpus = role_gpus(config, role_of(config, "capture"))
+        out[section] = {**out[section], "capture_server": "job" if gpus else "run"}
+    return out
+
+
+def server_cfg(config: dict, stage: str, run_keys: dict) -> dict:
+    """The result-relevant settings of the stage's engine (its WORKFLOW's settings section,
+    without the x-execution keys) and the target's dtype and remote-code permission; {} for an
+    engine without a settings section."""
+    section = engine_needs(config, stage)["settings"]
+    if section is None:
+        return {}
+    run = run_keys.get(section, ())
+    keep = {k: v for k, v in config[section].items() if k not in run}
+    target = {k: config["target"][k] for k in ("dtype", "trust_remote_code")}
+    return {section: keep, "target": target}
+
+
+def remote_code_cfg(config: dict) -> dict:
+    """{"target": {"trust_remote_code": true}} when the config allows the target's code."""
+    return {"target": {"trust_remote_code": True}} if config["target"]["trust_remote_code"] else {}
+
+
+def set_away(config: dict, neutral: dict, section: str, *keys: str) -> tuple[str, ...]:
+    """Those of `keys` (x-omit-default) set away from their default: a job's params name them
+    only then, so the default's params stay as they were."""
+    return tuple(k for k in keys if config[section][k] != neutral[section][k])
