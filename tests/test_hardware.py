@@ -21,24 +21,72 @@ COOPER = facts(avx512_bf16=True)
 
 
 @pytest.mark.parametrize(
-    "cpu, want, kind",
+    "cpu, kind",
     [
-        (XEON_AMX, "bf16", "AVX512-AMX"),
-        (COOPER, "bf16", "AVX512-BF16"),
-        (SKYLAKE, "fp32", "AVX512"),
-        (EPYC_AVX2, "fp32", "AVX2"),
+        (XEON_AMX, "AVX512-AMX"),
+        (COOPER, "AVX512-BF16"),
+        (SKYLAKE, "AVX512"),
+        (EPYC_AVX2, "AVX2"),
         # bf16 hardware, but ATen lowered to AVX2 (ATEN_CPU_CAPABILITY=avx2)
-        (facts(capability="AVX2", avx512_bf16=True, amx=True), "fp32", "AVX2"),
+        (facts(capability="AVX2", avx512_bf16=True, amx=True), "AVX2"),
         # bf16 hardware, but oneDNN capped below bf16 (ONEDNN_MAX_CPU_ISA=AVX2)
-        (facts(avx512_bf16=True, amx=True, cap="AVX2"), "fp32", "AVX512"),
-        (facts(avx512_bf16=True, amx=True, cap="avx512_core_amx"), "bf16", "AVX512-AMX"),
-        (facts(capability="DEFAULT"), "fp32", "DEFAULT"),
+        (facts(avx512_bf16=True, amx=True, cap="AVX2"), "AVX512"),
+        (facts(avx512_bf16=True, amx=True, cap="avx512_core_amx"), "AVX512-AMX"),
+        (facts(capability="DEFAULT"), "DEFAULT"),
     ],
 )
-def test_auto_resolves_from_the_capability(cpu, want, kind):
-    got, why = resolve_precision("auto", "cpu", cpu)
-    assert got == want and cpu.kind == kind
-    assert why.startswith("auto on CPU " + kind)
+def test_the_cpu_kind_names_the_capability_and_the_bf16_hardware(cpu, kind):
+    assert cpu.kind == kind
+
+
+@pytest.mark.parametrize(
+    "fp32_ms, bf16_ms, want",
+    [(10.0, 5.7, "bf16"), (10.0, 17.5, "fp32"), (10.0, 9.8, "fp32"), (10.0, 270.0, "fp32")],
+)
+def test_auto_takes_what_the_probe_measured_not_the_flags(fp32_ms, bf16_ms, want):
+    """AMX-like (bf16 1.75x faster), AVX512-BF16-like (0.57x), a tie (the exact precision
+    stays), AVX2-like (27x slower): the same flags give whatever the measurement says."""
+    from draftsmith.runtime.precision import decide
+
+    chosen = decide(fp32_ms, bf16_ms)
+    probe = {"chosen": chosen, "fp32_ms": fp32_ms, "bf16_ms": bf16_ms, "cached": False}
+    got, why = resolve_precision("auto", "cpu", COOPER, lambda: probe)
+    assert got == want == chosen
+    assert why.startswith("auto on CPU AVX512-BF16") and f"fp32 {fp32_ms:.1f} ms" in why
+    with pytest.raises(ValueError, match="needs the precision probe"):
+        resolve_precision("auto", "cpu", COOPER)
+
+
+def test_the_probe_gives_up_on_a_slow_bf16_and_is_cached_per_machine(tmp_path):
+    from draftsmith.runtime.precision import GIVE_UP, cached_probe, trainer_shapes
+
+    shapes = trainer_shapes({"hidden_size": 64, "intermediate_size": 128}, 3, 32, 4096)
+    assert shapes["tokens"] == 1024 and shapes["linears"][0] == [192, 64]
+    calls = []
+
+    def timer(precision, shapes, limit_s=float("inf")):
+        calls.append((precision, limit_s))
+        return 0.010 if precision == "fp32" else 0.5  # an emulated bf16
+
+    first = cached_probe(shapes, "test cpu", root=tmp_path, timer=timer)
+    assert first["chosen"] == "fp32" and first["cached"] is False
+    assert calls == [("fp32", float("inf")), ("bf16", GIVE_UP * 0.010)]
+    again = cached_probe(shapes, "test cpu", root=tmp_path, timer=timer)
+    assert again["cached"] is True and again["chosen"] == "fp32" and len(calls) == 2
+    other = cached_probe(shapes, "another cpu", root=tmp_path, timer=timer)
+    assert other["cached"] is False and len(calls) == 4  # another machine measures anew
+
+
+def test_the_real_probe_is_short():
+    from draftsmith.runtime.precision import BUDGET_S, measure, trainer_shapes
+
+    shapes = trainer_shapes({"hidden_size": 576, "intermediate_size": 1536}, 3, 2048, 512)
+    import time
+
+    t0 = time.perf_counter()
+    found = measure(shapes)
+    assert found["chosen"] in ("fp32", "bf16") and found["fp32_ms"] > 0
+    assert time.perf_counter() - t0 < 5 * BUDGET_S  # a loaded CI machine gets some slack
 
 
 def test_explicit_precision_is_kept_with_a_warning_where_bf16_is_emulated():

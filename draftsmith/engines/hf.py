@@ -32,6 +32,7 @@ from draftsmith.hidden.capture_base import CaptureError, plan_batches
 from draftsmith.hidden.storage import Storage
 from draftsmith.hidden.writer import ShardWriter
 from draftsmith.runtime.hardware import announce
+from draftsmith.runtime.progress import ProgressLog
 
 log = logging.getLogger("draftsmith.engines.hf")
 # the work runs in the job's process: SIGINT/SIGTERM may end it at once (engines.stop_guard)
@@ -158,6 +159,7 @@ class HFGenerator:
         order = sorted(fits, key=lambda i: len(encoded[i]))
         bar = tqdm(total=len(prompts), desc="regenerate", unit="row", disable=not self.progress)
         bar.update(too_long)
+        progress_log = ProgressLog(log, "regenerate", len(prompts), "prompts", done=too_long)
         for start in range(0, len(order), self.batch_size):
             idx = order[start : start + self.batch_size]
             t0 = time.perf_counter()
@@ -181,6 +183,10 @@ class HFGenerator:
                 self.stats["empty"] += int(not text)
                 replies[i] = text
             bar.update(len(idx))
+            progress_log.update(
+                too_long + start + len(idx), new_tokens=self.stats["new_tokens"],
+                tokens_per_s=f"{self.tokens_per_second():.1f}",
+            )  # fmt: skip
             bar.set_postfix(tok_s=f"{self.tokens_per_second():.1f}")
         bar.close()
         self.stats["prompts"] += len(prompts)
@@ -337,11 +343,16 @@ def capture_shard(
         lm_head=lm_head,
         draft_ids=draft_ids,
     ) as writer:
+        progress_log = ProgressLog(log, f"capture {Path(out).stem}", len(lengths), "rows")
+        done = tokens_done = 0
         for rows in tqdm(batches, desc=Path(out).stem, unit="batch", disable=not progress):
             aux, last = forward_states(model, pad_rows(tokens["input_ids"], offsets, rows), ids)
             for b, r in enumerate(rows):
                 n = lengths[r]
                 writer.write(offsets[r], aux[b, :n], last[b, :n])
+            done, tokens_done = done + len(rows), tokens_done + sum(lengths[r] for r in rows)
+            rate = tokens_done / max(time.perf_counter() - t0, 1e-9)
+            progress_log.update(done, tokens=tokens_done, tokens_per_s=f"{rate:.0f}")
         writer.manifest["capture_seconds"] = round(time.perf_counter() - t0, 3)
         writer.manifest["batches"] = len(batches)
     return writer.manifest

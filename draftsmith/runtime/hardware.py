@@ -2,8 +2,10 @@
 
 One CPU is not another: on a Xeon with AMX a bf16 matmul at the trainer's shapes ran 1.75x
 faster than fp32; on an AMD EPYC with AVX2 only it ran about 70x slower (no bf16 dot-product
-instructions: oneDNN falls back to converting element by element). `train.precision: auto` is
-therefore resolved at run time, from the facts torch itself uses to pick its kernels:
+instructions: oneDNN falls back to converting element by element), and with AVX512-BF16 but
+no AMX 0.57x as fast. `train.precision: auto` is therefore measured (draftsmith.runtime.
+precision); the facts below, the ones torch itself uses to pick its kernels, name the CPU kind
+in reports and warn where a configured bf16 is emulated:
 
 - `torch.backends.cpu.get_cpu_capability()`: the vector ISA ATen dispatches to (AVX2, AVX512,
   ...; lowered by ATEN_CPU_CAPABILITY);
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import os
 import platform
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -108,18 +111,27 @@ def cpu_facts() -> CpuFacts:
     )
 
 
-def resolve_precision(requested: str, device_type: str, facts: CpuFacts) -> tuple[str, str]:
-    """`train.precision` -> ("bf16" | "fp32", why). `auto`: bf16 autocast on a GPU and on a CPU
-    with native bf16, fp32 elsewhere. An explicit value is kept, with a warning in `why` when
-    it asks for bf16 where bf16 is emulated (slower than fp32 by one to two orders)."""
+def resolve_precision(
+    requested: str, device_type: str, facts: CpuFacts, probe: Callable[[], dict] | None = None
+) -> tuple[str, str]:
+    """`train.precision` -> ("bf16" | "fp32", why). `auto`: bf16 autocast on a GPU; on a CPU
+    the faster of the two at the trainer's shapes, as `probe()` measured it (the cached result
+    of draftsmith.runtime.precision.cached_probe), its figures in `why`. An explicit value is
+    kept, with a warning in `why` when it asks for bf16 where bf16 is emulated."""
     if requested not in ("auto", "bf16", "fp32"):
         raise ValueError(f"train.precision {requested!r} is not one of auto, bf16, fp32")
     if device_type == "cuda":
         return ("fp32" if requested == "fp32" else "bf16"), f"{requested} on a GPU"
     where = f"CPU {facts.kind} ({facts.describe()})"
     if requested == "auto":
-        chosen = "bf16" if facts.native_bf16 else "fp32"
-        return chosen, f"auto on {where}"
+        if probe is None:
+            raise ValueError("train.precision auto on a CPU needs the precision probe")
+        found = probe()
+        how = "cached probe" if found.get("cached") else "probe"
+        return found["chosen"], (
+            f"auto on {where}; {how} of the trainer's shapes: fp32 {found['fp32_ms']:.1f} ms, "
+            f"bf16 {found['bf16_ms']:.1f} ms per step"
+        )
     if requested == "bf16" and not facts.native_bf16:
         return "bf16", (
             f"bf16 as configured on {where}; WARNING: bf16 is emulated on this CPU and runs far "

@@ -46,6 +46,7 @@ from draftsmith.runtime.files import (
     versions,
 )
 from draftsmith.runtime.hardware import cpu_facts, resolve_precision
+from draftsmith.runtime.progress import ProgressLog
 from draftsmith.runtime.stopping import stop_promptly
 from draftsmith.train.checkpoint import load_checkpoint, reset_metrics, save_checkpoint
 from draftsmith.train.data import Data, check_inputs, frozen_inputs, run_key, teacher_flags
@@ -57,6 +58,7 @@ from draftsmith.train.loop import (
     finish,
     log_stop,
     pick_device,
+    precision_probe,
     recorded,
     resume,
     step_helpers,
@@ -150,7 +152,9 @@ def train_segment(job: JobSettings, args, progress: Progress) -> None:
     facts = cpu_facts()
     device = pick_device(args.device)
     torch.use_deterministic_algorithms(True, warn_only=True)
-    precision, why = resolve_precision(job.train.precision, device.type, facts)
+    precision, why = resolve_precision(
+        job.train.precision, device.type, facts, precision_probe(job, args.target, facts)
+    )
     shard_paths = sorted(args.shards)
     inputs = check_inputs(job, shard_paths, args.vocab, args.target, args.state, 0)
     key = segment_key(
@@ -174,12 +178,14 @@ def train_segment(job: JobSettings, args, progress: Progress) -> None:
     meta = {"key": key, "segment": args.segment, "config": job.given, "total_steps": data.total}
     meta["precision"] = {"resolved": precision, "why": why, "cpu": facts.as_dict()}
     meta["pack_len"] = data.pack_len
+    progress_log = ProgressLog(log, f"segment {args.segment}", end, "steps", done=pos.step)
     while pos.step < end:
         pos.epoch, pos.batch = segment[0], pos.step - before
         record = train_step(s, job.train, inputs, data, pos, 0, 1)
         pos.step, pos.batch = pos.step + 1, pos.batch + 1
         with open(run_dir / "metrics.jsonl", "a") as f:
             f.write(json.dumps(record) + "\n")
+        progress_log.update(pos.step, loss=f"{record['loss']:.3f}")
         if checkpoint_due(job.train, pos, end):
             save_checkpoint(
                 run_dir, pos.step, draft, opt, {**meta, "epoch": pos.epoch, "batch": pos.batch}

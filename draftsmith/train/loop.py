@@ -51,7 +51,6 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
 
 from draftsmith.algorithms.batches import pack_batch, weighted_loss
 from draftsmith.algorithms.export import (
@@ -78,6 +77,7 @@ from draftsmith.runtime.files import (
 )
 from draftsmith.runtime.finite import check_step
 from draftsmith.runtime.hardware import cpu_facts, resolve_precision
+from draftsmith.runtime.progress import ProgressLog
 from draftsmith.runtime.repair import keep_last_good
 from draftsmith.runtime.stopping import stop_promptly
 from draftsmith.targets.layout import text_config
@@ -267,6 +267,19 @@ def step_helpers(job: JobSettings, inputs: Inputs, draft, opt, device, precision
     )
 
 
+def precision_probe(job: JobSettings, target_dir: Path, facts):
+    """train.precision auto's probe at this run's shapes (draftsmith.runtime.precision)."""
+    from draftsmith.runtime.precision import cached_probe, trainer_shapes
+
+    def probe() -> dict:
+        cfg = text_config(json.loads((Path(target_dir) / "config.json").read_text()))
+        n_aux = len(layer_ids(job, target_dir))
+        shapes = trainer_shapes(cfg, n_aux, job.draft.vocab_size, job.train.batch_tokens)
+        return cached_probe(shapes, facts.model)
+
+    return probe
+
+
 def layer_ids(job: JobSettings, target_dir: Path) -> list[int]:
     """capture.aux_layer_ids resolved for the target (SGLang numbering)."""
     n = text_config(json.loads((Path(target_dir) / "config.json").read_text()))["num_hidden_layers"]
@@ -290,7 +303,9 @@ def train(
     rank, world = dist_info()
     device = pick_device(device)
     torch.use_deterministic_algorithms(True, warn_only=True)
-    precision, why = resolve_precision(tcfg.precision, device.type, facts)
+    precision, why = resolve_precision(
+        tcfg.precision, device.type, facts, precision_probe(job, target_dir, facts)
+    )
     log.info("precision %s (%s)", precision, why)
     try:
         serve_gate(target_dir, job.draft.serve_check, layer_ids(job, target_dir))
@@ -319,7 +334,7 @@ def train(
         device,
         precision,
     )
-    bar = tqdm(total=data.total, initial=pos.step, desc="train", disable=None if rank else True)
+    progress_log = ProgressLog(log, "train", data.total, "steps", done=pos.step)
     while pos.step < data.total:
         if pos.batch >= len(data.plans[pos.epoch]):
             pos.epoch, pos.batch = pos.epoch + 1, 0
@@ -329,13 +344,14 @@ def train(
         if rank == 0:
             with open(run_dir / "metrics.jsonl", "a") as f:
                 f.write(json.dumps(record) + "\n")
-            bar.update(1)
-            bar.set_postfix(loss=f"{record['loss']:.3f}", acc0=f"{record['acc_per_pos'][0]:.2f}")
+            progress_log.update(
+                pos.step, loss=f"{record['loss']:.3f}", acc0=f"{record['acc_per_pos'][0]:.2f}",
+                tokens_per_s=f"{record['tokens_per_s']:.0f}",
+            )  # fmt: skip
             if checkpoint_due(tcfg, pos, data.total):
                 meta = {"key": key, "epoch": pos.epoch, "batch": pos.batch, "config": job.given}
                 save_checkpoint(run_dir, pos.step, draft, opt, {**meta, "total_steps": data.total})
                 pos.saved_step, pos.saved_at = pos.step, time.monotonic()
-    bar.close()
     if rank == 0:
         provenance = run_provenance(
             job, key, data, (precision, why, facts), inputs, (shard_paths, vocab_path)
