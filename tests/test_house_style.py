@@ -10,7 +10,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "draftsmith"
 MODULE_LINES = 600
 FUNCTION_LINES = 80
 # "module.py:function" -> why it is still one function
-LONG_FUNCTIONS: dict[str, str] = {}  # none left (session 10 split the last one)
+LONG_FUNCTIONS: dict[str, str] = {}  # none left
 
 
 def functions(path: Path):

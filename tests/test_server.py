@@ -234,7 +234,7 @@ class Dying:
 
 
 def test_a_server_killed_a_moment_ago_is_down_not_a_row_failure(tmp_path):
-    # CI stop 31: the rows were retried against a killed server that still looked alive, and
+    # A CI run once failed here: the rows were retried against a killed server that still looked alive, and
     # their retries ran out before the restart
     t0 = time.monotonic()
     assert server_down(Dying(alive_for=1.5), grace=10)

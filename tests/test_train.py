@@ -276,7 +276,7 @@ def test_reference_curve(baseline):
 
     fp32 on purpose: the curve must hold on every CPU kind. rel 1e-4 on the losses covers the
     summation orders of AVX512 and AVX2 kernels (passes with ATEN_CPU_CAPABILITY=avx2
-    ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 on an AMX Xeon, session 5); the
+    ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 on an AMX Xeon); the
     accuracies are ratios of counts and must match to 1e-6 (a flipped argmax is a real change).
     """
     got = {

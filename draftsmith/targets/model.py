@@ -164,6 +164,11 @@ def link_path_target(src: Path, out: Path, trust_remote_code: bool = False) -> N
             converted = make_fast(src, staging, trust_remote_code)
         except FastTokError as e:
             raise TargetError(str(e)) from None
+        from draftsmith.targets.check import target_problems
+
+        problems = target_problems(staging, sorted(src.glob("*.safetensors")), trust_remote_code)
+        if problems:
+            raise TargetError(f"target.path {src}:\n  " + "\n  ".join(problems))
         write_meta(staging, source="path", origin=str(src), tokenizer=converted)
         _replace_dir(staging, out)
     except BaseException:
