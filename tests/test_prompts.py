@@ -238,7 +238,10 @@ def test_lone_surrogate_is_a_bad_row_naming_the_line(tmp_path):
     got, report = read_source({"format": "prompt", "path": p})
     assert len(got) == 1 and report["first_bad_rows"][0]["line"] == 2
     assert "lone surrogate \\ud800" in report["first_bad_rows"][0]["reason"]
-    p2 = _write(tmp_path / "g.jsonl", rows[2:])
+    p2 = _write(
+        tmp_path / "g.jsonl",
+        [json.dumps({"conversations": [{"from": "human", "value": "ok"}]}), rows[2]],
+    )
     _, report = read_source({"format": "sharegpt", "path": p2})
     assert "lone surrogate \\udfff" in report["first_bad_rows"][0]["reason"]
 
@@ -261,3 +264,43 @@ def test_prompt_turns_and_humaneval():
 def test_source_files_lists_every_input_file():
     cfg = {"data": {"sources": [{"format": "bundled"}, {"format": "prompt", "path": "x.jsonl"}]}}
     assert source_files(cfg) == [str(BUNDLED_PATH), "x.jsonl"]
+
+
+def test_openai_messages_rows_are_read(tmp_path):
+    rows = [
+        json.dumps({"messages": [{"role": "developer", "content": "Be brief."},
+                                 {"role": "user", "content": [{"type": "text", "text": "Hi "},
+                                                              {"type": "text", "text": "there"}]},
+                                 {"role": "assistant", "content": "Hello."}]}),
+        json.dumps({"messages": [{"role": "user", "content": "x"},
+                                 {"role": "assistant", "tool_calls": [{"id": "1"}], "content": ""}]}),
+        json.dumps({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}),
+    ]  # fmt: skip
+    got, report = read_source({"format": "messages", "path": _write(tmp_path / "m.jsonl", rows)})
+    assert got[0]["conversations"] == [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hi there"},
+        {"role": "assistant", "content": "Hello."},
+    ]
+    reasons = [b["reason"] for b in report["first_bad_rows"]]
+    assert "tool turns are not read" in reasons[0] and "image_url part" in reasons[1]
+
+
+def test_a_source_in_another_format_is_an_error_naming_the_format(tmp_path):
+    rows = [json.dumps({"messages": [{"role": "user", "content": "hi"}]})] * 3
+    path = _write(tmp_path / "openai.jsonl", rows)
+    with pytest.raises(SourceError) as e:
+        read_source({"format": "sharegpt", "path": path})
+    msg = str(e.value)
+    assert "none of the 3 rows" in msg and "are format messages" in msg
+    assert "specforge, sharegpt, messages, prompt" in msg
+
+
+def test_parquet_and_datasets_directories_are_named_not_read_as_text(tmp_path):
+    pq = tmp_path / "train.parquet"
+    pq.write_bytes(b"PAR1" + b"\x00" * 64 + b"PAR1")
+    with pytest.raises(SourceError, match="is a parquet file .* not JSONL; write it as JSONL"):
+        read_source({"format": "sharegpt", "path": str(pq)})
+    (tmp_path / "saved").mkdir()
+    with pytest.raises(SourceError, match="is a directory"):
+        read_source({"format": "sharegpt", "path": str(tmp_path / "saved")})

@@ -30,7 +30,9 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-FORMATS = ("bundled", "specforge", "sharegpt", "prompt")
+FORMATS = ("bundled", "specforge", "sharegpt", "messages", "prompt")
+# the top-level key each JSONL format's rows carry (how a source in another format is told)
+FORMAT_KEYS = {"conversations": "specforge or sharegpt", "messages": "messages", "prompt": "prompt"}
 ROLES = ("system", "user", "assistant")
 SHAREGPT_ROLES = {
     "system": "system",
@@ -120,6 +122,39 @@ def _from_sharegpt(obj: dict) -> list[dict]:
     return check_conversation(mapped)
 
 
+def _text(content, i: int, role: str):
+    """An OpenAI message's content: a string, or a list of parts whose text parts are joined
+    (an image or audio part has no text to train on: refused)."""
+    if not isinstance(content, list):
+        return content
+    texts = []
+    for part in content:
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind != "text" or not isinstance(part.get("text"), str):
+            raise BadRow(
+                f"turn {i} ({role}) has a {kind or 'non-object'} part; only text parts are read"
+            )
+        texts.append(part["text"])
+    return "".join(texts)
+
+
+def _from_messages(obj: dict) -> list[dict]:
+    turns = obj.get("messages")
+    if not isinstance(turns, list):
+        raise BadRow("no 'messages' list")
+    out = []
+    for i, turn in enumerate(turns):
+        if not isinstance(turn, dict):
+            raise BadRow(f"turn {i} is not an object")
+        role = turn.get("role")
+        if role == "developer":
+            role = "system"  # OpenAI's newer name of the system turn
+        if role in ("tool", "function") or turn.get("tool_calls"):
+            raise BadRow(f"turn {i} is a tool call or result; tool turns are not read")
+        out.append({"role": role, "content": _text(turn.get("content"), i, role)})
+    return check_conversation(out)
+
+
 def _from_prompt(obj: dict) -> list[dict]:
     turns = []
     if "system" in obj:
@@ -132,6 +167,7 @@ PARSERS = {
     "bundled": _from_specforge,
     "specforge": _from_specforge,
     "sharegpt": _from_sharegpt,
+    "messages": _from_messages,
     "prompt": _from_prompt,
 }
 
@@ -152,6 +188,37 @@ def _decode(raw: bytes) -> str:
             f"not UTF-8 (byte 0x{raw[e.start]:02x} at byte {e.start} of the line); "
             f"re-encode the file as UTF-8"
         ) from None
+
+
+def accepted() -> str:
+    return ", ".join(f for f in FORMATS if f != "bundled")
+
+
+def refuse_binary(name: str, path: Path) -> None:
+    """A parquet or Arrow file (the Hugging Face datasets formats) is named as such, with how to
+    make JSONL of it, instead of being read as broken text line by line."""
+    with open(path, "rb") as f:
+        head = f.read(8)
+    kind = "parquet" if head[:4] == b"PAR1" else "Arrow" if head[:6] == b"ARROW1" else None
+    if kind:
+        raise SourceError(
+            f"data.sources: {name}: {path} is a {kind} file (a Hugging Face datasets format), "
+            f"not JSONL; write it as JSONL first (datasets: `Dataset.from_parquet(path)"
+            f".to_json(out)`; pandas: `read_parquet(path).to_json(out, orient='records', "
+            f"lines=True)`), in one of the formats {accepted()}"
+        )
+
+
+def no_valid_rows(name, path, fmt, n_lines, bad, keys) -> str:
+    """The error for a source none of whose rows is valid: the first reasons, the keys its rows
+    carry and the format they suggest."""
+    guess = next((FORMAT_KEYS[k] for k in (keys or ()) if k in FORMAT_KEYS), None)
+    hint = f"; rows with keys {keys} are format {guess}" if guess and fmt not in guess else ""
+    reasons = ", ".join(f"line {b['line']}: {b['reason']}" for b in bad[:3])
+    return (
+        f"data.sources: {name}: none of the {n_lines} rows of {path} is a valid {fmt} row "
+        f"({reasons}){hint}; the formats are {accepted()} (docs/data.md)"
+    )
 
 
 def source_files(config: dict) -> list[str]:
@@ -179,12 +246,18 @@ def read_source(spec: dict) -> tuple[list[dict], dict]:
         if not spec.get("path"):
             raise SourceError(f"data.sources: format {fmt!r} needs a 'path'")
         path = Path(spec["path"])
+    if path.is_dir():
+        raise SourceError(
+            f"data.sources: {source_name(spec)}: {path} is a directory (a Hugging Face datasets "
+            f"save_to_disk?); give one JSONL file in one of the formats {accepted()}"
+        )
     if not path.is_file():
         raise SourceError(f"data.sources: {source_name(spec)}: file not found: {path}")
     name = source_name(spec)
+    refuse_binary(name, path)
     max_rows = int(spec.get("max_rows", 0) or 0)
     parse = PARSERS[fmt]
-    rows, bad, n_lines = [], [], 0
+    rows, bad, n_lines, first_keys = [], [], 0, None
     with _open_bytes(path) as f:
         for lineno, raw in enumerate(f, start=1):
             if not raw.strip():
@@ -198,6 +271,7 @@ def read_source(spec: dict) -> tuple[list[dict], dict]:
                     raise BadRow(f"not JSON ({e.msg})") from None
                 if not isinstance(obj, dict):
                     raise BadRow("not a JSON object")
+                first_keys = sorted(obj) if first_keys is None else first_keys
                 turns = parse(obj)
             except BadRow as e:
                 bad.append({"line": lineno, "reason": str(e)})
@@ -219,6 +293,8 @@ def read_source(spec: dict) -> tuple[list[dict], dict]:
         )
     if n_lines == 0:
         log.warning("%s: %s is empty (no non-blank line): it adds no rows", name, path)
+    elif not rows:
+        raise SourceError(no_valid_rows(name, path, fmt, n_lines, bad, first_keys))
     report = {
         "name": name,
         "format": fmt,
