@@ -48,7 +48,7 @@ from draftsmith.runtime.files import (
 from draftsmith.runtime.hardware import cpu_facts, resolve_precision
 from draftsmith.runtime.progress import ProgressLog
 from draftsmith.runtime.stopping import stop_promptly
-from draftsmith.train.checkpoint import load_checkpoint, reset_metrics, save_checkpoint
+from draftsmith.train.checkpoint import check_space, load_checkpoint, reset_metrics, save_checkpoint
 from draftsmith.train.data import Data, check_inputs, frozen_inputs, run_key, teacher_flags
 from draftsmith.train.loop import (
     Progress,
@@ -131,6 +131,7 @@ def segment_key(cfg, shard_paths, vocab, target, precision, segment: str, prev) 
 def start_from(run_dir: Path, key: str, draft, opt, prev: Path | None, first: int) -> Progress:
     """Resume this segment's own newest checkpoint, else load the previous segment's."""
     pos = resume(run_dir, key, draft, opt, 0)
+    check_space(run_dir, draft)
     if pos.saved_step is not None:
         return pos
     if prev is not None:

@@ -12,6 +12,7 @@ the resumed step on resume; a line torn by a kill (the last one) is dropped ther
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -27,8 +28,53 @@ from draftsmith.runtime.files import atomic_write_text, fsync_dir
 STEP_DIR = re.compile(r"^step-(\d{6})$")
 
 
+class CheckpointSpaceError(SystemExit):
+    """A checkpoint that does not fit on the disk: the path, the bytes it needs and the free."""
+
+
+def checkpoint_bytes(draft) -> int:
+    """What one checkpoint takes: the draft's tensors and AdamW's two moments per parameter
+    (float32), with a margin for the headers, the RNG state and meta.json."""
+    weights = sum(t.numel() * t.element_size() for t in draft.state_dict().values())
+    moments = sum(2 * p.numel() * 4 for p in draft.parameters())
+    return int((weights + moments) * 1.02) + (1 << 20)
+
+
+def space_error(run_dir: Path, need: int, why: str = "") -> CheckpointSpaceError:
+    free = shutil.disk_usage(run_dir).free
+    return CheckpointSpaceError(
+        f"error: a training checkpoint needs about {need / 2**20:.1f} MiB under {run_dir}, which "
+        f"has {free / 2**20:.1f} MiB free{why}; free space there (the last complete checkpoint "
+        "is kept: the rerun resumes from it)"
+    )
+
+
+def check_space(run_dir: Path, draft) -> None:
+    """Before the first checkpoint: two of them must fit (the new one is written beside the last
+    before the older ones go)."""
+    need = 2 * checkpoint_bytes(draft)
+    if shutil.disk_usage(run_dir).free < need:
+        raise space_error(run_dir, need)
+
+
 def save_checkpoint(run_dir: Path, step: int, draft, opt, meta: dict) -> None:
-    """`step-XXXXXX/` via a staging dir renamed into place; `meta.json` is written last."""
+    """`step-XXXXXX/` via a staging dir renamed into place; `meta.json` is written last. A full
+    disk ends the job with the path, the bytes needed and free (the staging dir removed)."""
+    try:
+        write_checkpoint(run_dir, step, draft, opt, meta)
+    except OSError as e:
+        if e.errno != errno.ENOSPC:
+            raise
+        raise space_error(run_dir, checkpoint_bytes(draft), f" ({e.strerror})") from None
+    except Exception as e:  # safetensors reports a full disk as its own error type
+        if "No space left on device" not in str(e):
+            raise
+        raise space_error(run_dir, checkpoint_bytes(draft), " (no space left on device)") from None
+    for old in sorted(d for d in run_dir.iterdir() if STEP_DIR.match(d.name))[:-2]:
+        shutil.rmtree(old)
+
+
+def write_checkpoint(run_dir: Path, step: int, draft, opt, meta: dict) -> None:
     final = run_dir / f"step-{step:06d}"
     stage = Path(tempfile.mkdtemp(prefix=f".tmp-step-{step:06d}-", dir=run_dir))
     try:
@@ -54,8 +100,6 @@ def save_checkpoint(run_dir: Path, step: int, draft, opt, meta: dict) -> None:
     except BaseException:
         shutil.rmtree(stage, ignore_errors=True)
         raise
-    for old in sorted(d for d in run_dir.iterdir() if STEP_DIR.match(d.name))[:-2]:
-        shutil.rmtree(old)
 
 
 def latest_checkpoint(run_dir: Path, key: str) -> Path | None:

@@ -82,6 +82,7 @@ from draftsmith.runtime.repair import keep_last_good
 from draftsmith.runtime.stopping import stop_promptly
 from draftsmith.targets.layout import text_config
 from draftsmith.train.checkpoint import (
+    check_space,
     latest_checkpoint,
     load_checkpoint,
     reset_metrics,
@@ -320,6 +321,8 @@ def train(
     data = prepare_run(job, inputs, shard_paths, run_dir, rank, world, device)
     draft, opt = build_draft(job, inputs, device)
     pos = resume(run_dir, key, draft, opt, rank)
+    if rank == 0:
+        check_space(run_dir, draft)  # before the first step: a full disk ends no work
     if progress is not None:  # the stop watcher's view of this run
         progress.__dict__.update(pos.__dict__)
         pos = progress
