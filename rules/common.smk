@@ -80,13 +80,11 @@ if config["target"]["source"] == "path":
         TARGET_SIGNATURE = source_signature(config["target"]["path"])
     except TargetError as e:
         raise ValueError(f"config: {e}") from None
-    # ids a serving engine would read as other layers than training uses (draftsmith.targets.layerids)
-    bad = setting_problems(
-        json.loads(
-            (Path(config["target"]["path"]).expanduser() / "config.json").read_text()
-        ),
-        config["capture"]["aux_layer_ids"],
+    TARGET_CONFIG = json.loads(
+        (Path(config["target"]["path"]).expanduser() / "config.json").read_text()
     )
+    # ids a serving engine would read as other layers than training uses (draftsmith.targets.layerids)
+    bad = setting_problems(TARGET_CONFIG, config["capture"]["aux_layer_ids"])
     if bad:
         raise ValueError("config: capture.aux_layer_ids:\n  " + "\n  ".join(bad))
     if not list(Path(config["target"]["path"]).expanduser().glob("*.safetensors")):
@@ -96,7 +94,9 @@ if config["target"]["source"] == "path":
             file=sys.stderr,
         )
 else:
-    TARGET_SIGNATURE = ""
+    TARGET_SIGNATURE, TARGET_CONFIG = "", None
+# params see a setting spelled out as what its auto resolves to as auto (no rerun for it)
+PARAMS_CONFIG = wf.params_config(config, TARGET_CONFIG)
 
 
 wildcard_constraints:
@@ -242,7 +242,9 @@ def cfg_json(*sections, server_of=None, **only):
     permission, when on); `section=(keys...)` takes only those keys of a section
     (draftsmith.config.checks.sections_json)."""
     extra = (server_cfg(server_of) or remote_code_cfg()) if server_of else None
-    return sections_json(config, sections, extra, NEUTRAL_DEFAULTS, only, RUN_KEYS)
+    return sections_json(
+        PARAMS_CONFIG, sections, extra, NEUTRAL_DEFAULTS, only, RUN_KEYS
+    )
 
 
 def pins_text(wildcards):

@@ -65,3 +65,36 @@ def test_server_settings_that_are_params_leave_out_the_run_keys():
     assert got["target"] == {"dtype": cfg["target"]["dtype"], "trust_remote_code": False}
     assert wf.server_cfg(with_defaults({}), "bench", RUN_KEYS) == {}
     assert wf.remote_code_cfg(cfg) == {}
+
+
+def test_a_setting_spelled_out_as_its_auto_value_is_auto_in_params():
+    from draftsmith.config.checks import aux_layer_ids
+
+    target = {"num_hidden_layers": 6}
+    auto = aux_layer_ids("auto", 6)
+    cfg = with_defaults({"capture": {"aux_layer_ids": auto}})
+    before = copy.deepcopy(cfg)
+    assert wf.params_config(cfg, target)["capture"]["aux_layer_ids"] == "auto"
+    assert cfg == before  # a copy: the config itself is as given
+    other = with_defaults({"capture": {"aux_layer_ids": [0, 1, 2]}})
+    assert wf.params_config(other, target) is other
+    assert wf.params_config(cfg, None) is cfg  # target not readable at parse time
+
+
+def test_the_dry_run_plans_the_same_commands_for_auto_and_its_ids(tmp_path, tiny_target):
+    """Written out as the ids auto resolves to, capture.aux_layer_ids gives the same params,
+    so a built project would rerun nothing."""
+    import json
+
+    from wf import snakemake, tiny_config, write_config
+
+    from draftsmith.config.checks import aux_layer_ids
+
+    n = json.loads((tiny_target / "config.json").read_text())["num_hidden_layers"]
+    plans = []
+    for ids in ("auto", aux_layer_ids("auto", n)):
+        work = tmp_path / str(len(plans))
+        write_config(work, tiny_config(tiny_target, capture={"aux_layer_ids": ids}))
+        out = snakemake(work, "-n", "-p").stdout
+        plans.append(sorted(line.strip() for line in out.splitlines() if "--cfg" in line))
+    assert plans[0] and plans[0] == plans[1]

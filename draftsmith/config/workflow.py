@@ -135,3 +135,25 @@ def set_away(config: dict, neutral: dict, section: str, *keys: str) -> tuple[str
     """Those of `keys` (x-omit-default) set away from their default: a job's params name them
     only then, so the default's params stay as they were."""
     return tuple(k for k in keys if config[section][k] != neutral[section][k])
+
+
+def params_config(config: dict, target_cfg: dict | None) -> dict:
+    """The config as params see it: a setting written out as what its `auto` resolves to on
+    this target is `auto` there, so spelling out the default plans nothing new (today:
+    capture.aux_layer_ids). `target_cfg`: the target's config.json, None where it is not
+    readable at parse time (the embedded target before conversion). The config is not
+    changed; a changed copy is returned."""
+    from draftsmith.config.checks import aux_layer_ids
+
+    ids = config["capture"]["aux_layer_ids"]
+    if target_cfg is None or ids == "auto":
+        return config
+    cfg = target_cfg.get("text_config", target_cfg)
+    try:
+        auto = aux_layer_ids("auto", int(cfg["num_hidden_layers"]))
+    except (KeyError, ValueError):
+        return config
+    if [int(i) for i in ids] != auto:
+        return config
+    return {**config, "capture": {**config["capture"], "aux_layer_ids": "auto"}}
+
