@@ -324,3 +324,24 @@ def test_plan_estimate(tiny_target, tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(plan.shutil, "disk_usage", lambda p: usage(10, 10, 100))
     with pytest.raises(SystemExit, match="the shards still to build need .* but .* has 100 B free"):
         plan.main(["--cfg", cfg, "--target", str(target), "--out", str(out), *tokens])
+
+
+def test_a_non_finite_state_is_refused_naming_row_token_and_layer(tmp_path):
+    """Capture never stores NaN or inf: the writer names the row, the token and the aux layer
+    id (or the final state), and no shard is left behind."""
+    hidden, ids = 4, [1, 3, 5]
+    path = tmp_path / "rows_000000-000002.safetensors"
+    kw = dict(input_ids=torch.arange(6), loss_mask=torch.ones(6), row_offsets=torch.tensor([0, 2, 6]),
+              hidden_size=hidden, dtype="float32", manifest={"aux_layer_ids": ids})  # fmt: skip
+    aux, last = torch.zeros(6, 3 * hidden), torch.zeros(6, hidden)
+    aux[3, 2 * hidden + 1] = float("nan")  # row 1, its token 1, the third aux layer (id 5)
+    with pytest.raises(ShardError, match=r"row 1 \(token 1\): 1 non-finite values in 1 tokens, "
+                                         r"first at aux layer 5"):  # fmt: skip
+        with ShardWriter(path, **kw) as w:
+            w.write(0, aux, last)
+    assert not path.exists() and not list(tmp_path.glob(".tmp-*"))
+    aux[3, 2 * hidden + 1] = 0.0
+    last[0, 0] = float("inf")
+    with pytest.raises(ShardError, match=r"row 0 \(token 0\).*first at the final state"):
+        with ShardWriter(path, **kw) as w:
+            w.write(0, aux, last)

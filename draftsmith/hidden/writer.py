@@ -172,6 +172,8 @@ class ShardWriter:
         self.n_tokens = input_ids.numel()
         self.n_rows = row_offsets.numel() - 1
         self.n_aux = aux_count(manifest)  # one aux state per manifest aux_layer_ids entry
+        self._row_offsets = row_offsets.numpy().copy()
+        self._aux_ids = list(manifest.get("aux_layer_ids") or range(self.n_aux))
         trained = trained_mask(loss_mask, row_offsets)
         self._trained = trained.numpy()
         self._slot = (trained.long().cumsum(0) - 1).numpy()  # token -> row in [P, ...] tensors
@@ -261,6 +263,27 @@ class ShardWriter:
             n = os.pwrite(self._fd, view, pos)
             view, pos = view[n:], pos + n
 
+    def refuse_nonfinite(self, start: int, aux: torch.Tensor, last: torch.Tensor) -> None:
+        """A NaN or infinite state is never stored: the error names the row, the token and
+        the layer (aux: the layer id; final: the final state), as the target computed them."""
+        for what, x in (("aux", aux), ("final", last)):
+            bad = ~torch.isfinite(x)
+            if not bool(bad.any()):
+                continue
+            tok, col = (int(i) for i in bad.nonzero()[0])
+            row = int(np.searchsorted(self._row_offsets, start + tok, side="right")) - 1
+            where = (
+                f"aux layer {self._aux_ids[col // self.hidden_size]}"
+                if what == "aux"
+                else "the final state"
+            )
+            raise ShardError(
+                f"{self.path}: row {row} (token {start + tok - int(self._row_offsets[row])}): "
+                f"{int(bad.sum())} non-finite values in {n_of(bad)} tokens, first at {where}: "
+                "the target computes NaN or inf here (check its weights: rule target_model "
+                "refuses non-finite ones, a wrong dtype can overflow)"
+            )
+
     def write(self, start: int, aux: torch.Tensor, last: torch.Tensor) -> None:
         """Store hidden states of tokens [start, start + n): aux [n, K*H] (K = n_aux), last
         [n, H]."""
@@ -278,6 +301,7 @@ class ShardWriter:
             raise ShardError(f"{self.path}: tokens [{start}, {start + n}) written twice")
         if n == 0:
             return
+        self.refuse_nonfinite(start, aux, last)
         if self.storage.aux == "dtype":
             self._put("aux_hidden_states", start, aux.detach().to("cpu", self.torch_dtype))
         else:
@@ -335,3 +359,8 @@ class ShardWriter:
         self._ctx.__exit__(None, None, None)
         atomic_write_json(manifest_path(self.path), self.manifest)
         return False
+
+
+def n_of(bad: torch.Tensor) -> int:
+    """Tokens with any non-finite value ([n, width] mask)."""
+    return int(bad.any(dim=1).sum())
