@@ -4,6 +4,7 @@ venv, has every subpackage and its data files, and its `draftsmith` command runs
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 import venv
@@ -23,9 +24,15 @@ def run(cmd, **kw):
 def installed(tmp_path_factory) -> Path:
     """A venv (seeing this interpreter's packages: torch and the cpu pins) with the wheel."""
     base = tmp_path_factory.mktemp("wheel")
-    dist = base / "dist"
+    dist, src = base / "dist", base / "src"
+    # from a copy of the tracked files: setuptools builds in the source tree (build/, egg-info)
+    files = run(["git", "ls-files"], cwd=ROOT).stdout.split()
+    for f in files:
+        if (ROOT / f).is_file():
+            (src / f).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / f, src / f)
     run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
-         "-w", str(dist), str(ROOT)])  # fmt: skip
+         "-w", str(dist), str(src)])  # fmt: skip
     (wheel,) = dist.glob("draftsmith-*.whl")
     env_dir = base / "venv"
     venv.create(env_dir, system_site_packages=True, with_pip=True)
