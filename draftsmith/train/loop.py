@@ -329,14 +329,8 @@ def train(
     s = step_helpers(job, inputs, draft, opt, device, precision, world)
     log.info(
         "run %s: %d rows, %d steps, pack length %d, %d process(es), device %s, precision %s",
-        key,
-        len(data.rows),
-        data.total,
-        data.pack_len,
-        world,
-        device,
-        precision,
-    )
+        key, len(data.rows), data.total, data.pack_len, world, device, precision,
+    )  # fmt: skip
     progress_log = ProgressLog(log, "train", data.total, "steps", done=pos.step)
     while pos.step < data.total:
         if pos.batch >= len(data.plans[pos.epoch]):
