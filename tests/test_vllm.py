@@ -78,7 +78,7 @@ def test_vllm_with_the_old_config_reads_wrong_layers(trained, tmp_path):
         "import json, os, sys\n"
         "os.environ.update(VLLM_CPU_NUM_OF_RESERVED_CPU='0',"
         " VLLM_ENABLE_V1_MULTIPROCESSING='0', HF_HUB_OFFLINE='1')\n"
-        "from draftsmith import settings\n"
+        "from draftsmith.config import settings\n"
         "from draftsmith.engines import vllm as v\n"
         "def main():\n"
         "    v.check_draft = lambda d, t: json.loads((d / 'config.json').read_text())\n"

@@ -139,7 +139,7 @@ def run_bench(
     cfg = with_defaults({**cfg, "bench": {**cfg.get("bench", {}), "backend": engine}})
     code = (
         "import json, sys\n"
-        "from draftsmith import settings\n"
+        "from draftsmith.config import settings\n"
         "from draftsmith.bench.figures import bench_figures\n"
         "from draftsmith.engines import engine\n"
         "def main():\n"
