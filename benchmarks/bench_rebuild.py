@@ -84,6 +84,11 @@ def main() -> None:
     ap.add_argument("--workdir", type=Path, default=ROOT / "benchmarks" / "work" / "rebuild")
     ap.add_argument("--tiny", action="store_true")
     ap.add_argument("--name", default="")
+    ap.add_argument(
+        "--precision", choices=["auto", "bf16", "fp32"], default=None,
+        help="train.precision for both checkouts (the one auto resolved to before, to compare "
+        "code with code where auto itself changed)",
+    )  # fmt: skip
     args = ap.parse_args()
     sys.path.insert(0, str(ROOT))
     from draftsmith.runtime.hardware import cpu_facts
@@ -92,6 +97,8 @@ def main() -> None:
     work = args.workdir.resolve()
     work.mkdir(parents=True, exist_ok=True)
     cfg = project_config(args.before.resolve(), work, args.tiny)
+    if args.precision:
+        cfg.setdefault("train", {})["precision"] = args.precision
     runs = {}
     for name in ("built", "fresh"):
         (work / name).mkdir(exist_ok=True)
@@ -122,11 +129,15 @@ def main() -> None:
     result = {"kind": kind, "tiny": args.tiny, "identical": len(shas) == 1 and None not in shas,
               "before": str(args.before), "after": str(args.after), **runs}  # fmt: skip
     name = args.name or f"rebuild_{kind}{'_tiny' if args.tiny else ''}"
+    name += f"_{args.precision}" if args.precision else ""
     out = ROOT / "benchmarks" / "results"
     (out / f"{name}.json").write_text(json.dumps(result, indent=1) + "\n")
+    flags = (" --tiny" if args.tiny else "") + (
+        f" --precision {args.precision}" if args.precision else ""
+    )
     lines = [f"# A built project meets another checkout ({kind}{', tiny project' if args.tiny else ''})",
              "", f"`python benchmarks/bench_rebuild.py --before {args.before} --after {args.after}"
-             f"{' --tiny' if args.tiny else ''}`", "",
+             f"{flags}`", "",
              "| step | exit | seconds | draft sha256 |", "|---|---:|---:|---|"]  # fmt: skip
     for key in ("before", "rebuild_after", "fresh_after"):
         r = runs[key]

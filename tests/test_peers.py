@@ -190,7 +190,7 @@ def test_specforge_writer_output_converts_bit_exact(project, tmp_path):
 def test_speculators_reader_accepts_to_speculators(project, shard, tmp_path):
     root, target, _ = project
     sp = tmp_path / "sp"
-    peers("draftsmith.interop.convert", "to-speculators", "--shard", shard, "--target", target,
+    peers("draftsmith", "convert", "to-speculators", "--shard", shard, "--target", target,
           "--out", sp, module=True)  # fmt: skip
     peers("read-speculators", "--src", sp, "--out", tmp_path / "read.safetensors")
     got = load_file(str(tmp_path / "read.safetensors"))
@@ -227,7 +227,7 @@ def test_speculators_writer_output_converts(project, tmp_path):
     src = tmp_path / "sp"
     peers("write-speculators", "--samples", tmp_path / "samples.safetensors", "--out", src)
     out = tmp_path / "rows_000000-000003.safetensors"
-    peers("draftsmith.interop.convert", "from-speculators", "--src", src, "--target", target,
+    peers("draftsmith", "convert", "from-speculators", "--src", src, "--target", target,
           "--out", out, "--aux-layer-ids", "1,2,4", module=True)  # fmt: skip
     s = open_shard(out, verify_sha=True)
     w, eps = final_norm(target)
@@ -241,5 +241,5 @@ def test_speculators_writer_output_converts(project, tmp_path):
     conv = json.loads(manifest_path(out).read_text())["converted_from"]
     assert conv["format"] == "speculators-arrow" and "input-of-layer" in conv["layer_numbering"]
     with pytest.raises(AssertionError, match="speculators' default capture is vLLM ids"):
-        peers("draftsmith.interop.convert", "from-speculators", "--src", src, "--target", target,
+        peers("draftsmith", "convert", "from-speculators", "--src", src, "--target", target,
               "--out", tmp_path / "x" / out.name, module=True)  # fmt: skip
