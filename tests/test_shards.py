@@ -345,3 +345,22 @@ def test_a_non_finite_state_is_refused_naming_row_token_and_layer(tmp_path):
     with pytest.raises(ShardError, match=r"row 0 \(token 0\).*first at the final state"):
         with ShardWriter(path, **kw) as w:
             w.write(0, aux, last)
+
+
+def test_verify_finds_non_finite_states_a_shard_of_an_older_capture_holds(tmp_path, monkeypatch):
+    """A shard written before capture refused NaN (its sha256 intact): `shards verify` names it."""
+    path = tmp_path / "rows_000000-000004.safetensors"
+    monkeypatch.setattr(ShardWriter, "refuse_nonfinite", lambda self, *a: None)
+    real_write = ShardWriter.write
+
+    def write(self, start, aux, last):
+        aux = aux.clone()
+        aux[0, 0] = float("nan")
+        return real_write(self, start, aux, last)
+
+    monkeypatch.setattr(ShardWriter, "write", write)
+    make_shard(path)
+    monkeypatch.undo()
+    open_shard(path, verify_sha=True)  # the file is as its manifest says
+    (problem,) = verify_dir(tmp_path)
+    assert "non-finite values" in problem and "aux_hidden_states: 4 NaN" in problem
