@@ -130,7 +130,7 @@ ARCH = "docs/architecture.md"
 # ---------------------------------------------------------------- README figures
 
 # README tables whose figures no file in benchmarks/results/ holds; the README says so above each.
-NOT_BACKED = {"### Through SGLang (`config/embedded-sglang.yaml`, measured, CPU)"}
+NOT_BACKED: set[str] = set()
 NUMBER = re.compile(r"\d+(?:\.\d+)?")
 
 
@@ -188,3 +188,27 @@ def test_readme_marks_the_tables_that_are_not_backed():
     for heading in NOT_BACKED:
         section = text.split(heading, 1)[1].split("\n#", 1)[0]
         assert "Not backed by a results file" in section, heading
+
+
+def test_a_readme_table_is_checked_against_the_results_file_it_names():
+    """A README table whose paragraph names a `benchmarks/results/` file takes every figure
+    from that file (at the README's precision), not from any results file."""
+    lines = (ROOT / "README.md").read_text().splitlines()
+    checked, missing, paragraph = 0, [], []
+    for n, line in enumerate(lines, start=1):
+        if not line.startswith("|"):
+            paragraph = [] if line.startswith("#") else [*paragraph, line]
+            continue
+        named = re.findall(r"`(benchmarks/results/[^`]+\.(?:md|json))`", " ".join(paragraph))
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if not named or set("".join(cells)) <= set("-: ") or cells == lines[n - 1]:
+            continue
+        text = "\n".join((ROOT / p).read_text() for p in named)
+        have = {f"{float(s):.{d}f}" for s in NUMBER.findall(text) for d in range(5)}
+        for cell in cells[1:]:
+            for num in NUMBER.findall(cell):
+                checked += 1
+                if num not in have:
+                    missing.append(f"README.md:{n}: {num} not in {named}")
+    assert checked >= 8, "no README table names its results file"
+    assert not missing, "\n".join(missing)
