@@ -156,4 +156,3 @@ def params_config(config: dict, target_cfg: dict | None) -> dict:
     if [int(i) for i in ids] != auto:
         return config
     return {**config, "capture": {**config["capture"], "aux_layer_ids": "auto"}}
-
