@@ -9,6 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from draftsmith.runtime import finite
 from draftsmith.targets import check
 from draftsmith.targets.model import TargetError, link_path_target
 
@@ -32,7 +33,7 @@ def test_a_nan_weight_is_refused_naming_file_and_tensor(tiny_target, tmp_path, m
     assert f"{weights.name}: {name}: 1 NaN, 0 inf of" in msg and "non-finite weights" in msg
     assert not (tmp_path / "results" / "target").exists()  # nothing half-built left
     # read in slices: the same count when every slice holds a few rows only
-    monkeypatch.setattr(check, "SLICE_ELEMENTS", 64)
+    monkeypatch.setattr(finite, "SLICE_ELEMENTS", 64)
     assert check.nonfinite_weights([weights]) == [f"{weights.name}: {name}: 1 NaN, 0 inf of "
                                                   f"{state[name].numel()}"]  # fmt: skip
 

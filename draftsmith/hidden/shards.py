@@ -282,13 +282,13 @@ def verify_cached(path, manifest: dict, stamp_dir: Path) -> bool:
 def verify_dir(directory, delete: bool = False) -> list[str]:
     """Check every `rows_*.safetensors` in `directory`: structure, sha256 and finiteness (a NaN
     or inf state, which capture never writes); return problems (deleting bad shards)."""
-    from draftsmith.targets.check import nonfinite_weights
+    from draftsmith.runtime.finite import nonfinite_tensors
 
     problems = []
     for path in sorted(Path(directory).glob("rows_*.safetensors")):
         try:
             open_shard(path, verify_sha=True)
-            bad = nonfinite_weights([path])
+            bad = nonfinite_tensors(path)
             if bad:
                 raise ShardError(f"{path}: non-finite values: " + "; ".join(bad))
         except ShardError as e:

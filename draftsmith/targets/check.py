@@ -8,54 +8,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
-SLICE_ELEMENTS = 1 << 25  # floats per slice read: 128 MiB in float32
+from draftsmith.runtime.finite import nonfinite_tensors
+
 PROBE = "Hello, world: 12 + 30 = 42."
 
 
-def is_floating(dtype: str) -> bool:
-    """safetensors dtype names: F64, F32, F16, BF16, F8_E4M3, F8_E5M2, ..."""
-    return dtype.startswith("F") or dtype == "BF16"
-
-
-def tensor_problem(handle, name: str) -> str | None:
-    """`name: N NaN, M inf of T` when the tensor has any, read in slices of the first dim."""
-    import torch
-
-    sl = handle.get_slice(name)
-    shape = list(sl.get_shape())
-    if not is_floating(sl.get_dtype()):
-        return None
-    total = 1
-    for n in shape:
-        total *= n
-    nan = inf = 0
-    if len(shape) == 0 or total <= SLICE_ELEMENTS:
-        parts = [handle.get_tensor(name)]
-    else:
-        per_row = max(1, total // shape[0])
-        step = max(1, SLICE_ELEMENTS // per_row)
-        parts = (sl[a : a + step] for a in range(0, shape[0], step))
-    for part in parts:
-        x = part.float()
-        bad = ~torch.isfinite(x)
-        if bool(bad.any()):
-            n_nan = int(torch.isnan(x).sum())
-            nan, inf = nan + n_nan, inf + int(bad.sum()) - n_nan
-    return f"{name}: {nan} NaN, {inf} inf of {total}" if nan or inf else None
-
-
 def nonfinite_weights(files: list[Path]) -> list[str]:
-    """Every non-finite tensor of the checkpoint's safetensors files, named with its file."""
-    from safetensors import safe_open
-
-    out = []
-    for path in files:
-        with safe_open(str(path), framework="pt") as handle:
-            for name in handle.keys():
-                problem = tensor_problem(handle, name)
-                if problem:
-                    out.append(f"{path.name}: {problem}")
-    return out
+    """Every non-finite tensor of the checkpoint's safetensors files, named with its file
+    (draftsmith.runtime.finite.nonfinite_tensors, read slice by slice)."""
+    return [f"{path.name}: {bad}" for path in files for bad in nonfinite_tensors(path)]
 
 
 def last_line(e: BaseException) -> str:
