@@ -48,8 +48,9 @@ check_finite(config)
 validate(config, "../draftsmith/config/config.schema.yaml")
 check_config(config)
 # a draft algorithm the benchmark's engine cannot serve, or a setting the algorithm refuses
-if algorithm_refusals(config):
-    raise ConfigError("config: " + "; ".join(algorithm_refusals(config)))
+_refused = algorithm_refusals(config, _SCHEMA)
+if _refused:
+    raise ConfigError("config: " + "; ".join(_refused))
 # options whose default builds what was built before them: left out of params at that default
 NEUTRAL_DEFAULTS = neutral_defaults(_SCHEMA)
 

@@ -15,6 +15,7 @@ from wf import snakemake, tiny_config, with_defaults, write_config
 
 from draftsmith import algorithms
 from draftsmith.algorithms.spec import AlgorithmSpec, Serving
+from draftsmith.config.checks import load_schema
 from draftsmith.config.engines import ENGINES
 
 VERIFIER = {"name_or_path": "results/target", "architectures": ["LlamaForCausalLM"]}
@@ -35,8 +36,11 @@ def test_every_spec_is_complete(name):
     if spec.decoder:
         assert callable(spec.part("decoder").runner)
     assert "{n}" not in spec.drafting or spec.drafting.format(n=3)
-    for key in spec.refuses:
-        assert key in algorithms.NEUTRAL, f"{name}: refuses {key} without its off value"
+    schema = load_schema()
+    for key in spec.refuses:  # the off value is the schema's default (algorithms.off_value)
+        section, _, option = key.partition(".")
+        prop = schema["properties"][section]["properties"].get(option, {})
+        assert "default" in prop, f"{name}: refuses {key} without its off value"
 
 
 def test_serving_needs_a_flag_or_a_reason():

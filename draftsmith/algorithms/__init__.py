@@ -106,29 +106,32 @@ def serving_problems(cfg: dict) -> list[str]:
     return [f"draft.algorithm {spec.name} with bench.backend {backend}: {serving.refused}"]
 
 
-def refusals(cfg: dict) -> list[str]:
+def refusals(cfg: dict, schema: dict | None = None) -> list[str]:
     """What the workflow refuses at parse time for this config's algorithm (serving_problems,
     setting_problems): before any job runs."""
-    return serving_problems(cfg) + setting_problems(cfg)
+    return serving_problems(cfg) + setting_problems(cfg, schema)
 
 
-def setting_problems(cfg: dict) -> list[str]:
+def off_value(key: str, schema: dict):
+    """The schema's default of a "section.key" setting: its off value (a refused setting left
+    at its default is no use of it)."""
+    section, _, name = key.partition(".")
+    return schema["properties"][section]["properties"][name]["default"]
+
+
+def setting_problems(cfg: dict, schema: dict | None = None) -> list[str]:
     """The settings of this config its algorithm refuses (spec.refuses), each with why; a
-    setting at its off value (NEUTRAL, or absent: the schema's default is the off value) is no
-    use of it."""
+    setting at the schema's default (its off value) is no use of it."""
+    from draftsmith.config.checks import load_schema
+
     spec = of_config(cfg)
+    if not spec.refuses:
+        return []
+    schema = load_schema() if schema is None else schema
     out = []
     for key, why in spec.refuses.items():
         section, _, name = key.partition(".")
         value = (cfg.get(section) or {}).get(name)
-        if value is not None and value not in NEUTRAL[key]:
+        if value is not None and value != off_value(key, schema):
             out.append(f"draft.algorithm {spec.name} with {key} {value!r}: {why}")
     return out
-
-
-# a refusable setting's off value(s): the schema's default for each of them
-NEUTRAL = {
-    "bench.temperature": (0, 0.0),
-    "draft.attention": ("llama",),
-    "train.eval_rows": (0,),
-}
