@@ -128,18 +128,6 @@ def roles_regex(roles):
     return "|".join(roles) if roles else "(?!)"
 
 
-def engine_needs(stage):
-    return wf.engine_needs(config, stage)
-
-
-def engine_gpus(stage):
-    return wf.engine_gpus(config, stage)
-
-
-def stage_gpus(stage):
-    return wf.stage_gpus(config, stage)
-
-
 def gpu_resources(stage):
     """The GPU part of a rule's resources (draftsmith.config.workflow.gpu_resources)."""
     return wf.gpu_resources(config, stage)
