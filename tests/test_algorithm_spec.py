@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from test_model import tiny_draft
-from wf import snakemake, tiny_config, with_defaults, write_config
+from wf import with_defaults
 
 from draftsmith import algorithms
 from draftsmith.algorithms.spec import AlgorithmSpec, Serving
@@ -81,16 +81,6 @@ def test_settings_an_algorithm_refuses_are_named():
     assert "greedy only" in algorithms.refusals(cfg)[0]
     cfg = with_defaults({"draft": {"algorithm": "eagle3"}, "train": {"eval_rows": 2}})
     assert algorithms.refusals(cfg) == []
-
-
-@pytest.mark.workflow
-def test_an_unservable_pair_stops_the_dry_run_before_any_job(tmp_path, tiny_target):
-    cfg = tiny_config(tiny_target, draft={"algorithm": "dflash"}, bench={"backend": "sglang"})
-    write_config(tmp_path, cfg)
-    proc = snakemake(tmp_path, "-n", check=False)
-    assert proc.returncode != 0
-    assert "draft.algorithm dflash with bench.backend sglang" in proc.stderr + proc.stdout
-    assert not (tmp_path / "results").exists()
 
 
 FOURTH = """

@@ -252,12 +252,14 @@ def check_segments(config: dict) -> None:
     if not rows:
         raise ConfigError(
             "config: capture.keep = false (segment mode) needs train.segment_rows > 0, the rows "
-            "captured and trained on at a time"
+            "captured and trained on at a time: set train.segment_rows (a multiple of "
+            "data.rows_per_shard) or leave capture.keep true"
         )
     if train["nproc"] != 1:
         raise ConfigError(
             f"config: capture.keep = false trains in one process per segment; train.nproc = "
-            f"{train['nproc']} is for offline training (capture.keep true)"
+            f"{train['nproc']} is for offline training (capture.keep true): set train.nproc 1 "
+            "or capture.keep true"
         )
     if train.get("eval_rows", 0):
         raise ConfigError(
