@@ -294,7 +294,7 @@ def read_pass(paths) -> tuple[float, float]:
 def read_throughput(work: Path, tokens: int, modes=tuple(MODES), repeats: int = 5) -> dict:
     """Tokens per CPU-second (one torch thread, best of `repeats`, modes interleaved so that
     load from other jobs hits every mode alike), warm and cold page cache; wall beside it."""
-    torch.set_num_threads(1)  # as docs/shards.md recommends for loaders
+    torch.set_num_threads(1)  # as docs/contracts/shard-format.md recommends for loaders
     paths = {m: sorted((work / "hidden" / m).glob("rows_*.safetensors")) for m in modes}
     times = {m: {"warm": [], "cold": []} for m in modes}
     for m in modes:

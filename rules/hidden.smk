@@ -3,7 +3,7 @@
 # Params carry only the `capture` and `target` sections, so a change to train.*, draft.* or
 # bench.* leaves every shard fresh, while new layer ids or a new storage dtype make all stale.
 # A corrupt shard: the train job that refuses it deletes it (draftsmith/runtime/repair.py), so the next
-# plain run rebuilds only that range (docs/shards.md); `draftsmith.hidden.shards verify --delete` does
+# plain run rebuilds only that range (docs/contracts/shard-format.md); `draftsmith.hidden.shards verify --delete` does
 # the same by hand.
 
 print_shard_estimate()

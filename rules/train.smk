@@ -2,7 +2,7 @@
 # Params carry the train, draft and capture sections: a train.* or draft.* change retrains
 # without touching the shards. Resumable state lives in state/train/<run key>/, outside the
 # declared outputs (Snakemake deletes a failed job's outputs, never the checkpoints), so a
-# killed or failed job resumes from its newest checkpoint when rerun (docs/training.md).
+# killed or failed job resumes from its newest checkpoint when rerun (docs/contracts/training.md).
 # draftsmith.train.launch starts train.nproc processes on each of the job's nodes (resource nodes,
 # set by a site profile; inside SLURM one srun step and a c10d rendezvous, docs/cluster.md).
 # offline_acceptance.json: the draft's acceptance per chain step on the train.eval_rows rows

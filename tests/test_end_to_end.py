@@ -1,5 +1,5 @@
 """The embedded default, end to end, exactly as the README runs it; then the same `results/draft`
-benchmarked through vLLM and through SGLang, the directory docs/interop.md tells both to serve.
+benchmarked through vLLM and through SGLang, the directory docs/serving.md tells both to serve.
 
 Marked `e2e` (and `slow`): .ci/run runs it after the engine venvs are built. The engine tests
 need the vllm-cpu and sglang-cpu role interpreters (DRAFTSMITH_PYTHON_VLLM_CPU,

@@ -94,7 +94,7 @@ ALLOWED = {
     ),
     "draftsmith/hidden/shards.py": (
         {"sglang"},
-        "the shard format's layer-id convention is named after SGLang's (docs/contracts.md)",
+        "the shard format's layer-id convention is named after SGLang's (docs/contracts/layer-ids.md)",
     ),
     "draftsmith/bench/gate.py": (
         {"sglang", "vllm"},

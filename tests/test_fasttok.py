@@ -178,3 +178,23 @@ def test_build_cli_converts(kimi_tok: Path, tmp_path: Path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert (out / "tokenizer.json").is_file()
     assert '"converted_from": "tiktoken.model"' in proc.stderr
+
+
+def test_the_role_that_runs_the_target_stage_pins_tiktoken():
+    """The target stage (the cpu role's, draftsmith.config.workflow.role_of) compares the
+    converted tokenizer with tiktoken: the cpu role's pins carry it, so the check never skips."""
+    from draftsmith.config.workflow import role_of
+    from draftsmith.runtime.pins import read_pins
+
+    assert role_of({}, "target") == "cpu"
+    assert read_pins(ROOT / "envs" / "cpu.txt").get("tiktoken") == "0.14.0"
+
+
+def test_without_tiktoken_the_check_says_so_in_the_log(
+    kimi_tok: Path, tmp_path: Path, monkeypatch, caplog
+):
+    monkeypatch.setitem(sys.modules, "tiktoken", None)  # import tiktoken raises ImportError
+    with caplog.at_level("WARNING", logger="draftsmith.targets.fasttok"):
+        out = built(kimi_tok, tmp_path / "results" / "target")
+    assert "(tiktoken not installed)" in tgt.read_meta(out)["tokenizer"]["checked"]
+    assert any("tiktoken is not installed" in r.getMessage() for r in caplog.records)

@@ -11,7 +11,16 @@ from wf import ROOT
 
 HISTORY = re.compile(
     r"\bsession \d+|\(session\b|\bthis session\b|\blast session\b|other engineers|"
-    r"helpers' (?:test )?runs|\bstop \d+\b",
+    r"helpers' (?:test )?runs|\bstop \d+\b|"
+    # a calendar date (a log line's timestamp, date then time, is data, not history)
+    r"\b20\d\d-\d\d-\d\d\b(?![ T]\d\d:)",
+    re.I,
+)
+# the pages a user reads are reference, not a lab notebook: no account of passes and attempts
+NOTEBOOK = re.compile(
+    r"\b(?:first|second|third|fourth) pass \(|\bas it then was\b|\bat the time\b|"
+    r"\bearlier reports?\b|\blast run here\b|\b(?:measured|verified) here\b|"
+    r"\bon this (?:project's )?machine\b|\bwe (?:tried|chose|measured|ran)\b",
     re.I,
 )
 TEXT = (".md", ".py", ".smk", ".yaml", ".yml", ".txt", ".toml", ".rst", ".sh", ".json")
@@ -42,7 +51,27 @@ def test_no_file_tells_the_history_of_its_making():
     )
 
 
+def test_docs_are_reference_not_a_lab_notebook():
+    pages = [
+        f for f in tracked_text_files() if f.endswith(".md") and f.startswith(("docs/", "README"))
+    ]
+    bad = [
+        f"{f}:{n}"
+        for f in pages
+        if (ROOT / f).is_file()
+        for n, line in enumerate((ROOT / f).read_text().splitlines(), 1)
+        if NOTEBOOK.search(line)
+    ]
+    assert not bad, "an account of attempts (say what is, cite benchmarks/results/):\n" + "\n".join(
+        bad
+    )
+
+
 def test_the_check_sees_a_session_note():
     assert history_lines("ok\nmeasured in session 9 on the shared machine\n") == [2]
     assert history_lines("two other engineers' runs") == [1]
     assert history_lines("a session of SGLang's server; the session's key") == []
+    assert history_lines("Measured on 2026-12-02.\n2026-12-02 10:47:12,067 INFO ok") == [1]
+    assert NOTEBOOK.search("Second pass (issue 14): data per CPU minute")
+    assert NOTEBOOK.search("the default at the time") and NOTEBOOK.search("Measured here (tiny)")
+    assert not NOTEBOOK.search("a verification pass (K + 1 tokens)")

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import logging
+from types import SimpleNamespace
 
-from draftsmith.runtime.progress import ProgressLog, seconds_text
+from draftsmith.runtime.progress import LoggedBar, ProgressLog, seconds_text
 
 
 class Clock:
@@ -45,3 +46,73 @@ def test_a_slow_job_logs_by_time_and_a_resumed_one_rates_only_its_own_work(caplo
 
 def test_seconds_text():
     assert [seconds_text(s) for s in (12, 270, 7560)] == ["12 s", "4.5 min", "2.1 h"]
+
+
+class Bar:
+    def __init__(self):
+        self.n = 0
+
+    def update(self, n=1):
+        self.n += n
+
+
+def test_a_logged_bar_counts_in_the_bar_and_the_log(caplog):
+    clock, log = Clock(), logging.getLogger("draftsmith.test.progress")
+    p = ProgressLog(log, "capture rows_0-8", total=8, unit="rows", every_s=10, clock=clock)
+    bar = LoggedBar(Bar(), p, lambda: {"tokens": 3 * p.done})
+    with caplog.at_level(logging.INFO, logger=log.name):
+        for _ in range(8):
+            clock.t += 1
+            bar.update()
+    assert bar.bar.n == p.done == 8
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 8  # 5% of 8 rows is less than one row: a line per row
+    assert lines[-1].startswith("capture rows_0-8: 8/8 rows (100%), tokens 24, 1.00 rows/s")
+
+
+def test_sglang_regeneration_logs_replies_done_of_total_and_rate(monkeypatch, caplog):
+    from draftsmith.engines import sglang
+
+    class Tokenizer:
+        def apply_chat_template(self, turns, **_):
+            return turns[-1]["content"]
+
+        def __call__(self, text, add_special_tokens=False):
+            return SimpleNamespace(input_ids=[1] * len(text))
+
+        def decode(self, ids, skip_special_tokens=True):
+            return "x" * len(ids)
+
+    def requests(_sup, items, _send, *, concurrency, on_done):
+        answers = [{"output_ids": [5, 6, 2], "meta_info": {}} for _ in items]
+        for i, answer in enumerate(answers):
+            on_done(i, answer)
+        return answers
+
+    monkeypatch.setattr(sglang, "run_requests", requests)
+    regen = SimpleNamespace(max_new_tokens=3, temperature=0.0, batch_size=4, thinking="template")
+    gen = sglang.SGLangGenerator(None, Tokenizer(), [2], regen, 60.0)
+    with caplog.at_level(logging.INFO, logger="draftsmith.engines.sglang"):
+        replies = gen([[{"role": "user", "content": "hi"}]] * 40)
+    assert replies == ["xx"] * 40
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("regenerate:")]
+    assert lines and lines[-1].startswith("regenerate: 40/40 replies (100%), new tokens 120")
+    assert "replies/s" in lines[-1] and "left" in lines[-1]
+
+
+def test_sglang_capture_counts_rows_through_the_logged_bar(caplog):
+    from draftsmith.engines.sglang_capture import run_rows
+
+    class Rows:
+        writer = SimpleNamespace(manifest={"row_range": [0, 6]})
+
+        def send(self, url, r, attempt):
+            return 10
+
+    clock, log = Clock(), logging.getLogger("draftsmith.test.progress")
+    p = ProgressLog(log, "capture rows_000000-000006", total=6, unit="rows", clock=clock)
+    with caplog.at_level(logging.INFO, logger=log.name):
+        run_rows(SimpleNamespace(url="http://x"), Rows(), list(range(6)), concurrency=2,
+                 retries=0, bar=LoggedBar(Bar(), p))  # fmt: skip
+    assert p.done == 6
+    assert caplog.records[-1].getMessage().startswith("capture rows_000000-000006: 6/6 rows")

@@ -1,5 +1,5 @@
 """The report's concurrency section: one row per `bench.concurrency` level and the plot of
-throughput and tau against concurrency (docs/bench.md, "Concurrency").
+throughput and tau against concurrency (docs/report.md, "Concurrency").
 
 A server engine run at several levels leaves `by_concurrency` in each set's figures
 (`draftsmith.bench.figures.concurrency_figures`); this module renders them for report.md and

@@ -25,7 +25,7 @@ vocabulary), and verification is speculative sampling's rejection rule, so the o
 distributed as plain sampling of the target (`greedy_generate` with the sampler is that
 baseline). Without one, nothing changes: the greedy path is the argmax path above.
 
-Counting (the acceptance contract, docs/contracts.md): one verification pass emits `accepted + 1` tokens
+Counting (the acceptance contract, docs/contracts/acceptance.md): one verification pass emits `accepted + 1` tokens
 (fewer when the output hits `max_new_tokens` or a stop token). tau = tokens emitted by
 verification passes / verification passes. The first token comes from the prefill, which is not a
 verification pass, so it is excluded from tau; SGLang's `completion_tokens / spec_verify_ct`

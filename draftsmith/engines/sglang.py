@@ -32,6 +32,7 @@ from draftsmith.data.regenerate import new_stats
 from draftsmith.engines.server import Supervisor, http_json, run_requests
 from draftsmith.engines.sglang_capture import capture_range  # noqa: F401 (the capture stage)
 from draftsmith.engines.sglang_server import CPU_ROLE, SGLangSettings, server_spec
+from draftsmith.runtime.progress import ProgressLog
 
 log = logging.getLogger("draftsmith.engines.sglang")
 # what the workflow needs from this engine (draftsmith.engines.NEEDS, read without importing
@@ -146,14 +147,15 @@ class SGLangGenerator:
                 self.max_total,
             )
         bar = tqdm(total=len(fits), desc="regenerate", unit="row")
-        step = max(1, len(prompts) // 10)
+        progress = ProgressLog(log, "regenerate", len(fits), "replies")
+        t0, new_tokens = time.perf_counter(), [0]
 
-        def done(_i, _result):
+        def done(_i, result):
             bar.update(1)
-            if bar.n % step == 0 or bar.n == len(fits):
-                log.info("regenerate: %d/%d replies", bar.n, len(fits))
+            new_tokens[0] += len(result["output_ids"])
+            rate = new_tokens[0] / max(time.perf_counter() - t0, 1e-9)
+            progress.update(progress.done + 1, new_tokens=new_tokens[0], tokens_per_s=f"{rate:.1f}")
 
-        t0 = time.perf_counter()
         answers = run_requests(
             self.sup,
             [self.payload(encoded[i]) for i in fits],

@@ -47,6 +47,7 @@ from tqdm import tqdm
 from draftsmith.engines.sglang_server import server_spec
 from draftsmith.hidden.capture_base import CaptureError
 from draftsmith.hidden.writer import ShardWriter
+from draftsmith.runtime.progress import LoggedBar, ProgressLog
 
 log = logging.getLogger("draftsmith.engines.sglang_capture")
 
@@ -381,6 +382,7 @@ def capture_range(
         # order: longest first, so the slowest rows do not come last
         lengths = [rc.row_ids(r).numel() for r in range(n_rows)]
         rows = sorted(range(n_rows), key=lambda r: (-lengths[r], r))
+        progress = ProgressLog(log, f"capture {Path(out).stem}", n_rows, "rows")
         with tqdm(total=n_rows, desc=Path(out).stem, unit="row") as bar:
             stats = run_rows(
                 sup,
@@ -388,7 +390,7 @@ def capture_range(
                 rows,
                 concurrency=int(cap.concurrency),
                 retries=int(cap.retries),
-                bar=bar,
+                bar=LoggedBar(bar, progress),
             )
         writer.manifest["capture_seconds"] = round(time.perf_counter() - t0, 3)
         writer.manifest["server"] = {

@@ -13,8 +13,8 @@ drawn from the draft's tempered distribution q) and vLLM's rejection sampler acc
 probability min(1, p(x) / q(x)): the standard rule, the hf engine's (draftsmith.algorithms.sampling), so
 the two engines' sampled tau estimate the same quantity. vLLM's default, "greedy", proposes the
 draft's argmax and accepts it with probability p(x), also lossless but another acceptance: at
-temperature 0.7 close to the standard rule's on the embedded default's draft (tau 1.269 vs
-1.302), almost none on the tiny test draft, whose target is nearly flat (docs/bench.md).
+temperature 0.7 close to the standard rule's on the embedded default's draft, almost none on
+the tiny test draft, whose target is nearly flat (docs/report.md).
 vLLM's draft applies the temperature only, not top-p (ours applies both to q): at top-p < 1
 the acceptances differ, the outputs' distribution does not.
 

@@ -12,7 +12,7 @@ in reports and warn where a configured bf16 is emulated:
 - `torch.cpu._is_avx512_bf16_supported()` / `torch.cpu._is_amx_tile_supported()`: the bf16
   dot-product instructions oneDNN's bf16 matmuls need (read by cpuinfo, not from the model name);
 - ONEDNN_MAX_CPU_ISA, when set, caps what oneDNN may use (AVX2 there means no native bf16 even
-  on an AMX machine: the way to emulate an AVX2-only CPU on a newer one, docs/training.md).
+  on an AMX machine: the way to emulate an AVX2-only CPU on a newer one, docs/contracts/training.md).
 
 A CUDA device always counts as native bf16 (every GPU draftsmith targets has bf16 tensor cores).
 Nothing here is cached: facts are read where they are used, so a test can fake them.

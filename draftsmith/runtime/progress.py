@@ -43,6 +43,7 @@ class ProgressLog:
         self.start_done, self.t0 = int(done), clock()
         self.last_t, self.last_done = self.t0, int(done)
         self.lines = 0
+        self.done = int(done)
 
     def due(self, done: int) -> bool:
         if done >= self.total:
@@ -51,6 +52,7 @@ class ProgressLog:
 
     def update(self, done: int, **figures) -> None:
         """Record `done` units; logs a line when one is due (figures: name -> shown value)."""
+        self.done = int(done)
         if not self.due(done):
             return
         now = self.clock()
@@ -67,3 +69,17 @@ class ProgressLog:
         )  # fmt: skip
         self.last_t, self.last_done = now, done
         self.lines += 1
+
+
+class LoggedBar:
+    """A tqdm bar whose `update(n)` also counts `n` more units done in a ProgressLog, for the
+    jobs that count their work through a bar (the server engines' regeneration and capture);
+    `figures()` gives the line's figures at each update."""
+
+    def __init__(self, bar, progress: ProgressLog, figures: Callable[[], dict] = dict):
+        self.bar, self.progress, self.figures = bar, progress, figures
+
+    def update(self, n: int = 1) -> None:
+        self.bar.update(n)
+        self.progress.done += n  # counted before figures() reads it
+        self.progress.update(self.progress.done, **self.figures())

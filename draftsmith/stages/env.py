@@ -239,7 +239,7 @@ def stamp_key(pins_text: str, python: str, gpus: int) -> str:
     validate_env writes `results/env/<role>/<key>.json`; rule env_stamp copies it to
     `results/env/<role>.json`, the input of every job of the role. A failed check (a wrong
     interpreter) fails under another key, so the published stamp is never deleted by it, and
-    putting the config back plans nothing at all (docs/environments.md)."""
+    putting the config back plans nothing at all (docs/troubleshooting.md)."""
     text = json.dumps([pins_text, python, int(gpus)])
     return hashlib.sha256(text.encode()).hexdigest()[:12]
 

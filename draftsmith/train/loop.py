@@ -23,7 +23,7 @@ Precision: `train.precision` auto is resolved here, per process, from the device
 (draftsmith.runtime.hardware): bf16 autocast on a GPU or a CPU with native bf16, fp32 elsewhere. The
 resolved precision is part of the run key (a run never resumes in another precision) and of the
 draft's provenance, not of the workflow's params: a draft trained on one CPU kind is not stale
-on another (docs/training.md).
+on another (docs/contracts/training.md).
 
 State: `<state>/<run key>/` where the key hashes the train/draft/capture config, the resolved
 precision, the shards' names and sha256, the vocabulary and the target fingerprint, so a changed
@@ -423,10 +423,11 @@ def pick_device(device: str | None) -> torch.device:
 def bound_cpu_memory(primitive_cache: int = 64, mmap_threshold: int = 4 << 20) -> None:
     """Keep the trainer's heap from growing with the number of distinct batch shapes.
 
-    Measured (docs/tuning.md): without this, RSS grows with every new shape (the packs' length
-    and the compact TTT layout change every step) and is not a leak: oneDNN caches one primitive
-    (with its bf16 weight copies) per matmul shape, 1024 by default, and glibc's dynamic mmap
-    threshold moves freed large tensors onto the fragmented heap. A small primitive cache
+    Why (docs/default-run.md, "Training memory on a CPU"): without this, RSS grows with every
+    new shape (the packs' length and the compact TTT layout change every step) and is not a
+    leak: oneDNN caches one primitive (with its bf16 weight copies) per matmul shape, 1024 by
+    default, and glibc's dynamic mmap threshold moves freed large tensors onto the fragmented
+    heap. A small primitive cache
     (unless ONEDNN_PRIMITIVE_CACHE_CAPACITY is set; read at oneDNN's first use) and a fixed mmap
     threshold (tensors of 4 MiB and more go back to the system when freed; glibc only) bound
     both. The threshold is a trade: at 128 KiB every activation was a fresh mapping and a step
