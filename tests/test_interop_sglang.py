@@ -15,10 +15,8 @@ import pytest
 import torch
 from roles import role_python
 from trained import (
-    IDS,
     PROMPTS,
     ROOT,
-    assert_same_acceptance,
     chain_acceptance,
     run_bench,
     train_tiny_project,
@@ -48,20 +46,6 @@ SGLANG = {
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     return train_tiny_project(tmp_path_factory.mktemp("sglang_proj"))
-
-
-def test_sglang_acceptance_equals_ours_from_results_draft(trained):
-    python = role_python("sglang-cpu")
-    cfg = json.loads((trained / "results" / "draft" / "config.json").read_text())
-    assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == IDS
-    assert cfg["eagle_aux_hidden_state_layer_ids"] == [i + 1 for i in IDS]
-    ours = run_bench(trained, "hf", "results/draft", {"bench": BENCH, "target": {}})["res"]["s"]
-    assert ours["tau"] > 1.05 and sum(ours["accept_len_hist"][1:]) >= 10, ours
-    full = {"bench": BENCH, "sglang": SGLANG, "target": {"dtype": "float32"}}
-    theirs = run_bench(trained, "sglang", "results/draft", full, python)["res"]["s"]
-    assert_same_acceptance(theirs, ours, "sglang")
-    assert theirs["identical_outputs"] == len(PROMPTS)
-    print(f"tau: ours {ours['tau']:.4f}, SGLang {theirs['tau']:.4f}")
 
 
 # Gemma-3 through SGLang: served losslessly, with other aux states than the draft trained on
@@ -101,7 +85,10 @@ def acceptance_fed_sglangs_states(root, monkeypatch) -> dict:
     )
 
 
-@pytest.mark.extended  # training + two server starts: about 6 minutes on 2 cores
+@pytest.mark.extended(
+    reason="Gemma-3's sliding-window target through SGLang, whose Gemma-3 file captures other "
+    "aux states than ours: its own training and two server starts, about 6 minutes on 2 cores"
+)
 def test_gemma3_served_losslessly_with_sglangs_own_states(tmp_path, monkeypatch):
     """A tiny Gemma-3 target (sliding window 16, binding in these runs) and a draft our pipeline
     trained. SGLang 0.5.23 serves it losslessly (its target verification through our CPU layer,
@@ -131,28 +118,24 @@ def test_gemma3_served_losslessly_with_sglangs_own_states(tmp_path, monkeypatch)
           f"SGLang's states {control['tau']:.4f}")  # fmt: skip
 
 
-@pytest.mark.extended  # four server starts (greedy and sampled): 609 s on 2 cores at load 5-13
-def test_sglang_concurrency_levels_and_sampling(trained):
-    """Concurrency [1, 4], greedy: SGLang's acceptance does not depend on batching (every
-    output equals plain greedy at concurrency 1, on both sides; passes agree up to a float
-    near-tie). Temperature 1.0 completes at both levels with a tau in (1, K + 1], and pins what
+@pytest.mark.extended(
+    reason="sampled decoding through SGLang's CPU server at two concurrency levels: a plain "
+    "and a speculative server, about 5 minutes on 2 cores, to pin a behaviour of SGLang 0.5.23 "
+    "on CPU (greedy verification); greedy serving at concurrency 1 and 4 is CI's matrix"
+)
+def test_sglang_sampling_on_cpu_verifies_greedily(trained):
+    """Temperature 1.0 completes at concurrency 1 and 4 with a tau in (1, K + 1], and pins what
     SGLang 0.5.23 does on CPU: it verifies greedily whatever the temperature
     (eagle_utils._verify_uses_greedy is true on CPU), so a speculative output whose sampled
-    prefill token is greedy's is greedy's whole. A new SGLang version fails here on purpose:
+    prefill token is greedy's is greedy's whole (greedy: our engine's outputs, which the
+    served-equality matrix shows SGLang's equal). A new SGLang version fails here on purpose:
     check the behaviour again and update engines/sglang.py's CPU_GREEDY_VERIFY."""
     from draftsmith.engines.sglang import CPU_GREEDY_VERIFY
 
     python = role_python("sglang-cpu")
     bench = {**BENCH, "concurrency": [1, 4], "backend": "sglang"}
     full = {"bench": bench, "sglang": SGLANG, "target": {"dtype": "float32"}}
-    greedy = run_bench(trained, "sglang", "results/draft", full, python)["res"]["s"]
-    levels = greedy["by_concurrency"]
-    assert [r["concurrency"] for r in levels] == [1, 4]
-    for r in levels:
-        assert r["identical_to_plain"] == len(PROMPTS), r
-        assert r["plain_identical_to_first"] == len(PROMPTS), r
-        assert r["batch_invariant"], r
-    assert levels[0]["tau"] > 1.05
+    greedy = run_bench(trained, "hf", "results/draft", {"bench": BENCH, "target": {}})["res"]["s"]
     hot = {**bench, "temperature": 1.0, "top_p": 1.0}
     run = run_bench(trained, "sglang", "results/draft", {**full, "bench": hot}, python)
     for r in run["res"]["s"]["by_concurrency"]:

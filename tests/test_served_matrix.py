@@ -29,7 +29,14 @@ from pathlib import Path
 
 import pytest
 from roles import role_python
-from trained import PROMPTS, assert_same_acceptance, chain_acceptance, run_bench, train_tiny_project
+from trained import (
+    IDS,
+    PROMPTS,
+    assert_same_acceptance,
+    chain_acceptance,
+    run_bench,
+    train_tiny_project,
+)
 from wf import with_defaults
 
 from draftsmith import algorithms
@@ -55,7 +62,11 @@ TARGETS = {"llama": {}, "mla": {"arch": "deepseek_v3", "engine_shapes": True}}
 # one layer exactly as trained) with enough anchors per step to learn the tiny target
 DRAFT_KEYS = {"dflash": {"dflash": {"layers": 1, "anchors": 64, "mask_token_id": -1, "decay": 7.0}}}
 # the engine's words in its log that it built the draft of this algorithm
-ENGINE_SAYS = {("vllm", "dflash"): "Resolved architecture: DFlashDraftModel"}
+ENGINE_SAYS = {
+    ("vllm", "dflash", "llama"): "Resolved architecture: DFlashDraftModel",
+    ("vllm", "eagle3", "mla"): "Resolved architecture: Eagle3DeepseekV2ForCausalLM",
+    ("vllm", "eagle3.1", "mla"): "Resolved architecture: Eagle3DeepseekV2ForCausalLM",
+}
 # SGLang 0.5.23's platform gate, what it answers `--speculative-algorithm DFLASH` on CPU
 SGLANG_DFLASH_REFUSAL = "DFLASH speculative decoding is not supported by CpuSRTPlatform"
 
@@ -124,11 +135,16 @@ def drafts(tmp_path_factory):
     return Drafts(tmp_path_factory.mktemp("served"))
 
 
-def engine_figures(root: Path, engine: str) -> dict:
+# the cells also benchmarked at a second concurrency level (both engines run the levels on one
+# server): acceptance must not depend on batching
+CONCURRENT = {("eagle3", "llama"): [1, 4]}
+
+
+def engine_figures(root: Path, engine: str, concurrency=1) -> dict:
     """The engine's bench stage on PROMPTS from `root`'s results/draft: its figures and log."""
-    cfg = {"bench": BENCH, "target": {"dtype": "float32"}}
+    cfg = {"bench": {**BENCH, "concurrency": concurrency}, "target": {"dtype": "float32"}}
     if engine == "sglang":
-        cfg = {**cfg, "bench": {**BENCH, **SGLANG_BENCH}, "sglang": SGLANG}
+        cfg = {**cfg, "bench": {**cfg["bench"], **SGLANG_BENCH}, "sglang": SGLANG}
     return run_bench(root, engine, "results/draft", cfg, role_python(f"{engine}-cpu"))
 
 
@@ -148,12 +164,24 @@ def test_served_cell_accepts_as_ours(drafts, algorithm, attention, engine, why):
     root = drafts.project(algorithm, attention)
     exported = json.loads((root / "results" / "draft" / "config.json").read_text())
     assert exported[algorithms.ALGORITHM_KEY] == algorithm, exported
-    run = engine_figures(root, engine)
+    if "eagle_config" in exported:  # SGLang's numbering of the aux ids, and vLLM's (ours + 1)
+        assert exported["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == IDS, exported
+        assert exported["eagle_aux_hidden_state_layer_ids"] == [i + 1 for i in IDS], exported
+    levels = CONCURRENT.get((algorithm, attention), 1)
+    run = engine_figures(root, engine, levels)
     theirs = run["res"]["s"]
+    if levels != 1:  # every level lossless, and the same outputs at every level
+        assert [r["concurrency"] for r in theirs["by_concurrency"]] == levels, theirs
+        for r in theirs["by_concurrency"]:
+            assert r["identical_to_plain"] == len(PROMPTS), (cell, r)
+            assert r["plain_identical_to_first"] == len(PROMPTS), (cell, r)
+            assert r["batch_invariant"], (cell, r)
+        print(f"CELL {cell}: concurrency {levels}: tau",
+              [round(r["tau"], 4) for r in theirs["by_concurrency"]])  # fmt: skip
     if engine == "vllm":  # vLLM's numbering of the aux ids is ours + 1 (its log says which)
         ids = exported["eagle_aux_hidden_state_layer_ids"]
         assert run["info"]["vllm_aux_layer_ids"] == ids, run["info"]
-    says = ENGINE_SAYS.get((engine, algorithm))
+    says = ENGINE_SAYS.get((engine, algorithm, attention))
     assert says is None or says in run["log"], (cell, run["log"][-3000:])
     assert theirs["identical_outputs"] == len(PROMPTS), (cell, theirs)
     assert_same_acceptance(theirs, ours, cell)

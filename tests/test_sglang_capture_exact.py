@@ -104,7 +104,10 @@ def test_concurrent_capture_equals_one_row_at_a_time(exact_setup):
 
 @pytest.mark.slow
 @pytest.mark.sglang
-@pytest.mark.extended
+@pytest.mark.extended(
+    reason="pins a float32 rounding effect of SGLang's packed prefill that depends on this "
+    "CPU's GEMM kernels; CI's capture tests run one row per prefill, exact on any CPU"
+)
 def test_packed_prefill_moves_short_rows_by_an_ulp(exact_setup):
     """SGLang 0.5.23 without `--prefill-max-requests 1`, float32 on this CPU (torch 2.13,
     AVX512-AMX): concurrent rows share forwards, and rows of at most 5 tokens (the tiny target's

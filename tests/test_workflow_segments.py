@@ -20,10 +20,9 @@ from wf import ROOT, SNAKEMAKE, planned_jobs, snakemake, tiny_config, write_conf
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from bench_segments import DiskPeak, draft_tensors, losses, same_tensors  # noqa: E402
 
-# extended: about 12 snakemake jobs of a fresh process each, three reruns and an offline run:
-# 286 s measured on 2 cores shared with other work (load average 2.6-5.5), an estimated 2.5-3
-# min on idle cores, beyond CI's 1-2 min for a new test
-pytestmark = [pytest.mark.slow, pytest.mark.workflow, pytest.mark.extended]
+# about 12 snakemake jobs of a fresh process each, three reruns and an offline run: 2.5-3
+# minutes on 2 idle cores (CI's slow workflows step)
+pytestmark = [pytest.mark.slow, pytest.mark.workflow]
 # seconds to wait for a job to kill, and for one snakemake run: loaded shared cores run these
 # jobs 10x slower than idle ones
 PATIENCE = 3600

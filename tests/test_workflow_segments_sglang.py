@@ -22,10 +22,17 @@ from wf import ROOT, SNAKEMAKE, snakemake, write_config
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from bench_shared_capture import bench_config, launches, server_pids  # noqa: E402
 
-# extended: two SGLang CPU server start-ups (25-105 s each measured here) and a run to the
-# draft: 412 s measured on 2 cores shared with other work (load average 3-5), AMD EPYC
-# AVX512-BF16
-pytestmark = [pytest.mark.slow, pytest.mark.workflow, pytest.mark.sglang, pytest.mark.extended]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.workflow,
+    pytest.mark.sglang,
+    pytest.mark.extended(
+        reason="segment mode with one shared SGLang capture server for the run, killed and "
+        "resumed: two server start-ups and a run to the draft, about 7 minutes on 2 cores; in "
+        "CI segment mode runs with hf (test_workflow_segments.py) and SGLang capture in "
+        "test_sglang_capture.py"
+    ),
+]
 PATIENCE = 3600
 
 
