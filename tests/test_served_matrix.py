@@ -50,7 +50,9 @@ BENCH = {"num_steps": 3, "max_new_tokens": 32, "tau_floor": 1.0, "topk": 1, "con
 SGLANG_BENCH = {"role": "sglang-cpu", "num_draft_tokens": 0}
 SGLANG = {
     "tp_size": 1,
-    "extra_args": [],
+    # a KV pool for these prompts, not most of the machine's memory (SGLang on CPU sizes it
+    # from free memory): CI runs the embedded default beside this step
+    "extra_args": ["--max-total-tokens", "4096", "--mem-fraction-static", "0.1"],
     "port": 0,
     "startup_timeout": 900,
     "request_timeout": 1800,
