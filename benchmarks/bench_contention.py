@@ -1,7 +1,7 @@
 """OpenMP wait policies under contention: the benchmark and training stages' inner loops at load
 0, with load arriving mid-job, and beside busy processes from the start.
 
-    python benchmarks/bench_contention.py                  # about 9 minutes on 2 idle cores
+    python benchmarks/bench_contention.py                  # 8-10 minutes on 2 idle cores
     python benchmarks/bench_contention.py --quick          # smoke run (seconds, figures useless)
     python benchmarks/bench_contention.py --target DIR     # another target (e.g. a run's
                                                            # results/target: SmolLM2-135M)
@@ -16,13 +16,16 @@ when torch loads it):
   backward, gradient clipping, AdamW) of an EAGLE-3 draft of the target's shapes on synthetic
   packed batches of `--train-tokens` positions; tokens/s.
 
-The target is a tiny random Llama made in the work directory (`--hidden`, `--layers`) unless
-`--target` names one. Both loops warm up for two units, then run for the scenario's window.
+The target is a random Llama made in the work directory unless `--target` names one: by default
+SmolLM2-135M's width (hidden 576) with 8 layers and a tiny vocabulary, so that a step is made of
+as many small parallel regions as the embedded default's. Both loops warm up for two units, then
+run for the scenario's window.
 
 Policies: `spin` (libgomp's default: spin up to 300000 iterations, then sleep), `spinN`
 (GOMP_SPINCOUNT=N), `passive` (OMP_WAIT_POLICY=PASSIVE), `auto` (what a workflow job does: the
-load probe at start, draftsmith/runtime/threads.py, then its choice), each optionally `@T` for T
-threads instead of `--threads`. Scenarios, with `--load` busy processes (pure-Python loops at the
+load probe at start, draftsmith/runtime/threads.py, then its choice; DRAFTSMITH_SPINCOUNT in the
+environment reaches it as it reaches a job), each optionally `@T` for T threads instead of
+`--threads`. Scenarios, with `--load` busy processes (pure-Python loops at the
 job's priority: other users' work):
 
 - idle: no load; `--seconds` timed;
@@ -369,16 +372,16 @@ def tiny_target(args) -> Path:
 def parse(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--target", type=Path, help="an HF target directory (default: a tiny one)")
-    ap.add_argument("--hidden", type=int, default=256, help="the tiny target's hidden size")
-    ap.add_argument("--layers", type=int, default=6, help="the tiny target's layers")
+    ap.add_argument("--hidden", type=int, default=576, help="the tiny target's hidden size")
+    ap.add_argument("--layers", type=int, default=8, help="the tiny target's layers")
     ap.add_argument("--policies", nargs="+", default=POLICIES)
     ap.add_argument("--scenarios", nargs="+", default=SCENARIOS, choices=SCENARIOS)
     ap.add_argument("--stages", nargs="+", default=STAGES, choices=STAGES)
     ap.add_argument("--load", type=int, default=2, help="busy processes")
     ap.add_argument("--threads", type=int, default=os.cpu_count())
-    ap.add_argument("--seconds", type=float, default=6.0, help="timed window per job")
-    ap.add_argument("--arrive", type=float, default=4.0, help="mid: seconds before the load")
-    ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--seconds", type=float, default=5.0, help="timed window per job")
+    ap.add_argument("--arrive", type=float, default=3.0, help="mid: seconds before the load")
+    ap.add_argument("--new-tokens", type=int, default=16)
     ap.add_argument("--train-tokens", type=int, default=512)
     ap.add_argument("--quick", action="store_true", help="a smoke run: short, 3 policies")
     ap.add_argument("--work", type=Path, default=ROOT / "benchmarks" / "work" / "contention")
