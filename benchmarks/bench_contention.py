@@ -2,7 +2,7 @@
 0, with load arriving mid-job, and beside busy processes from the start.
 
     python benchmarks/bench_contention.py                  # 8-10 minutes on 2 idle cores
-    python benchmarks/bench_contention.py --quick          # smoke run (seconds, figures useless)
+    python benchmarks/bench_contention.py --quick          # smoke run (~2 min; checks, not figures)
     python benchmarks/bench_contention.py --target DIR     # another target (e.g. a run's
                                                            # results/target: SmolLM2-135M)
 

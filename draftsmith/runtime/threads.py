@@ -11,9 +11,11 @@ and holds for the whole process:
   cores shared with other processes it is what keeps a job near its fair share: a region ends
   only when its last thread does, that thread loses its core for a time slice whenever another
   process runs, and threads spinning meanwhile take the very cycles it waits for;
-- a bounded spin (GOMP_SPINCOUNT=`SPINCOUNT`) sits between them: the gaps between a step's
-  regions are short, so most waits end while still spinning, as with the default; a wait that
-  outlasts the bound (its region's last thread was descheduled) sleeps and gives its core back.
+- a bounded spin (GOMP_SPINCOUNT=`SPINCOUNT`) sits between them: a wait for the next region
+  of the same step, which comes soon, ends while still spinning, as with the default; a wait
+  that outlasts the bound (its region's last thread lost its core) sleeps and gives its own core
+  back. The count trades speed on free cores against the share of the cores kept when load
+  arrives, which benchmarks/bench_contention.py measures.
 
 Since libgomp reads its settings only at start, a job cannot switch when load arrives later; it
 takes, at start, the setting that holds either way. `prepare()` runs when the package is first
