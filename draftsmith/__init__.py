@@ -8,7 +8,7 @@ from draftsmith.runtime.lifeline import follow_from_environment as _follow  # no
 
 _follow()
 
-# A job's OpenMP policy and thread cap, chosen for the load it starts under, before torch is
+# A job's OpenMP wait policy (bounded spin, or PASSIVE on busy cores), set before torch is
 # imported (draftsmith/runtime/threads.py); outside a job (no DRAFTSMITH_OMP=auto) this does nothing.
 from draftsmith.runtime.threads import prepare as _prepare_threads  # noqa: E402
 

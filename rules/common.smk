@@ -182,10 +182,11 @@ def job_environment():
     envcheck (DRAFTSMITH_DRIVER) and each stage's role interpreter (DRAFTSMITH_PY_<STAGE>):
     none of them changes a result (the role interpreters are covered by their env stamps), and
     as params their absolute paths would make a moved or copied project rerun everything.
-    DRAFTSMITH_OMP=auto lets each job choose libgomp's wait policy and its thread count for
-    the load it starts under (draftsmith/runtime/threads.py): spinning on free cores (1.7x faster
-    decoding than PASSIVE), PASSIVE and fewer threads on cores busy with other work (where
-    spinning threads stall each other, 4-7x). A caller's own OMP_WAIT_POLICY wins.
+    DRAFTSMITH_OMP=auto lets each job choose libgomp's wait policy at start
+    (draftsmith/runtime/threads.py): a bounded spin (GOMP_SPINCOUNT) on free cores, which gives
+    the cores back when load arrives later in the job, and PASSIVE on cores already busy with
+    other work; the thread count is the rule's. A caller's own OMP_WAIT_POLICY or
+    GOMP_SPINCOUNT wins.
     """
     env = {
         "DRAFTSMITH_WORKFLOW": workflow.basedir,
@@ -197,8 +198,8 @@ def job_environment():
         env[f"DRAFTSMITH_PY_{stage.upper()}"] = role_python(role_of(stage))
     exports = " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items())
     path = 'PYTHONPATH="$DRAFTSMITH_WORKFLOW${PYTHONPATH:+:$PYTHONPATH}"'
-    # OpenMP waiting and threads chosen per job for the load it starts under (threads.py);
-    # DRAFTSMITH_OMP=off, or the user's own OMP_WAIT_POLICY, keeps libgomp's default
+    # OpenMP waiting chosen per job (threads.py); DRAFTSMITH_OMP=off, or the user's own
+    # OMP_WAIT_POLICY or GOMP_SPINCOUNT, keeps libgomp's settings as the environment has them
     path += '; export DRAFTSMITH_OMP="${DRAFTSMITH_OMP:-auto}"'
     # shell.prefix str.format()s its argument: braces are doubled
     return f"export {exports}; export {path}; ".replace("{", "{{").replace("}", "}}")

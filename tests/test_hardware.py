@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 
 from draftsmith.runtime.hardware import CpuFacts, bf16_warning, cpu_facts, resolve_precision
@@ -149,38 +147,3 @@ def test_load_meter_sees_other_work():
     if not s["measured"]:
         pytest.skip("no /proc/stat")
     assert 0.0 <= s["other_work_cores"]["x"] <= s["cpus"]
-
-
-def test_thread_policy_follows_the_load_at_start():
-    from draftsmith.runtime.threads import choose, policy_note, prepare
-
-    assert choose(2, 0.05, 2)["policy"] == "spin"
-    assert choose(2, 2.0, 2)["policy"] == "passive"
-    assert choose(2, 1.0, 1)["policy"] == "spin"  # one thread, one free core
-    assert choose(64, 40.0, 16)["policy"] == "spin"  # other jobs on other cores
-    assert choose(64, 56.0, 16) == {
-        "policy": "passive",
-        "others": 56.0,
-        "why": "56.00 of 64 cores busy with other work",
-    }
-    assert choose(2, None, 2)["policy"] == "spin"
-    # only in a job (DRAFTSMITH_OMP=auto), never over the user's own settings
-    assert prepare({}) is None
-    assert prepare({"DRAFTSMITH_OMP": "auto", "OMP_WAIT_POLICY": "ACTIVE"}) is None
-    env = {"DRAFTSMITH_OMP_DECISION": '{"policy": "passive", "why": "busy"}'}
-    assert policy_note(env) == "OpenMP PASSIVE, thread count kept: busy"
-    assert policy_note({}) == ""
-
-
-def test_busy_cores_change_the_wait_policy_never_the_thread_count(monkeypatch):
-    """The thread count changes the rounding of CPU reductions (a draft trained on 1 thread is
-    not the bits of one trained on 2), so the load a job starts under may change how its threads
-    wait, never how many there are: the build's bits do not depend on what runs beside it."""
-    import draftsmith.runtime.threads as threads
-
-    monkeypatch.setattr(threads, "other_cores", lambda seconds=0.3: 2.0)  # both cores busy
-    monkeypatch.setattr(threads, "sys", SimpleNamespace(modules={}))  # as before torch loads
-    env = {"DRAFTSMITH_OMP": "auto", "OMP_NUM_THREADS": "2"}
-    decision = threads.prepare(env)
-    assert decision["policy"] == "passive"
-    assert env["OMP_WAIT_POLICY"] == "PASSIVE" and env["OMP_NUM_THREADS"] == "2"

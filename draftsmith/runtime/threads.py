@@ -1,35 +1,44 @@
-"""CPU threads and OpenMP waiting, chosen for the load a job starts under.
+"""CPU threads and OpenMP waiting: a policy that holds whatever load comes and goes during a job.
 
 torch on Linux runs its CPU ops on libgomp's thread pool. Between the many small parallel
-regions of a decode step or a training step, libgomp's threads spin (about 300k iterations)
-before they sleep. On free cores that is the fastest choice: greedy decoding ran 1.7x faster
-spinning than with OMP_WAIT_POLICY=PASSIVE. On cores shared with other work it is the slowest by
-far: a region ends only when its last thread does, that thread is descheduled for a time slice
-whenever another process runs, and the others spin meanwhile, stealing the very cycles it waits
-for. With two busy processes beside a 2-thread job on 2 cores, spinning decoding fell to
-0.05-0.29 of its free-core speed and ran 4-7x slower than one passive thread
-(benchmarks/results/contention_*.md).
+regions of a decode step or a training step, a libgomp thread that has finished its share waits
+for the next region. How it waits is read from the environment once, when torch loads libgomp,
+and holds for the whole process:
 
-So a job looks before it leaps. `prepare()` runs when the package is first imported by a job
-(DRAFTSMITH_OMP=auto, which the workflow's shell prefix exports), before torch is imported and
-libgomp reads its environment: it measures for `PROBE_S` seconds how many cores other processes
-keep busy (draftsmith.runtime.load) and
+- spinning (libgomp's default with no wait policy: up to 300000 iterations of a pause loop,
+  then sleep) is the fastest on free cores, since the next region starts without a wake-up;
+- sleeping at once (OMP_WAIT_POLICY=PASSIVE) costs a wake-up per region on free cores, but on
+  cores shared with other processes it is what keeps a job near its fair share: a region ends
+  only when its last thread does, that thread loses its core for a time slice whenever another
+  process runs, and threads spinning meanwhile take the very cycles it waits for;
+- a bounded spin (GOMP_SPINCOUNT=`SPINCOUNT`) sits between them: a wait for the next region
+  of the same step, which comes soon, ends while still spinning, as with the default; a wait
+  that outlasts the bound (its region's last thread lost its core) sleeps and gives its own core
+  back. The count trades speed on free cores against the share of the cores kept when load
+  arrives, which benchmarks/bench_contention.py measures.
+
+Since libgomp reads its settings only at start, a job cannot switch when load arrives later; it
+takes, at start, the setting that holds either way. `prepare()` runs when the package is first
+imported by a job (DRAFTSMITH_OMP=auto, which the workflow's shell prefix exports), before torch
+is imported: it measures for `PROBE_S` seconds how many cores other processes keep busy
+(draftsmith.runtime.load) and
 
 - on free cores (other work leaves at least the job's threads free, within TOLERANCE; the
-  threads are OMP_NUM_THREADS, which Snakemake sets to the rule's) leaves libgomp's spinning
-  default alone;
-- on busy cores sets OMP_WAIT_POLICY=PASSIVE and keeps the job's thread count.
+  threads are OMP_NUM_THREADS, which Snakemake sets to the rule's), or where the load cannot be
+  measured, sets GOMP_SPINCOUNT to `SPINCOUNT` (DRAFTSMITH_SPINCOUNT, a whole number, replaces
+  it): load that arrives later meets threads that give their cores back;
+- on busy cores sets OMP_WAIT_POLICY=PASSIVE.
 
 The thread count is never changed, because it changes results: CPU kernels split their
-reductions by thread, so the rounding, and through 370 training steps the default's whole
-draft, differs between 1 and 2 threads (weights up to 0.1 apart, measured on AVX512-AMX when
-this module still capped the threads under load). The wait policy alone changes speed only, and
-it is most of the win: beside two busy processes a 2-thread decode ran at 4.7 tokens/s passive
-against 0.9 spinning, and 6.3 at one passive thread (benchmarks/results/contention_*.md). So a
-build gives the same bits on one machine whatever else runs beside it.
+reductions by thread, so the rounding, and through a training run the whole draft, differs
+between 1 and 2 threads. The wait policy changes speed only, so a build gives the same bits on
+one machine whatever else runs beside it. `benchmarks/bench_contention.py` measures the policies
+at load 0, with load arriving mid-job and beside busy processes
+(benchmarks/results/contention_<cpu kind>.md).
 
 A user's own OMP_WAIT_POLICY or GOMP_SPINCOUNT always wins (nothing is probed). The decision is
-logged by `set_threads` (draftsmith.runtime.files).
+kept in DRAFTSMITH_OMP_DECISION (children such as torchrun ranks inherit it) and logged by
+`set_threads` (draftsmith.runtime.files).
 """
 
 from __future__ import annotations
@@ -43,7 +52,9 @@ from draftsmith.runtime.load import TOLERANCE, machine_busy_seconds, own_cpu_sec
 
 ENV = "DRAFTSMITH_OMP"  # "auto": probe and choose; anything else: leave libgomp alone
 DECISION = "DRAFTSMITH_OMP_DECISION"  # JSON of what prepare() chose (read by set_threads)
+SPIN_ENV = "DRAFTSMITH_SPINCOUNT"  # replaces SPINCOUNT (a whole number of spin iterations)
 PROBE_S = 0.3
+SPINCOUNT = 10000  # GOMP_SPINCOUNT on free cores (libgomp's default: 300000; PASSIVE: 0)
 USER_KEYS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")  # OMP_NUM_THREADS: Snakemake sets it
 
 
@@ -57,22 +68,40 @@ def other_cores(seconds: float = PROBE_S) -> float | None:
     return max(0.0, (busy1 - busy0) - (own1 - own0)) / (time.perf_counter() - t0)
 
 
-def choose(cpus: int, others: float | None, threads: int) -> dict:
+def spincount(environ=os.environ) -> int:
+    """The bounded spin count: DRAFTSMITH_SPINCOUNT where set, else SPINCOUNT."""
+    text = environ.get(SPIN_ENV, "").strip()
+    if not text:
+        return SPINCOUNT
+    if not text.isdigit():
+        raise ValueError(f"{SPIN_ENV}={text!r}: expected a whole number of spin iterations")
+    return int(text)
+
+
+def choose(cpus: int, others: float | None, threads: int, spins: int = SPINCOUNT) -> dict:
     """The policy for a job of `threads` threads on `cpus` cores with `others` cores of other
-    work (pure). Other work on cores the job does not use (other jobs of a wide machine) is
-    no contention."""
+    work (pure): a bounded spin of `spins` iterations, or passive waiting. Other work on cores
+    the job does not use (other jobs of a wide machine) is no contention."""
     threads = max(1, min(threads, cpus))
     if others is None:
-        return {"policy": "spin", "others": None, "why": "load not measurable"}
+        return {"policy": "spin", "spincount": spins, "others": None, "why": "load not measurable"}
     free = cpus - others
     if free >= threads - TOLERANCE:
         why = f"{free:.2f} of {cpus} cores free for {threads} threads"
-        return {"policy": "spin", "others": round(others, 2), "why": why}
+        return {"policy": "spin", "spincount": spins, "others": round(others, 2), "why": why}
     return {
         "policy": "passive",
+        "spincount": 0,
         "others": round(others, 2),
         "why": f"{others:.2f} of {cpus} cores busy with other work",
     }
+
+
+def settings(decision: dict) -> dict[str, str]:
+    """The libgomp environment of a decision."""
+    if decision["policy"] == "passive":
+        return {"OMP_WAIT_POLICY": "PASSIVE"}
+    return {"GOMP_SPINCOUNT": str(decision["spincount"])}
 
 
 def prepare(environ=os.environ) -> dict | None:
@@ -81,12 +110,12 @@ def prepare(environ=os.environ) -> dict | None:
         return None
     if "torch" in sys.modules:  # too late: libgomp has read its environment
         return None
+    spins = spincount(environ)
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     cpus = cpus or 1
     threads = int(environ.get("OMP_NUM_THREADS") or cpus)  # Snakemake sets the job's threads
-    decision = choose(cpus, other_cores(), threads)
-    if decision["policy"] == "passive":
-        environ["OMP_WAIT_POLICY"] = "PASSIVE"
+    decision = choose(cpus, other_cores(), threads, spins)
+    environ.update(settings(decision))
     environ[DECISION] = json.dumps(decision)
     environ.pop(ENV, None)  # children (torchrun ranks, a server) inherit this decision
     return decision
@@ -99,5 +128,6 @@ def policy_note(environ=os.environ) -> str:
         return ""
     d = json.loads(text)
     if d["policy"] == "spin":
-        return f"OpenMP spinning (libgomp default): {d['why']}"
+        spins = d.get("spincount")
+        return f"OpenMP spin {spins} then sleep (GOMP_SPINCOUNT), thread count kept: {d['why']}"
     return f"OpenMP PASSIVE, thread count kept: {d['why']}"
