@@ -3,7 +3,7 @@ the tiny wrapper ships what vLLM's Kimi-K2.5 class reads before it serves text
 (draftsmith.targets.tinymodel.wrap_target), and the kernel-scan stand-in
 (draftsmith.engines.vllm_cpu._rebind_kernels) swaps kernels where vLLM's own scan does while
 skipping an object whose `__getattr__` answers `__dict__`, as llvmlite's `ffi.lib` does. The
-serving itself: tests/test_engines_mla.py and tests/test_mla_vllm.py (vLLM role, extended)."""
+serving itself: tests/test_served_matrix.py and tests/test_engines_mla.py (vLLM role)."""
 
 from __future__ import annotations
 
