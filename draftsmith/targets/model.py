@@ -342,6 +342,11 @@ def fingerprint(target_dir: str | Path) -> str:
     return read_meta(target_dir)["fingerprint"]
 
 
+def full_config(target_dir: str | Path) -> dict:
+    """The target's whole config.json (a wrapper's too)."""
+    return json.loads((Path(target_dir) / "config.json").read_text())
+
+
 def target_config(target_dir: str | Path) -> dict:
     """The text model's config.json (the `text_config` of wrappers: draftsmith.targets.layout)."""
     return text_config(json.loads((Path(target_dir) / "config.json").read_text()))
