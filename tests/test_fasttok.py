@@ -18,7 +18,8 @@ import pytest
 
 from draftsmith.targets import model as tgt
 from draftsmith.targets.fasttok import FastTokError, read_ranks
-from draftsmith.targets.tinymodel import KIMI_PATTERN, make_tiny_target
+from draftsmith.targets.tinykimi import KIMI_PATTERN
+from draftsmith.targets.tinymodel import make_tiny_target
 
 ROOT = Path(__file__).resolve().parents[1]
 
