@@ -135,6 +135,7 @@ def build(work: Path, *args: str) -> dict:
         "report": report,
         "theirs": report["sets"]["prompts"],
         "ours": ours,
+        "log": (work / "logs" / "bench" / "bench.log").read_text(),
         "draft": json.loads((work / "results" / "draft" / "config.json").read_text()),
     }
 
@@ -180,6 +181,9 @@ def check_served(run: dict, draft_class: str) -> None:
     report, theirs, ours = run["report"], run["theirs"], run["ours"]
     assert run["draft"]["architectures"] == [draft_class]
     assert report["backend"] == "sglang", report["backend"]
+    # SGLang built Kimi-K2.5's own wrapper class, and the draft's
+    assert "type=KimiK25ForConditionalGeneration" in run["log"], run["log"][-3000:]
+    assert f"type={draft_class}" in run["log"]
     assert theirs["identical_outputs"] == theirs["prompts"] == len(PROMPTS), theirs
     assert ours["identical_outputs"] == len(PROMPTS), ours
     assert ours["tau"] > 1.5 and sum(ours["accept_len_hist"][1:]) >= len(PROMPTS) * 4, ours
@@ -202,6 +206,9 @@ def test_sglang_regenerates_and_captures_the_kimi_checkpoint_as_our_engine(
     assert meta["text_model"]["architectures"] == ["KimiK25ForConditionalGeneration"]
     assert meta["served_config"] == {"language_model_only": True}
     assert meta["tokenizer"], meta  # the tiktoken tokenizer made fast
+    for log in ("regenerate", "capture"):  # SGLang built Kimi-K2.5's own wrapper class
+        for f in (work / "logs" / log).glob("rows_*.log"):
+            assert "type=KimiK25ForConditionalGeneration" in f.read_text(), f
     rows = sorted((work / "results" / "data").glob("rows_*.jsonl"))
     assert rows
     for f in rows:
