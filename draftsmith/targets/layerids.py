@@ -19,6 +19,8 @@ feeds the draft depends on the engine and on the target's model class:
 
 `resolve` says, per engine, which layer inputs it feeds; `problems` names each engine that would
 feed other layers than training saw (or in another order), the class, and the ids to use.
+`resolve_setting` turns capture.aux_layer_ids into ids for a target's config.json: `auto` starts
+at 1 for a FIRST_IS_ONE class, so every engine reads it as trained and it is never refused.
 Tables: read from the wheels' model files (tests/test_layerids.py rereads them when the pinned
 SGLang is installed).
 """
