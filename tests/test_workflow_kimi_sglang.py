@@ -31,7 +31,7 @@ project that regenerates and captures with it:
   (passes, accepted-length histogram, tau) equal to our engine's on the same prompts and draft
   (trained.assert_same_acceptance), for both drafts.
 
-.ci/run's SGLang step runs it (marked sglang, not extended).
+.ci/run's SGLang step runs it (marked sglang, not extended): 5.9 and 11.9 minutes on 2 shared cores.
 """
 
 from __future__ import annotations
