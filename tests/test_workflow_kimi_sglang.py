@@ -249,3 +249,52 @@ def test_the_remote_processor_works_against_the_stages_fast_tokenizer(projects, 
     assert proc.media_processor.media_proc_cfg["patch_size"] == 14
     text = "Hello <|media_pad|>"
     assert proc(text=text)["input_ids"] == proc.tokenizer(text)["input_ids"]
+
+
+def test_sglang_serves_the_checkpoint_as_shipped_through_its_processor(projects, llama):
+    """The tiny checkpoint itself (no served config: SGLang builds Kimi-K2.5's multimodal
+    processor from the remote processor, whose tokenizer is the remote tiktoken class, with
+    --trust-remote-code): the server starts and its greedy replies to the 8 prompts, as token
+    ids rendered by our template code, equal transformers' on the same weights."""
+    import io
+
+    import requests
+    from trained import rows
+
+    from draftsmith.bench.specdec import greedy_generate, prompt_ids
+    from draftsmith.data.prompts import prompt_turns
+    from draftsmith.engines import sglang_cpu
+    from draftsmith.engines.server import ServerSpec, Supervisor
+    from draftsmith.targets.model import load_target
+
+    python, src = role_python("sglang-cpu"), projects["src"]
+    assert "language_model_only" not in json.loads((src / "config.json").read_text())
+    model, tok = load_target(projects["sglang"] / "results" / "target", dtype=torch.float32)
+    prompts = [prompt_ids(tok, prompt_turns(row)) for row in rows(PROMPTS)]
+    n = BENCH["max_new_tokens"]
+    with torch.no_grad():
+        want = [greedy_generate(model, ids, n, set()) for ids in prompts]
+
+    def command(port: int) -> list[str]:
+        return [
+            python, "-m", "sglang.launch_server", "--model-path", str(src), "--host",
+            "127.0.0.1", "--port", str(port), "--trust-remote-code", *sglang_cpu.LAUNCH_ARGS,
+            "--dtype", "float32", *SERVER_ARGS,
+        ]  # fmt: skip
+
+    spec = ServerSpec("sglang", command, sglang_cpu.server_env(threads=1), startup_timeout=900)
+    log = io.StringIO()
+    with Supervisor(spec, retries=0, log_stream=log) as sup:
+        params = {"max_new_tokens": n, "temperature": 0, "ignore_eos": True}
+        got = [
+            requests.post(
+                f"{sup.url}/generate",
+                json={"input_ids": ids, "sampling_params": params},
+                timeout=600,
+            ).json()["output_ids"]
+            for ids in prompts
+        ]
+    text = log.getvalue()
+    assert "type=KimiK25ForConditionalGeneration" in text, text[-3000:]
+    assert "Multimodal processor" in text, text[-3000:]  # the processor was built
+    assert got == want
