@@ -31,7 +31,8 @@ project that regenerates and captures with it:
   (passes, accepted-length histogram, tau) equal to our engine's on the same prompts and draft
   (trained.assert_same_acceptance), for both drafts.
 
-.ci/run's SGLang step runs it (marked sglang, not extended): 5.9 and 11.9 minutes on 2 shared cores.
+.ci/run's SGLang step runs it (marked sglang, not extended): 6.6 minutes on 2 shared cores
+under a load of 1-3 (12 minutes under a load of 3-5, before the as-shipped server was added).
 """
 
 from __future__ import annotations
