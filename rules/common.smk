@@ -27,7 +27,7 @@ from draftsmith.config.checks import (
     row_ranges,
     sections_json,
 )  # noqa: E402
-from draftsmith.targets.layerids import setting_problems  # noqa: E402
+from draftsmith.targets.layerids import first_is_one, setting_problems  # noqa: E402
 from draftsmith.data.prompts import (
     BUNDLED_PATH,
     load_sources,
@@ -97,7 +97,9 @@ if config["target"]["source"] == "path":
 else:
     TARGET_SIGNATURE, TARGET_CONFIG = "", None
 # params see a setting spelled out as what its auto resolves to as auto (no rerun for it)
-PARAMS_CONFIG = wf.params_config(config, TARGET_CONFIG)
+PARAMS_CONFIG = wf.params_config(
+    config, TARGET_CONFIG, TARGET_CONFIG is not None and first_is_one(TARGET_CONFIG)
+)
 
 
 wildcard_constraints:

@@ -18,7 +18,8 @@ import pytest
 
 from draftsmith.targets import model as tgt
 from draftsmith.targets.fasttok import FastTokError, read_ranks
-from draftsmith.targets.tinymodel import KIMI_PATTERN, make_tiny_target
+from draftsmith.targets.tinykimi import KIMI_PATTERN
+from draftsmith.targets.tinymodel import make_tiny_target
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -84,7 +85,8 @@ def test_target_stage_makes_the_tiktoken_tokenizer_fast(kimi_tok: Path, tmp_path
     enc = fast("Hello 你好", return_offsets_mapping=True, add_special_tokens=False)
     assert enc["offset_mapping"][0][0] == 0 and enc["offset_mapping"][-1][1] == len("Hello 你好")
     rendered = fast.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False)
-    assert rendered == "<|im_user|>user<|im_middle|>hi<|im_end|>"
+    system = "<|im_system|>system<|im_middle|>You are Kimi, an AI assistant created by Moonshot AI."
+    assert rendered == f"{system}<|im_end|><|im_user|>user<|im_middle|>hi<|im_end|>"
 
 
 def read_ranks_len(path: Path) -> int:

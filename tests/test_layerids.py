@@ -157,6 +157,90 @@ def test_serve_gate_refuses_such_ids_before_training_in_either_mode(tmp_path):
     serve_gate(tmp_path, "strict", [0, 3, 4])
 
 
+# capture.aux_layer_ids auto on the tiny families (issue 35): dense, MoE, MLA (DeepSeek-V3, whose
+# SGLang file adds 1 only when the first id is 1), wrapped as Kimi-K2.5 ships it (its text config
+# with and without `architectures`), GPT-OSS (adds 1 unless the largest id is the layer count)
+AUTO_FAMILIES = {
+    "dense": LLAMA,
+    "moe": {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe"},
+    "mla": DSV3,
+    "wrapped": KIMI,
+    "wrapped-no-arch": {**KIMI, "architectures": [], "text_config": {"model_type": "deepseek_v3"}},
+    "gpt_oss": {"architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss"},
+}
+FIRST_IS_ONE = {"mla", "wrapped", "wrapped-no-arch"}
+
+
+def with_layers(cfg: dict, n: int) -> dict:
+    if "text_config" in cfg:
+        return {**cfg, "text_config": {**cfg["text_config"], "num_hidden_layers": n}}
+    return {**cfg, "num_hidden_layers": n}
+
+
+@pytest.mark.parametrize("family", sorted(AUTO_FAMILIES))
+@pytest.mark.parametrize("n", [4, 5, 6, 7, 8, 61])
+def test_auto_resolves_to_ids_every_engine_reads_as_trained(family, n):
+    """`auto` is never refused by the parse-time check: SGLang (serving, and the patched capture
+    server, which calls the same set_eagle3_layers_to_capture) and vLLM read its ids as the
+    layers training stores, for every family and layer count."""
+    cfg = with_layers(AUTO_FAMILIES[family], n)
+    ids = layerids.resolve_setting("auto", cfg)
+    assert layerids.setting_problems(cfg, "auto") == []
+    res = layerids.resolve(draft_cfg(ids), layerids.target_view(cfg))
+    if family != "wrapped-no-arch":  # no class named: SGLang's rule is unknown to resolve
+        assert [e["engine"] for e in res["engines"]] == ["sglang", "vllm"]
+    assert all(e["ok"] for e in res["engines"]), res
+    assert layerids.first_is_one(cfg) == (family in FIRST_IS_ONE)
+    first = 1 if family in FIRST_IS_ONE or n >= 7 else 0
+    assert ids[0] == first and ids == sorted(set(ids)) and ids[-1] <= n - 2
+    # three ids (EAGLE-3's), except where none fit: a 4-layer target that must start at 1
+    assert len(ids) == (2 if n == 4 and family in FIRST_IS_ONE else 3)
+    if n >= 7:  # SGLang's own default, unchanged for every class
+        assert ids == [1, n // 2 - 1, n - 4]
+
+
+def test_auto_on_a_tiny_deepseek_is_what_training_and_the_plan_use(tmp_path):
+    """The workflow's callers resolve `auto` from the target's whole config.json: the plan,
+    training's ids and the params' spelled-out default agree."""
+    from wf import tiny_config, with_defaults
+
+    from draftsmith.config.workflow import params_config
+    from draftsmith.hidden.plan import make_plan
+
+    kimi = with_layers(KIMI, 5)
+    kimi["text_config"].update(hidden_size=64, vocab_size=128)
+    (tmp_path / "config.json").write_text(json.dumps(kimi))
+    cfg = with_defaults(tiny_config(tmp_path))
+    plan = make_plan(cfg, [], tmp_path, tmp_path / "out")
+    assert plan["aux_layer_ids"] == [1, 2, 3]
+    spelled = {**cfg, "capture": {**cfg["capture"], "aux_layer_ids": [1, 2, 3]}}
+    assert params_config(spelled, kimi, True)["capture"]["aux_layer_ids"] == "auto"
+    assert params_config(spelled, kimi, False) is spelled  # [0, 2, 3] would be auto there
+
+
+@pytest.mark.slow
+@pytest.mark.workflow
+@pytest.mark.parametrize(
+    "arch, layers, wrap",
+    [("llama", 6, None), ("deepseek_v3", 4, None), ("deepseek_v3", 5, None),
+     ("deepseek_v3", 5, "kimi_k25")],
+)  # fmt: skip
+def test_every_key_at_its_default_plans_on_the_tiny_families(tmp_path, arch, layers, wrap):
+    """A tiny target and nothing else configured (`target.source: path`, every other key at
+    its default): the workflow parses and plans every stage; the project's own check never
+    refuses `auto`'s ids (issue 35)."""
+    from wf import planned_jobs, write_config
+
+    from draftsmith.targets.tinymodel import make_tiny_target
+
+    src = make_tiny_target(tmp_path / "model", arch, num_layers=layers, wrap=wrap)
+    write_config(tmp_path / "run", {"target": {"source": "path", "path": str(src)}})
+    jobs = planned_jobs(tmp_path / "run")
+    assert {"target_model", "regenerate", "capture", "train", "bench"} <= set(jobs), jobs
+    ids = layerids.resolve_setting("auto", json.loads((src / "config.json").read_text()))
+    assert ids[0] == (1 if arch == "deepseek_v3" else 0), ids
+
+
 def site_packages(role: str) -> Path:
     """The role interpreter's site-packages (skips, or fails under DRAFTSMITH_REQUIRE_ENGINES)."""
     out = subprocess.run(

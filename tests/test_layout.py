@@ -62,6 +62,28 @@ def test_layout_of_plain_and_kimi_wrapped(pair):
     assert target_config(pair["kimi"]) == target_config(pair["plain"])
 
 
+def test_the_target_stage_serves_a_multimodal_wrapper_text_only(pair, tmp_path):
+    """Rule target_model's link step declares the wrapper (a vision_config beside the text model)
+    text-only in results/target/config.json, a file then, the rest links; the user's directory
+    is not written; a plain target is untouched (draftsmith.targets.layout.serve_text_only)."""
+    from draftsmith.targets.model import link_path_target, read_meta, target_config
+
+    for name in ("plain", "kimi"):
+        out = tmp_path / name
+        link_path_target(pair[name], out)
+        cfg = json.loads((out / "config.json").read_text())
+        meta = read_meta(out)
+        if name == "plain":
+            assert (out / "config.json").is_symlink() and "served_config" not in meta
+            continue
+        assert not (out / "config.json").is_symlink() and (out / "model.safetensors").is_symlink()
+        assert cfg["language_model_only"] is True and cfg["vision_config"]["vt_hidden_size"] == 16
+        assert meta["served_config"] == {"language_model_only": True}
+        assert "language_model_only" not in json.loads((pair[name] / "config.json").read_text())
+        assert target_config(out) == target_config(pair["plain"])
+        assert find_layout(out).base == "language_model.model."
+
+
 def test_target_tensors_of_a_wrapped_checkpoint(pair):
     """The reproduction of issue 26: training's frozen pieces of the wrapped model."""
     from draftsmith.algorithms.export import target_embedding

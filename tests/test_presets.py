@@ -83,7 +83,7 @@ def llama_dir(path: Path) -> Path:
 @pytest.mark.parametrize(
     "preset, make, bytes_per_token, ids",
     [
-        ("kimi-k25-sglang.yaml", kimi_dir, 4 * 7168 * 2 + 9, [1, 29, 57]),
+        ("kimi-k25-sglang.yaml", kimi_dir, 4 * 7168 * 2 + 9, "auto"),
         ("llama31-8b-sglang.yaml", llama_dir, 4 * 4096 * 2 + 9, "auto"),
     ],
 )
@@ -147,6 +147,40 @@ def test_kimi_dry_run_refuses_ids_sglang_reads_as_other_layers(tmp_path):
     assert "capture.aux_layer_ids:" in out and "deepseek_v2.py" in out, out[-3000:]
     assert "KimiK25ForConditionalGeneration -> DeepseekV3ForCausalLM" in out
     assert "use capture.aux_layer_ids [1, 30, 58]" in out
+
+
+@pytest.mark.slow
+@pytest.mark.workflow
+def test_kimi_preset_plans_every_stage_on_sglang_for_the_tiny_checkpoint(tmp_path):
+    """The preset with only target.path set, on the tiny Kimi-K2.5-shaped checkpoint
+    (tinymodel --wrap kimi_k25 --tokenizer tiktoken, 5 layers): the dry run plans every stage,
+    regeneration, capture (the patched server) and the benchmark on SGLang, with no manual
+    step; `auto` gives the 5-layer DeepSeek class ids SGLang reads as trained ([1, 2, 3])."""
+    from draftsmith.targets.layerids import resolve_setting
+    from draftsmith.targets.tinymodel import make_tiny_target
+
+    src = make_tiny_target(
+        tmp_path / "model", "deepseek_v3", num_layers=5, wrap="kimi_k25", tokenizer_kind="tiktoken"
+    )
+    preset_cfg = yaml.safe_load((ROOT / "config" / "kimi-k25-sglang.yaml").read_text())
+    proc = dry_run(
+        tmp_path, "kimi-k25-sglang.yaml", {"target": {**preset_cfg["target"], "path": str(src)}}
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-3000:]
+    for rule in (
+        "target_model",
+        "patch_sglang",
+        "regenerate",
+        "tokenize",
+        "capture",
+        "train",
+        "bench",
+    ):
+        assert f"rule {rule}" in out, rule
+    for stage in ("regenerate", "capture", "bench"):
+        assert preset_cfg[stage]["backend"] == "sglang", stage
+    assert resolve_setting("auto", json.loads((src / "config.json").read_text())) == [1, 2, 3]
 
 
 def _leaves(d: dict, prefix: str = "") -> set[str]:

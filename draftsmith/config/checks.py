@@ -42,20 +42,26 @@ AUTO_AUX = 3  # EAGLE-3's count, and SGLang's and vLLM's when a draft config nam
 
 
 def aux_layer_count(setting) -> int:
-    """Aux states per token that capture.aux_layer_ids `setting` asks for (auto: three)."""
+    """Aux states per token that capture.aux_layer_ids `setting` asks for (auto: three, an
+    upper bound: a 4-layer target of a class that needs a first id of 1 gets two)."""
     return AUTO_AUX if setting == "auto" else len(setting)
 
 
-def aux_layer_ids(setting, num_layers: int) -> list[int]:
+def aux_layer_ids(setting, num_layers: int, first_is_one: bool = False) -> list[int]:
     """SGLang's "output of layer i" ids of the aux states: K distinct ids < N - 1.
 
     Any K >= 1 trains and serves: both engines size the draft's fc from the count of ids in its
     config (EAGLE-3's three are the default; DFlash recipes use more, e.g. five). `auto` is
     SGLang's default [1, N//2-1, N-4] when those are three increasing ids (N >= 7); for
     4 <= N <= 6 they collide (N = 4 gives [1, 1, 0]), so `auto` spreads the ids instead:
-    [0, (N-1)//2, N-2]. The last layer (N - 1) is never used: transformers exposes its output
-    only after the final norm, so the benchmark could not read the state the capture stored.
-    The exported draft records the ids it was trained with (eagle_aux_hidden_state_layer_ids).
+    [0, (N-1)//2, N-2]. `first_is_one`: the target's class is one whose SGLang model file adds
+    1 to the ids only when the first is 1 (DeepSeek-V2/V3, Kimi-K2.5's language model, ...:
+    draftsmith.targets.layerids.first_is_one); `auto` then always starts at 1, so that every
+    engine reads its ids as the layers training stored: [1, (N-1)//2, N-2] for N = 5, 6, and
+    [1, 2] for N = 4 (no three such ids fit below the last layer). The last layer (N - 1) is
+    never used: transformers exposes its output only after the final norm, so the benchmark
+    could not read the state the capture stored. The exported draft records the ids it was
+    trained with (eagle_aux_hidden_state_layer_ids).
     """
     if setting == "auto":
         if num_layers < 4:
@@ -65,8 +71,8 @@ def aux_layer_ids(setting, num_layers: int) -> list[int]:
             )
         ids = [1, num_layers // 2 - 1, num_layers - 4]
         if not ids[0] < ids[1] < ids[2]:
-            ids = [0, (num_layers - 1) // 2, num_layers - 2]
-        return ids
+            ids = [int(first_is_one), (num_layers - 1) // 2, num_layers - 2]
+        return sorted(set(ids))
     ids = [int(i) for i in setting]
     if not ids:
         raise ValueError("capture.aux_layer_ids is empty: give at least one layer id, or auto")

@@ -137,12 +137,13 @@ def set_away(config: dict, neutral: dict, section: str, *keys: str) -> tuple[str
     return tuple(k for k in keys if config[section][k] != neutral[section][k])
 
 
-def params_config(config: dict, target_cfg: dict | None) -> dict:
+def params_config(config: dict, target_cfg: dict | None, first_is_one: bool = False) -> dict:
     """The config as params see it: a setting written out as what its `auto` resolves to on
     this target is `auto` there, so spelling out the default plans nothing new (today:
     capture.aux_layer_ids). `target_cfg`: the target's config.json, None where it is not
-    readable at parse time (the embedded target before conversion). The config is not
-    changed; a changed copy is returned."""
+    readable at parse time (the embedded target before conversion); `first_is_one`: its class
+    needs ids starting at 1 (draftsmith.targets.layerids.first_is_one, which the Snakefile
+    passes). The config is not changed; a changed copy is returned."""
     from draftsmith.config.checks import aux_layer_ids
 
     ids = config["capture"]["aux_layer_ids"]
@@ -150,7 +151,7 @@ def params_config(config: dict, target_cfg: dict | None) -> dict:
         return config
     cfg = target_cfg.get("text_config", target_cfg)
     try:
-        auto = aux_layer_ids("auto", int(cfg["num_hidden_layers"]))
+        auto = aux_layer_ids("auto", int(cfg["num_hidden_layers"]), first_is_one)
     except (KeyError, ValueError):
         return config
     if [int(i) for i in ids] != auto:

@@ -21,7 +21,7 @@ import struct
 import sys
 from pathlib import Path
 
-from draftsmith.config.checks import aux_layer_count, aux_layer_ids, range_name
+from draftsmith.config.checks import aux_layer_count, range_name
 from draftsmith.runtime.files import atomic_write_json, parse_cfg
 
 
@@ -82,6 +82,7 @@ def human(n: float) -> str:
 
 def make_plan(cfg: dict, token_files: list[Path], target: Path, out_dir: Path) -> dict:
     from draftsmith.hidden.storage import Storage
+    from draftsmith.targets.layerids import resolve_setting
     from draftsmith.targets.model import target_config
 
     cap = cfg["capture"]
@@ -90,7 +91,9 @@ def make_plan(cfg: dict, token_files: list[Path], target: Path, out_dir: Path) -
     vocab = int(text_cfg["vocab_size"])
     dtype = cap["dtype"]
     storage = Storage.from_config(cap.get("storage"))
-    ids = aux_layer_ids(cap["aux_layer_ids"], n_layers)
+    ids = resolve_setting(
+        cap["aux_layer_ids"], json.loads((Path(target) / "config.json").read_text())
+    )
     shards, total, pending = [], 0, 0
     for f in sorted(token_files):
         rows, tokens = token_counts(f)

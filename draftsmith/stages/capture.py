@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 from draftsmith.config import settings
-from draftsmith.config.checks import aux_layer_ids, parse_range
+from draftsmith.config.checks import parse_range
 from draftsmith.hidden.capture_base import CaptureError
 from draftsmith.hidden.shards import STORAGE_DTYPES, ShardError
 from draftsmith.hidden.storage import Storage, StorageError
@@ -151,6 +151,7 @@ def run(args, job: settings.JobSettings, log) -> None:
         raise SystemExit(f"error: {e}") from None
     from draftsmith.engines import engine, engine_inputs
     from draftsmith.targets import model as tgt
+    from draftsmith.targets.layerids import resolve_setting
 
     declared = engine_inputs(cap.backend, "capture")
     extra = {n: getattr(args, n) for n in declared if getattr(args, n) is not None}
@@ -168,7 +169,7 @@ def run(args, job: settings.JobSettings, log) -> None:
             )
         text_cfg = tgt.target_config(args.target)
         n_layers = int(text_cfg["num_hidden_layers"])
-        ids = aux_layer_ids(cap.aux_layer_ids, n_layers)
+        ids = resolve_setting(cap.aux_layer_ids, tgt.full_config(args.target))
         need = shard_size(tokens, text_cfg, dtype, storage, len(ids))
         check_free_space(args.out, need)
         fp = tgt.fingerprint(args.target)

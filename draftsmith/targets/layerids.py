@@ -19,6 +19,8 @@ feeds the draft depends on the engine and on the target's model class:
 
 `resolve` says, per engine, which layer inputs it feeds; `problems` names each engine that would
 feed other layers than training saw (or in another order), the class, and the ids to use.
+`resolve_setting` turns capture.aux_layer_ids into ids for a target's config.json: `auto` starts
+at 1 for a FIRST_IS_ONE class, so every engine reads it as trained and it is never refused.
 Tables: read from the wheels' model files (tests/test_layerids.py rereads them when the pinned
 SGLang is installed).
 """
@@ -106,6 +108,31 @@ def target_view(cfg: dict) -> dict:
         "architectures": list(cfg.get("architectures") or []),
         "num_hidden_layers": int(text.get("num_hidden_layers", 0)),
     }
+
+
+def first_is_one(cfg: dict) -> bool:
+    """Whether SGLang serves the target (a whole config.json, or a text model's config) with a
+    class that adds 1 to the ids only when the first is 1 (FIRST_IS_ONE, through a wrapper's
+    DELEGATES). A config without `architectures` is judged by its model_type's transformers
+    causal-LM class."""
+    view = target_view(cfg)
+    if not view["architectures"]:
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+        text = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else cfg
+        klass = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(str(text.get("model_type", "")))
+        view = {**view, "architectures": [klass] if klass else []}
+    return sglang_class(view)[2] == "first_is_1"
+
+
+def resolve_setting(setting, cfg: dict) -> list[int]:
+    """capture.aux_layer_ids `setting` ("auto" or ids) as ids for a target's config.json (whole
+    or a text model's): `auto` picks ids every pinned engine reads as the layers training
+    stores for this class (draftsmith.config.checks.aux_layer_ids); ValueError as that."""
+    from draftsmith.config.checks import aux_layer_ids
+
+    view = target_view(cfg)
+    return aux_layer_ids(setting, view["num_hidden_layers"], first_is_one(cfg))
 
 
 def sglang_class(view: dict) -> tuple[str, str, str]:
@@ -238,12 +265,11 @@ def problems(draft_cfg: dict, view: dict) -> list[str]:
 def setting_problems(full_cfg: dict, setting) -> list[str]:
     """`problems` for capture.aux_layer_ids `setting` ("auto" or ids) on a target config.json,
     before anything is trained (the export writes the ids this way); [] when the ids themselves
-    are invalid for the target (draftsmith.config.checks.aux_layer_ids says why, elsewhere)."""
-    from draftsmith.config.checks import aux_layer_ids
-
+    are invalid for the target (draftsmith.config.checks.aux_layer_ids says why, elsewhere).
+    `auto` resolves to ids every engine reads as trained (resolve_setting): never refused."""
     view = target_view(full_cfg)
     try:
-        ids = aux_layer_ids(setting, view["num_hidden_layers"])
+        ids = resolve_setting(setting, full_cfg)
     except ValueError:
         return []
     draft = {

@@ -207,3 +207,26 @@ def load_text_model(target_dir: str | Path, layout: Layout, **kwargs):
     return cls.from_pretrained(
         target_dir, config=config, key_mapping=layout.key_mapping(), **kwargs
     )
+
+
+def serve_text_only(path: Path) -> dict | None:
+    """Declare a multimodal wrapper (`text_config` beside a `vision_config`) text-only in the
+    served config.json at `path` (results/target; a link to the user's file becomes a file):
+    `language_model_only: true`. Every engine draftsmith starts sends text only. SGLang 0.5.23
+    then loads the tokenizer every other stage reads (results/target's, made fast there) instead
+    of building the checkpoint's multimodal processor, whose remote code the target stage's
+    tokenizer rewrite may not suit; its Kimi-K2.5 class still builds the tower (it does not
+    read the key), so the vision weights stay. vLLM serves a wrapper with the same option
+    (draftsmith.engines.vllm); transformers' configs keep the key as an attribute. Returns what
+    was written (recorded in draftsmith_target.json), None for other targets."""
+    file = Path(path) / "config.json"
+    cfg = json.loads(file.read_text())
+    if not (isinstance(cfg.get(CONFIG_KEY), dict) and isinstance(cfg.get("vision_config"), dict)):
+        return None
+    written = {"language_model_only": True}
+    cfg.update(written)
+    tmp = file.with_name(".config.json.tmp")
+    tmp.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    file.unlink()
+    tmp.rename(file)
+    return written

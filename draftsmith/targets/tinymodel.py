@@ -21,21 +21,24 @@ dims 32, q_lora_rank 64, and YaRN RoPE (SGLang's CPU RoPE takes DeepSeek-YaRN on
 docs/kimi.md, "Serving engines on CPU".
 
 `--wrap kimi_k25` lays the model out as Kimi-K2.5 ships: config.json names the wrapper
-(`KimiK25ForConditionalGeneration`) and nests the text model's config under `text_config`; the
-weights are renamed under `language_model.`, beside a stand-in vision tower and projector;
-`preprocessor_config.json` carries Kimi-K2.5's media settings (`media_proc_cfg`), from which
-vLLM builds the wrapper's processor before it serves even text (the vision tower's own
-`vision_config` is not written: engines serving the text model alone never build it).
+(`KimiK25ForConditionalGeneration`), nests the text model's config under `text_config` and
+describes the vision tower (`vision_config`); the weights are renamed under `language_model.`,
+beside a tiny MoonViT and its projector under Kimi's tensor names; `preprocessor_config.json`
+carries Kimi-K2.5's media settings (`media_proc_cfg`), from which vLLM builds the wrapper's
+processor before it serves even text, and names a small remote processor written beside it.
 `--tokenizer tiktoken` ships the tokenizer as Kimi's does: a tiktoken rank file (`tiktoken.model`,
 ranks learned here from CORPUS with Kimi's split pattern), a remote-code `TikTokenTokenizer` class
-in `tokenization_kimi.py` and reserved special tokens after the ranks; no tokenizer.json (the
-target stage makes one, draftsmith.targets.fasttok).
+in `tokenization_kimi.py`, reserved special tokens after the ranks and Kimi's thinking chat
+template; no tokenizer.json (the target stage makes one, draftsmith.targets.fasttok). The Kimi
+pieces: draftsmith.targets.tinykimi.
 """
 
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
+
+from draftsmith.targets import tinykimi
 
 CHATML_TEMPLATE = (
     "{% for message in messages %}"
@@ -59,91 +62,6 @@ CORPUS = [
 ]
 
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-# Kimi's split pattern (the pat_str of its TikTokenTokenizer): Han runs, cased words with
-# English contractions (letters other than Han), up to 3 digits, punctuation, newlines, spaces
-KIMI_PATTERN_PARTS = [
-    r"""[\p{Han}]+""",
-    r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*"""
-    r"""[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
-    r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+"""
-    r"""[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
-    r"""\p{N}{1,3}""",
-    r""" ?[^\s\p{L}\p{N}]+[\r\n]*""",
-    r"""\s*[\r\n]+""",
-    r"""\s+(?!\S)""",
-    r"""\s+""",
-]
-KIMI_PATTERN = "|".join(KIMI_PATTERN_PARTS)
-KIMI_SPECIAL = [
-    "[BOS]",
-    "[EOS]",
-    "<|im_end|>",
-    "<|im_user|>",
-    "<|im_assistant|>",
-    "<|im_system|>",
-    "<|im_middle|>",
-]
-KIMI_TEMPLATE = (
-    "{% for m in messages %}<|im_{{ m['role'] }}|>{{ m['role'] }}<|im_middle|>"
-    "{{ m['content'] }}<|im_end|>{% endfor %}"
-    "{% if add_generation_prompt %}<|im_assistant|>assistant<|im_middle|>{% endif %}"
-)
-# the remote-code tokenizer class written beside a tiktoken tiny model (Kimi's layout)
-TIKTOKEN_CLASS = '''"""A tiktoken tokenizer class as Kimi ships one (draftsmith.targets.tinymodel): trust_remote_code."""
-
-import tiktoken
-from tiktoken.load import load_tiktoken_bpe
-from transformers import PreTrainedTokenizer
-from transformers.convert_slow_tokenizer import bytes_to_unicode
-
-
-class TikTokenTokenizer(PreTrainedTokenizer):
-    vocab_files_names = {"vocab_file": "tiktoken.model"}
-    model_input_names = ["input_ids", "attention_mask"]
-    num_reserved_special_tokens = RESERVED
-    pat_str = "|".join(PARTS)
-
-    def __init__(self, vocab_file, added_tokens_decoder=None, **kwargs):
-        ranks = load_tiktoken_bpe(vocab_file)
-        n = len(ranks)
-        names = {int(i): getattr(t, "content", t) for i, t in (added_tokens_decoder or {}).items()}
-        self.special_tokens = {
-            names.get(i, f"<|reserved_token_{i}|>"): i
-            for i in range(n, n + self.num_reserved_special_tokens)
-        }
-        self.model = tiktoken.Encoding(
-            name="tiny", pat_str=self.pat_str, mergeable_ranks=ranks,
-            special_tokens=self.special_tokens,
-        )
-        to_char = bytes_to_unicode()
-        self.byte_decoder = {c: b for b, c in to_char.items()}
-        self.decoder = {
-            i: "".join(to_char[b] for b in self.model.decode_single_token_bytes(i))
-            for i in range(self.model.n_vocab)
-        }
-        self.encoder = {t: i for i, t in self.decoder.items()}
-        self.vocab_file = vocab_file
-        super().__init__(added_tokens_decoder=added_tokens_decoder, **kwargs)
-
-    @property
-    def vocab_size(self):
-        return self.model.n_vocab
-
-    def get_vocab(self):
-        return dict(self.encoder)
-
-    def _tokenize(self, text, **kwargs):
-        return [self.decoder[i] for i in self.model.encode(text, allowed_special="all")]
-
-    def _convert_token_to_id(self, token):
-        return self.encoder[token]
-
-    def _convert_id_to_token(self, index):
-        return self.decoder[index]
-
-    def convert_tokens_to_string(self, tokens):
-        return bytes(self.byte_decoder[c] for c in "".join(tokens)).decode("utf-8", "replace")
-'''
 # DeepSeek-V3's MoE routing as the engines read it (transformers always routes this way)
 DEEPSEEK_MOE_KEYS = {"topk_method": "noaux_tc", "scoring_func": "sigmoid", "moe_layer_freq": 1}
 # YaRN as DeepSeek-V3 and Kimi-K2.5 configure it, over a 512-token original window
@@ -180,24 +98,6 @@ WRAPPERS = {"kimi_k25": ("KimiK25ForConditionalGeneration", "kimi_k25")}
 # placeholder id (its `<|media_pad|>`; outside a tiny vocabulary, never in a text prompt), which
 # vLLM's EAGLE-3 loader hands the draft for a Kimi-K2.5 target
 WRAPPER_KEYS = {"kimi_k25": {"media_placeholder_token_id": 163605}}
-# Kimi-K2.5's preprocessor_config.json: the media settings its image processor reads (patch 14,
-# 2x2 merge, 4-frame video chunks, ...); vLLM builds its processor from them even for text-only
-# serving. The real file also names Moonshot's processor code (auto_map), not shipped here.
-KIMI_MEDIA_PROC_CFG = {
-    "in_patch_limit": 16384,
-    "patch_size": 14,
-    "image_mean": [0.5, 0.5, 0.5],
-    "image_std": [0.5, 0.5, 0.5],
-    "merge_kernel_size": 2,
-    "fixed_output_tokens": None,
-    "patch_limit_on_one_side": 512,
-    "in_patch_limit_each_frame": 4096,
-    "in_patch_limit_video": None,
-    "sample_fps": 2.0,
-    "max_num_frames_each_video": None,
-    "temporal_merge_kernel_size": 4,
-    "timestamp_mode": "hh:mm:ss.fff",
-}
 
 
 def make_tokenizer(vocab_size: int = 384):
@@ -226,83 +126,11 @@ def make_tokenizer(vocab_size: int = 384):
     return fast
 
 
-def tiktoken_ranks(merges: int = 160) -> dict[bytes, int]:
-    """Byte-level BPE ranks learned from CORPUS (pre-split with KIMI_PATTERN): the 256 bytes,
-    then one token per merge, most frequent pair first (ties: the larger pair)."""
-    from collections import Counter
-
-    import regex
-
-    split = regex.compile(KIMI_PATTERN, flags=regex.V1)
-    text = "\n".join(CORPUS * 4) + "\n你好，世界。今天天气很好。"
-    words = Counter(w.encode() for w in split.findall(text))
-    ranks = {bytes([b]): b for b in range(256)}
-    seqs = {w: [bytes([b]) for b in w] for w in words}
-    for _ in range(merges):
-        pairs = Counter()
-        for w, s in seqs.items():
-            for a, b in zip(s, s[1:], strict=False):
-                pairs[(a, b)] += words[w]
-        if not pairs:
-            break
-        (a, b), _n = max(pairs.items(), key=lambda kv: (kv[1], kv[0]))
-        ranks[a + b] = len(ranks)
-        for w, s in seqs.items():
-            out, i = [], 0
-            while i < len(s):
-                if i + 1 < len(s) and s[i] == a and s[i + 1] == b:
-                    out.append(a + b)
-                    i += 2
-                else:
-                    out.append(s[i])
-                    i += 1
-            seqs[w] = out
-    return ranks
-
-
 def write_tiktoken_tokenizer(path: str | Path, reserved: int = 16, merges: int = 160) -> dict:
-    """Write Kimi's tokenizer layout into `path` (module docstring); returns {"vocab_size",
-    "bos_token_id", "eos_token_id", "pad_token_id"}."""
-    import base64
-    import json
-
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    ranks = tiktoken_ranks(merges)
-    with open(path / "tiktoken.model", "w", encoding="ascii") as f:
-        for token, rank in ranks.items():
-            f.write(f"{base64.b64encode(token).decode()} {rank}\n")
-    n = len(ranks)
-    parts = ",\n        ".join(repr(p) for p in KIMI_PATTERN_PARTS)
-    code = TIKTOKEN_CLASS.replace("RESERVED", str(reserved)).replace(
-        "PARTS", f"[\n        {parts},\n    ]"
-    )
-    (path / "tokenization_kimi.py").write_text(code)
-    ids = {name: n + i for i, name in enumerate(KIMI_SPECIAL)}
-    ids["[UNK]"], ids["[PAD]"] = n + reserved - 2, n + reserved - 1
-    entry = {"lstrip": False, "normalized": False, "rstrip": False, "single_word": False}
-    cfg = {
-        "added_tokens_decoder": {
-            str(i): {"content": name, **entry, "special": True} for name, i in ids.items()
-        },
-        "additional_special_tokens": ["<|im_end|>", "<|im_user|>", "<|im_assistant|>"],
-        "auto_map": {"AutoTokenizer": ["tokenization_kimi.TikTokenTokenizer", None]},
-        "bos_token": "[BOS]",
-        "eos_token": "[EOS]",
-        "pad_token": "[PAD]",
-        "unk_token": "[UNK]",
-        "clean_up_tokenization_spaces": False,
-        "model_max_length": 1048576,
-        "tokenizer_class": "TikTokenTokenizer",
-    }
-    (path / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2) + "\n")
-    (path / "chat_template.jinja").write_text(KIMI_TEMPLATE)
-    return {
-        "vocab_size": n + reserved,
-        "bos_token_id": ids["[BOS]"],
-        "eos_token_id": ids["<|im_end|>"],
-        "pad_token_id": ids["[PAD]"],
-    }
+    """Write Kimi's tokenizer layout into `path`, ranks learned from CORPUS
+    (draftsmith.targets.tinykimi.write_tokenizer); returns {"vocab_size", "bos_token_id",
+    "eos_token_id", "pad_token_id"}."""
+    return tinykimi.write_tokenizer(Path(path), CORPUS, reserved, merges)
 
 
 def tiny_config(arch: str, vocab: int, hidden_size: int, num_layers: int, tokenizer, engine_shapes):
@@ -423,27 +251,26 @@ def wrap_target(path: str | Path, wrapper: str = "kimi_k25") -> Path:
     """Rewrite a saved causal LM in place as a wrapped checkpoint (module docstring)."""
     import json
 
-    import torch
     from safetensors.torch import load_file, save_file
 
     path = Path(path)
     arch, model_type = WRAPPERS[wrapper]
     weights = path / "model.safetensors"
     tensors = {f"language_model.{k}": v for k, v in load_file(weights).items()}
-    gen = torch.Generator().manual_seed(0)
-    tensors["vision_tower.patch_embed.proj.weight"] = torch.randn(8, 3, 2, 2, generator=gen)
-    tensors["mm_projector.proj.0.weight"] = torch.randn(8, 8, generator=gen)
-    save_file(tensors, weights, metadata={"format": "pt"})
     text = json.loads((path / "config.json").read_text())
+    if wrapper == "kimi_k25":
+        tensors.update(tinykimi.moonvit_tensors(int(text["hidden_size"])))
+    save_file(tensors, weights, metadata={"format": "pt"})
     config = {"architectures": [arch], "model_type": model_type, "text_config": text}
     for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
         config[key] = text.get(key)
     config["tie_word_embeddings"] = bool(text.get("tie_word_embeddings"))  # as the text model
     config.update(WRAPPER_KEYS.get(wrapper, {}))
+    if wrapper == "kimi_k25":
+        config["vision_config"] = tinykimi.vision_config(int(text["hidden_size"]))
     (path / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     if wrapper == "kimi_k25":
-        media = {"media_proc_cfg": KIMI_MEDIA_PROC_CFG}
-        (path / "preprocessor_config.json").write_text(json.dumps(media, indent=2) + "\n")
+        tinykimi.write_processor(path)
     return path
 
 

@@ -27,13 +27,13 @@ from draftsmith import algorithms
 from draftsmith.algorithms.batches import teacher_ok
 from draftsmith.algorithms.offline import split_rows
 from draftsmith.algorithms.spec import AlgorithmSpec
-from draftsmith.config.checks import aux_layer_ids
 from draftsmith.data.vocab import load_vocab
 from draftsmith.hidden.segments import pack_order, packs_per_batch, plan_segmented, segment_of
 from draftsmith.hidden.shards import ShardError, open_shard, verify_cached
 from draftsmith.hidden.storage import StorageError, check_draft_vocab
 from draftsmith.runtime.files import atomic_path, remove_stale_temps, sha256_file
 from draftsmith.runtime.repair import discard_refused_shards
+from draftsmith.targets.layerids import resolve_setting
 from draftsmith.targets.layout import LayoutError, read_pieces, text_config
 
 if TYPE_CHECKING:
@@ -186,8 +186,9 @@ def check_inputs(
 def frozen_inputs(job: JobSettings, vocab_path: Path, target_dir: Path) -> Inputs:
     """What training reads besides the shards: target config and pieces, the vocabulary
     (checked against draft.vocab_size), the target's fingerprint; `shards` left empty."""
-    target_cfg = text_config(json.loads((target_dir / "config.json").read_text()))
-    ids = aux_layer_ids(job.capture.aux_layer_ids, int(target_cfg["num_hidden_layers"]))
+    whole = json.loads((target_dir / "config.json").read_text())
+    target_cfg = text_config(whole)
+    ids = resolve_setting(job.capture.aux_layer_ids, whole)
     d2t, t2d = load_vocab(vocab_path)
     if d2t.shape[0] != job.draft.vocab_size:
         raise SystemExit(

@@ -63,7 +63,7 @@ from draftsmith.algorithms.export import (
     verifier_ref,
 )
 from draftsmith.algorithms.offline import for_run as offline_estimate
-from draftsmith.config.checks import aux_layer_ids, execution_defaults
+from draftsmith.config.checks import execution_defaults
 from draftsmith.config.settings import JobSettings, TrainSettings
 from draftsmith.config.settings import job as job_settings
 from draftsmith.runtime.files import (
@@ -80,6 +80,7 @@ from draftsmith.runtime.hardware import cpu_facts, resolve_precision
 from draftsmith.runtime.progress import ProgressLog
 from draftsmith.runtime.repair import keep_last_good
 from draftsmith.runtime.stopping import stop_promptly
+from draftsmith.targets.layerids import resolve_setting
 from draftsmith.targets.layout import text_config
 from draftsmith.train.checkpoint import (
     check_space,
@@ -283,8 +284,8 @@ def precision_probe(job: JobSettings, target_dir: Path, facts):
 
 def layer_ids(job: JobSettings, target_dir: Path) -> list[int]:
     """capture.aux_layer_ids resolved for the target (SGLang numbering)."""
-    n = text_config(json.loads((Path(target_dir) / "config.json").read_text()))["num_hidden_layers"]
-    return aux_layer_ids(job.capture.aux_layer_ids, int(n))
+    cfg = json.loads((Path(target_dir) / "config.json").read_text())
+    return resolve_setting(job.capture.aux_layer_ids, cfg)
 
 
 def train(
