@@ -1,5 +1,5 @@
 """The real Snakefile on a tiny Kimi-K2.5-shaped target, end to end through vLLM's CPU build
-(issue 26): `snakemake --cores all` builds the draft (target_model, regenerate and capture with
+: `snakemake --cores all` builds the draft (target_model, regenerate and capture with
 the hf engine, vocab, train, export) and benchmarks it with `bench.backend: vllm`, once with the
 Llama-style draft and once with the MLA draft (`--config 'draft={"attention": "mla"}'`, which
 re-plans only train, whose job exports, and bench). For each: the bench report's outputs equal
@@ -19,12 +19,9 @@ merges), which leaves a draft nothing to learn. The data are the benchmark's 8 p
 few epochs teach the draft the target's replies: it must draft (tau well above 1) for the
 equality to prove anything.
 
-CI (.ci/run's vLLM step) runs the two vLLM builds: 1.7-2.4 minutes on 2 cores at a load of 2-3, 3.9 at 4-6.
-Then, `extended`, SGLang's CPU server serves the workflow's MLA draft on the same target
-unwrapped at the same acceptance: 2.2-4.3 minutes more at a load of 2-4 (20 minutes once beside
-another SGLang server), too uncertain for CI's budget. It is marked `vllm` and `sglang` (it
-needs both roles); .ci/run's SGLang step leaves out tests marked `vllm`, so that with
-DRAFTSMITH_CI_EXTENDED=1 the module's builds are made once, in the vLLM step.
+CI (.ci/run's vLLM step) runs the two vLLM builds, 2-4 minutes on 2 cores. The same workflow
+through SGLang (regenerate, capture and bench on its CPU server, both draft kinds) is
+tests/test_workflow_kimi_sglang.py.
 """
 
 from __future__ import annotations
@@ -191,28 +188,3 @@ def test_llama_draft_through_vllm_on_the_kimi_wrapped_target(project, llama):
 def test_mla_draft_through_vllm_on_the_kimi_wrapped_target(mla):
     assert mla["report"]["config"]["draft"]["attention"] == "mla"
     check_served(mla, "Eagle3DeepseekV2ForCausalLM")
-
-
-@pytest.mark.vllm
-@pytest.mark.sglang
-@pytest.mark.extended
-def test_sglang_serves_the_workflows_mla_draft_on_the_unwrapped_target(project, mla):
-    """SGLang 0.5.23's CPU server (role sglang-cpu) with the workflow's MLA draft, on the same
-    target unwrapped (SGLang's Kimi-K2.5 class builds a vision tower the tiny wrapper lacks):
-    outputs equal plain greedy, acceptance equal to our engine's on the wrapped target (the
-    same weights, the same states: tests/test_layout.py); two server starts (module docstring:
-    extended)."""
-    from test_engines_mla import SGLANG, SGLANG_BENCH
-
-    from draftsmith.targets.model import write_meta
-
-    python = role_python("sglang-cpu")
-    root = project.parent / "sglang"
-    target = shutil.copytree(project.parent / "plain", root / "results" / "target")
-    write_meta(target, "path", str(project.parent / "plain"))
-    shutil.copytree(project / "results" / "draft", root / "results" / "draft")
-    full = {"bench": {**SGLANG_BENCH, **BENCH}, "sglang": SGLANG, "target": {"dtype": "float32"}}
-    theirs = run_bench(root, "sglang", "results/draft", full, python)["res"]["s"]
-    assert theirs["identical_outputs"] == len(PROMPTS), theirs
-    assert_same_acceptance(theirs, mla["ours"], "sglang mla")
-    print(f"SGLang: tau {theirs['tau']:.4f}, hf {mla['ours']['tau']:.4f}")
