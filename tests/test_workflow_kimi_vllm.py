@@ -130,7 +130,7 @@ def project(tmp_path_factory) -> Path:
     from draftsmith.targets.tinymodel import wrap_target
 
     root = tmp_path_factory.mktemp("kimi_vllm")
-    plain = round_trip_target(root / "plain")  # kept for the SGLang test
+    plain = round_trip_target(root / "plain")
     src = wrap_target(shutil.copytree(plain, root / "src"), "kimi_k25")
     prompts = root / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
