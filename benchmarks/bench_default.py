@@ -41,7 +41,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
 from draftsmith.runtime.files import atomic_write_json, atomic_write_text  # noqa: E402
 
-GOAL_S = 600  # issue 14: a fresh clone of the embedded default in 10 minutes
+GOAL_S = 600  # a fresh clone of the embedded default in 10 minutes
 ORDER = (
     "validate_env build_venv validate_env_gpu fetch_embedded_wheel target_model data_report "
     "regenerate tokenize vocab hidden_plan patch_sglang capture train bench"

@@ -1,4 +1,4 @@
-"""Issue 25, finding 7: benchmark prompts that are skipped or refused are counted in the report;
+"""Benchmark prompts that are skipped or refused are counted in the report;
 a prompt longer than the target's context is refused (not benchmarked silently); an empty
 source file is a warning naming it."""
 

@@ -1,4 +1,4 @@
-"""The hf engine's batched capture against one row at a time (issue 22).
+"""The hf engine's batched capture against one row at a time.
 
 A shard captured with rows batched together (capture.batch_tokens large) must hold exactly the
 tensors of the same rows captured one per batch (batch_tokens 1): token ids, loss masks, aux and

@@ -1,4 +1,4 @@
-"""Target families (issue 21): the final norm's convention, per family of the pinned transformers."""
+"""Target families: the final norm's convention, per family of the pinned transformers."""
 
 from __future__ import annotations
 

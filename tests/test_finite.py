@@ -1,4 +1,4 @@
-"""Issue 25, finding 1: a non-finite number is an error where it first appears (the config file,
+"""A non-finite number is an error where it first appears (the config file,
 the training step, the exported weights, the metrics), never an all-NaN draft that passes checks.
 """
 

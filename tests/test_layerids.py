@@ -157,7 +157,7 @@ def test_serve_gate_refuses_such_ids_before_training_in_either_mode(tmp_path):
     serve_gate(tmp_path, "strict", [0, 3, 4])
 
 
-# capture.aux_layer_ids auto on the tiny families (issue 35): dense, MoE, MLA (DeepSeek-V3, whose
+# capture.aux_layer_ids auto on the tiny families: dense, MoE, MLA (DeepSeek-V3, whose
 # SGLang file adds 1 only when the first id is 1), wrapped as Kimi-K2.5 ships it (its text config
 # with and without `architectures`), GPT-OSS (adds 1 unless the largest id is the layer count)
 AUTO_FAMILIES = {
@@ -228,7 +228,7 @@ def test_auto_on_a_tiny_deepseek_is_what_training_and_the_plan_use(tmp_path):
 def test_every_key_at_its_default_plans_on_the_tiny_families(tmp_path, arch, layers, wrap):
     """A tiny target and nothing else configured (`target.source: path`, every other key at
     its default): the workflow parses and plans every stage; the project's own check never
-    refuses `auto`'s ids (issue 35)."""
+    refuses `auto`'s ids."""
     from wf import planned_jobs, write_config
 
     from draftsmith.targets.tinymodel import make_tiny_target

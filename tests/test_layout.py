@@ -1,4 +1,4 @@
-"""Wrapped targets (issue 26): the text model under `language_model.` / `text_config`, as
+"""Wrapped targets: the text model under `language_model.` / `text_config`, as
 Kimi-K2.5 (`KimiK25ForConditionalGeneration`) and multimodal Gemma-3 ship, is found by
 draftsmith.targets.layout and gives the same frozen pieces, captured states, training run and export as
 the same model unwrapped."""
@@ -85,7 +85,7 @@ def test_the_target_stage_serves_a_multimodal_wrapper_text_only(pair, tmp_path):
 
 
 def test_target_tensors_of_a_wrapped_checkpoint(pair):
-    """The reproduction of issue 26: training's frozen pieces of the wrapped model."""
+    """Training's frozen pieces of the wrapped model."""
     from draftsmith.algorithms.export import target_embedding
     from draftsmith.train.data import target_tensors
 

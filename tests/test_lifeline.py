@@ -1,4 +1,4 @@
-"""Issue 25, finding 5: `kill -9` of snakemake leaves no job computing. A stand-in Snakemake
+"""`kill -9` of snakemake leaves no job computing. A stand-in Snakemake
 process runs a job shell with the workflow's prefix; the job's Python process must end when the
 stand-in is killed (on main it kept running as an orphan)."""
 

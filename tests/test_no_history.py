@@ -12,6 +12,8 @@ from wf import ROOT
 HISTORY = re.compile(
     r"\bsession \d+|\(session\b|\bthis session\b|\blast session\b|other engineers|"
     r"helpers' (?:test )?runs|\bstop \d+\b|"
+    # the project's own work items (an upstream project's issue, 5 digits and named, is a source)
+    r"\bissues? \d{1,3}\b|"
     # a calendar date (a log line's timestamp, date then time, is data, not history)
     r"\b20\d\d-\d\d-\d\d\b(?![ T]\d\d:)",
     re.I,
@@ -70,6 +72,7 @@ def test_docs_are_reference_not_a_lab_notebook():
 def test_the_check_sees_a_session_note():
     assert history_lines("ok\nmeasured in session 9 on the shared machine\n") == [2]
     assert history_lines("two other engineers' runs") == [1]
+    assert history_lines("Wrapped targets (issue 26): ...\nvllm-project/vllm issue 55005") == [1]
     assert history_lines("a session of SGLang's server; the session's key") == []
     assert history_lines("Measured on 2026-12-02.\n2026-12-02 10:47:12,067 INFO ok") == [1]
     assert NOTEBOOK.search("Second pass (issue 14): data per CPU minute")

@@ -1,4 +1,4 @@
-"""Issue 25, finding 4: a job only talks to a server it started. A stand-in foreign server (it
+"""A job only talks to a server it started. A stand-in foreign server (it
 answers 200 on every path, as a healthy SGLang would) holds the port; the supervisor must not
 take it for its own."""
 

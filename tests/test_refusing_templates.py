@@ -1,4 +1,4 @@
-"""Chat templates that refuse a role (issue 21): rows skipped, counted and named; data.system_prompt."""
+"""Chat templates that refuse a role: rows skipped, counted and named; data.system_prompt."""
 
 from __future__ import annotations
 

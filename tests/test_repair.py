@@ -1,4 +1,4 @@
-"""Issue 25, finding 3: training deletes a shard it refuses (so the next plain run rebuilds just
+"""Training deletes a shard it refuses (so the next plain run rebuilds just
 that range), and a failed rebuild of the draft leaves the last good one beside it.
 (The real Snakefile run of the same is tests/test_workflow_rebuild.py, slow.)"""
 

@@ -1,4 +1,4 @@
-"""Capture through the patched SGLang server is exact at any concurrency (issue 22).
+"""Capture through the patched SGLang server is exact at any concurrency.
 
 The states of rows captured with several requests in flight (`capture.concurrency` > 1) must be
 the bits of the same rows captured one at a time: batched requests whose captured states

@@ -1,4 +1,4 @@
-"""Thinking replies (issue 26): rows whose assistant turns carry a `<think>...</think>` block,
+"""Thinking replies: rows whose assistant turns carry a `<think>...</think>` block,
 tokenized under templates written after three families' (Qwen3 and Kimi-K2.5 drop the reasoning
 of earlier turns, DeepSeek-R1 of every turn), with `data.reasoning` last / all; the masks are
 checked by hand and, for the last turn, against an independent rendering of what the server

@@ -213,7 +213,7 @@ def test_baseline_learns_and_exports(baseline, tmp_path):
             "peak_rss_mb",
         }
         assert len(rec["loss_per_pos"]) == TRAIN["ttt_steps"]
-        if Path("/proc/self/status").exists():  # current RSS, not only the peak (issue 14)
+        if Path("/proc/self/status").exists():  # current RSS, not only the peak
             assert 0 < rec["rss_anon_mb"] <= rec["rss_mb"] <= rec["peak_rss_mb"] + 1
 
 

@@ -1,4 +1,4 @@
-"""Issue 25 in the real Snakefile: settings that change no result stale nothing, a fixed config
+"""In the real Snakefile: settings that change no result stale nothing, a fixed config
 typo in an environment reruns nothing downstream, a shard refused by training is rebuilt by the
 next plain run. Planning only (`snakemake -n` on placeholders marked up to date, as in
 tests/test_workflow_staleness.py), plus the real jobs that matter (validate_env).

@@ -1,5 +1,5 @@
 """The real Snakefile on a tiny Kimi-K2.5-shaped checkpoint, every engine stage through SGLang's
-CPU server (role sglang-cpu; issue 36): `snakemake --cores all` regenerates the replies, captures
+CPU server (role sglang-cpu): `snakemake --cores all` regenerates the replies, captures
 the hidden states (the patched server) and benchmarks the draft through SGLang, which serves
 Kimi-K2.5's own wrapper class (`KimiK25ForConditionalGeneration` around its DeepSeek-V3 text
 model). Once with the Llama-style draft, then with the MLA draft (`--config 'draft={"attention":
@@ -31,8 +31,7 @@ project that regenerates and captures with it:
   (passes, accepted-length histogram, tau) equal to our engine's on the same prompts and draft
   (trained.assert_same_acceptance), for both drafts.
 
-.ci/run's SGLang step runs it (marked sglang, not extended): 6.6 minutes on 2 shared cores
-under a load of 1-3 (12 minutes under a load of 3-5, before the as-shipped server was added).
+.ci/run's SGLang step runs it (marked sglang, not extended): 6-7 minutes on 2 cores.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ from wf import ROOT, SNAKEMAKE, snakemake, tiny_config, write_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.workflow]
 
-STOP_BOUND = 10.0  # seconds from the signal to the last process of the run gone (issue 24)
+STOP_BOUND = 10.0  # seconds from the signal to the last process of the run gone
 TRAINED = ("results/draft", "results/train/metrics.jsonl")
 # long enough to be stopped mid-run; checkpoints by time, not by step count
 TRAIN = {"epochs": 20, "checkpoint_every": 0, "checkpoint_seconds": 1, "precision": "fp32"}
