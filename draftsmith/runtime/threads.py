@@ -15,8 +15,7 @@ and holds for the whole process:
   of the same step, which comes soon, ends while still spinning, as with the default; a wait
   that outlasts the bound (its region's last thread lost its core) sleeps and gives its own core
   back. The count trades speed on free cores against the share of the cores kept when load
-  arrives, which benchmarks/bench_contention.py measures; the measured best is no spin at all
-  (`SPINCOUNT` 0), so by default a job's threads sleep at once wherever they wait.
+  arrives, which benchmarks/bench_contention.py measures (`SPINCOUNT`).
 
 Since libgomp reads its settings only at start, a job cannot switch when load arrives later; it
 takes, at start, the setting that holds either way. `prepare()` runs when the package is first
@@ -55,12 +54,12 @@ ENV = "DRAFTSMITH_OMP"  # "auto": probe and choose; anything else: leave libgomp
 DECISION = "DRAFTSMITH_OMP_DECISION"  # JSON of what prepare() chose (read by set_threads)
 SPIN_ENV = "DRAFTSMITH_SPINCOUNT"  # replaces SPINCOUNT (a whole number of spin iterations)
 PROBE_S = 0.3
-# GOMP_SPINCOUNT on free cores (libgomp's default: 300000; PASSIVE: 0). 0, by measurement
-# (benchmarks/results/contention_<kind>.md): every bound tried (1000 to 30000) decoded slower
-# at load 0 than sleeping at once, and 10000 and up fell far below the fair share when load
-# arrived; libgomp's default lost 4-8x of it. DRAFTSMITH_SPINCOUNT=300000 restores spinning for
-# a machine the job has to itself.
-SPINCOUNT = 0
+# GOMP_SPINCOUNT on free cores (libgomp's default: 300000; PASSIVE: 0). 1000, by measurement
+# (benchmarks/results/contention_<kind>.md): at load 0 it keeps 0.96 of the default's speed in
+# decoding and training, where sleeping at once keeps 0.80 in decoding; when two busy
+# processes arrive mid-job it keeps 0.73 (decoding) and 0.54 (training) of the fair share,
+# where the default keeps 0.18 and 0.27, and larger bounds 0.56-0.59 in decoding.
+SPINCOUNT = 1000
 USER_KEYS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")  # OMP_NUM_THREADS: Snakemake sets it
 
 
