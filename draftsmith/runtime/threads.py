@@ -55,10 +55,10 @@ DECISION = "DRAFTSMITH_OMP_DECISION"  # JSON of what prepare() chose (read by se
 SPIN_ENV = "DRAFTSMITH_SPINCOUNT"  # replaces SPINCOUNT (a whole number of spin iterations)
 PROBE_S = 0.3
 # GOMP_SPINCOUNT on free cores (libgomp's default: 300000; PASSIVE: 0). 1000, by measurement
-# (benchmarks/results/contention_<kind>.md): at load 0 it keeps 0.96 of the default's speed in
-# decoding and training, where sleeping at once keeps 0.80 in decoding; when two busy
-# processes arrive mid-job it keeps 0.73 (decoding) and 0.54 (training) of the fair share,
-# where the default keeps 0.18 and 0.27, and larger bounds 0.56-0.59 in decoding.
+# (benchmarks/results/contention_<kind>.md): at load 0 it keeps 0.93 (decoding) and 1.00
+# (training) of the default's speed, where sleeping at once keeps 0.72 and 0.84; when two busy
+# processes arrive mid-job it keeps 0.78 and 0.58 of the fair share, where the default keeps
+# 0.20 and 0.30 and bounds of 10000 or more about 0.5.
 SPINCOUNT = 1000
 USER_KEYS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")  # OMP_NUM_THREADS: Snakemake sets it
 
