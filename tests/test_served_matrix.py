@@ -29,6 +29,8 @@ from pathlib import Path
 
 import pytest
 from roles import role_python
+from test_interop_sglang import SGLANG as INTEROP_SGLANG
+from test_sglang_capture import CPU_SERVER_ARGS
 from trained import (
     IDS,
     PROMPTS,
@@ -48,16 +50,10 @@ ATTENTIONS = ("llama", "mla")
 BENCH = {"num_steps": 3, "max_new_tokens": 32, "tau_floor": 1.0, "topk": 1, "concurrency": 1}
 # the bench settings the SGLang cells add: a chain of BENCH's draft tokens, one request at a time
 SGLANG_BENCH = {"role": "sglang-cpu", "num_draft_tokens": 0}
-SGLANG = {
-    "tp_size": 1,
-    # a KV pool for these prompts, not most of the machine's memory (SGLang on CPU sizes it
-    # from free memory): CI runs the embedded default beside this step
-    "extra_args": ["--max-total-tokens", "4096", "--mem-fraction-static", "0.1"],
-    "port": 0,
-    "startup_timeout": 900,
-    "request_timeout": 1800,
-    "retries": 2,
-}
+# the sglang section: the SGLang tests' server settings, with a KV pool for these prompts, not
+# most of the machine's memory (SGLang on CPU sizes it from free memory): CI runs the embedded
+# default beside this step
+SGLANG = {**INTEROP_SGLANG, "extra_args": CPU_SERVER_ARGS}
 # the tiny target each draft kind is trained for (trained.train_tiny_project's target arguments)
 TARGETS = {"llama": {}, "mla": {"arch": "deepseek_v3", "engine_shapes": True}}
 # draft keys beyond the algorithm's defaults: a one-layer DFlash draft (vLLM's CPU path serves
@@ -93,8 +89,9 @@ def cells():
                 )
 
 
-SERVED = [c for c in cells() if not c.values[3]]
-REFUSED = [c for c in cells() if c.values[3]]
+CELLS = list(cells())
+SERVED = [c for c in CELLS if not c.values[3]]
+REFUSED = [c for c in CELLS if c.values[3]]
 
 
 class Drafts:

@@ -37,24 +37,21 @@ project that regenerates and captures with it:
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 
 import pytest
 import torch
 from roles import role_python
-from trained import PROMPTS, assert_same_acceptance, run_bench
+from test_sglang_capture import CPU_SERVER_ARGS as SERVER_ARGS
+from test_workflow_kimi_vllm import BENCH, answer_only_with, build, round_trip_tokens
+from trained import PROMPTS, assert_same_acceptance
 from wf import planned_jobs, snakemake, tiny_config, write_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.workflow, pytest.mark.sglang]
 
-BENCH = {"num_steps": 3, "max_new_tokens": 24}
 MLA = ("--config", 'draft={"attention": "mla"}')
-SERVER_ARGS = ["--max-total-tokens", "4096", "--mem-fraction-static", "0.1"]
 TOLERANCE = 1e-2  # absolute and relative, as tests/test_sglang_capture.py
 OUTLIERS = 1  # final-state tokens per shard beyond TOLERANCE (a router near-tie)
-# one ASCII punctuation character (tests/test_workflow_kimi_vllm.py)
-PUNCT = re.compile(r"[!-/:-@\[-`{-~]")
 
 
 def round_trip_target(path: Path) -> Path:
@@ -70,22 +67,7 @@ def round_trip_target(path: Path) -> Path:
     )  # fmt: skip
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     tok = AutoTokenizer.from_pretrained(path, trust_remote_code=True)
-    ids = [i for i in range(tok.vocab_size) if PUNCT.fullmatch(tok.decode([i]))]
-    joined = {
-        a
-        for a in ids
-        for b in ids
-        if tok.encode(tok.decode([a, b]), add_special_tokens=False) != [a, b]
-    }
-    keep = [i for i in ids if i not in joined]
-    assert len(keep) >= 24, keep
-    with torch.no_grad():  # x2: greedy output depends on the context (tests/trained.py)
-        for p in model.parameters():
-            if p.dim() > 1:
-                p.mul_(2.0)
-        dropped = torch.ones(model.config.vocab_size, dtype=torch.bool)
-        dropped[keep] = False
-        model.lm_head.weight[dropped] = 0.0
+    answer_only_with(model, round_trip_tokens(tok, tok.vocab_size))
     model.save_pretrained(path)
     return wrap_target(path, "kimi_k25")
 
@@ -125,21 +107,6 @@ def config(src: Path, prompts: Path, python: str, engine: str) -> dict:
     return cfg
 
 
-def build(work: Path, *args: str) -> dict:
-    """`snakemake --cores all` with `args`; the SGLang report's set, the bench log, and the hf
-    engine's figures on the same prompts and draft (read now: a later build replaces both)."""
-    snakemake(work, "--cores", "all", *args, timeout=2400)
-    report = json.loads((work / "results" / "bench" / "report.json").read_text())
-    ours = run_bench(work, "hf", "results/draft", {"bench": BENCH, "target": {}})["res"]["s"]
-    return {
-        "report": report,
-        "theirs": report["sets"]["prompts"],
-        "ours": ours,
-        "log": (work / "logs" / "bench" / "bench.log").read_text(),
-        "draft": json.loads((work / "results" / "draft" / "config.json").read_text()),
-    }
-
-
 @pytest.fixture(scope="module")
 def projects(tmp_path_factory) -> dict:
     python = role_python("sglang-cpu")  # first: a missing role skips (or fails) at once
@@ -154,7 +121,7 @@ def projects(tmp_path_factory) -> dict:
 
 @pytest.fixture(scope="module")
 def llama(projects) -> dict:
-    return build(projects["sglang"])
+    return build(projects["sglang"], timeout=2400)
 
 
 @pytest.fixture(scope="module")
@@ -163,7 +130,7 @@ def mla(projects, llama) -> dict:
     jobs = planned_jobs(projects["sglang"], args=MLA)
     jobs.pop("all", None)
     assert jobs == {"train": 1, "bench": 1}, jobs
-    return build(projects["sglang"], *MLA)
+    return build(projects["sglang"], *MLA, timeout=2400)
 
 
 @pytest.fixture(scope="module")

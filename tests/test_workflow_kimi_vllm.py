@@ -47,10 +47,11 @@ MLA = ("--config", 'draft={"attention": "mla"}')
 PUNCT = re.compile(r"[!-/:-@\[-`{-~]")
 
 
-def round_trip_tokens(tok) -> list[int]:
-    """Ids of single ASCII punctuation tokens that no BPE merge joins with each other: any
-    sequence of them decodes to a text that encodes back to the same ids."""
-    ids = [i for i in range(len(tok)) if PUNCT.fullmatch(tok.decode([i]))]
+def round_trip_tokens(tok, n: int | None = None) -> list[int]:
+    """Ids below `n` (default: all of `tok`'s) of single ASCII punctuation tokens that no BPE
+    merge joins with each other: any sequence of them decodes to a text that encodes back to
+    the same ids."""
+    ids = [i for i in range(len(tok) if n is None else n) if PUNCT.fullmatch(tok.decode([i]))]
     joined = {
         a
         for a in ids
@@ -70,17 +71,22 @@ def round_trip_target(path: Path) -> Path:
 
     make_tiny_target(path, "deepseek_v3", num_layers=5, hidden_size=128, engine_shapes=True)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    keep = round_trip_tokens(AutoTokenizer.from_pretrained(path))
+    answer_only_with(model, round_trip_tokens(AutoTokenizer.from_pretrained(path)))
+    model.save_pretrained(path)
+    return path
+
+
+def answer_only_with(model, keep: list[int]) -> None:
+    """Weights doubled (greedy output then depends on the context, tests/trained.py) and every
+    lm_head row but `keep`'s zeroed, in place."""
     assert len(keep) >= 24, keep
-    with torch.no_grad():  # x2: greedy output depends on the context (tests/trained.py)
+    with torch.no_grad():
         for p in model.parameters():
             if p.dim() > 1:
                 p.mul_(2.0)
         dropped = torch.ones(model.config.vocab_size, dtype=torch.bool)
         dropped[keep] = False
         model.lm_head.weight[dropped] = 0.0
-    model.save_pretrained(path)
-    return path
 
 
 def config(src: Path, prompts: Path, python: str) -> dict:
@@ -109,10 +115,11 @@ def config(src: Path, prompts: Path, python: str) -> dict:
     return cfg
 
 
-def build(work: Path, *args: str) -> dict:
-    """`snakemake --cores all` with `args`; the vLLM report's set, vLLM's log of it, and the hf
-    engine's figures on the same prompts and draft (read now: a later build replaces both)."""
-    snakemake(work, "--cores", "all", *args)
+def build(work: Path, *args: str, timeout: int = 900) -> dict:
+    """`snakemake --cores all` with `args`; the report's set (the engine's figures), the bench
+    log, and the hf engine's figures on the same prompts and draft (read now: a later build
+    replaces both)."""
+    snakemake(work, "--cores", "all", *args, timeout=timeout)
     report = json.loads((work / "results" / "bench" / "report.json").read_text())
     ours = run_bench(work, "hf", "results/draft", {"bench": BENCH, "target": {}})["res"]["s"]
     return {
