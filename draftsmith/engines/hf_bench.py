@@ -143,6 +143,22 @@ def load_models(target_dir: Path, draft_dir: Path, target_dtype: str, device: st
     return model, tokenizer, draft
 
 
+def route_linears(model, drafter, num_steps: int, device: str) -> dict:
+    """On a CPU, the faster form of each linear layer at the row counts the loop runs (1 to
+    num_steps + 1: decode steps, verification, draft extension), measured
+    (draftsmith.runtime.gemm); the summary of what was chosen, for the log and report."""
+    from draftsmith.runtime import gemm
+
+    if device != "cpu":
+        return {}
+    rows = range(1, num_steps + 2)
+    routes = {"target": gemm.route(model, rows), "draft": gemm.route(drafter, rows)}
+    summaries = {name: gemm.summary(table) for name, table in routes.items()}
+    for name, text in summaries.items():
+        log.info("linear layers of the %s, measured: %s", name, text)
+    return summaries
+
+
 def drafting_text(algorithm: str, n: int) -> str:
     """How the draft proposes, for the report's method line (draft.algorithm of the export;
     the words are its spec's)."""
@@ -197,6 +213,7 @@ def bench_sets(sets: dict, job, *, target, draft, threads: int):
     cpu = announce(
         log, "bench timing", str(model.dtype).removeprefix("torch."), "target.dtype", device
     )
+    routes = route_linears(model, drafter, bench.num_steps, device)
     warm_up(model, tokenizer, drafter, next(iter(sets.values()))[0], bench, aux_ids)
     results = {
         name: run_set(model, tokenizer, drafter, rows, bench, aux_ids)
@@ -211,6 +228,7 @@ def bench_sets(sets: dict, job, *, target, draft, threads: int):
         "draft_vocab_size": drafter.config.draft_vocab_size,
         "method": method_text(bench, device, n_threads, getattr(drafter.config, "algorithm", "")),
         "cpu": cpu,
+        **({"linear_routes": routes} if routes else {}),
     }
     if sampling(bench) is not None:
         info["sampling"] = sampling(bench)
