@@ -208,12 +208,12 @@ def test_params_leave_out_neutral_defaults_and_other_modes_storage_keys():
 
     schema = yaml.safe_load((ROOT / "draftsmith" / "config" / "config.schema.yaml").read_text())
     neutral = neutral_defaults(schema)
-    assert neutral["regenerate"] == {"dtype": "float32", "thinking": "template"}
+    assert neutral["regenerate"] == {"dtype": "auto", "thinking": "template"}
     assert neutral["train"] == {"eval_rows": 0, "loss_positions": "assistant", "segment_rows": 0}
     assert neutral["capture"] == {"keep": True}
     storage = {"aux": "dtype", "final": "states", "scale_block": 0, "topk": 32}
     cfg = {
-        "regenerate": {"backend": "hf", "dtype": "float32", "seed": 0},
+        "regenerate": {"backend": "hf", "dtype": "auto", "seed": 0},
         "capture": {"dtype": "bfloat16", "storage": {**storage, "topk_vocab": "target"}},
         "data": {"max_length": 512, "overlong": "truncate"},
     }

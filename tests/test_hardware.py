@@ -87,6 +87,47 @@ def test_the_real_probe_is_short():
     assert time.perf_counter() - t0 < 5 * BUDGET_S  # a loaded CI machine gets some slack
 
 
+@pytest.mark.parametrize(
+    "fp32_ms, bf16_ms, want",
+    [(27.0, 8.0, "bfloat16"), (10.0, 17.5, "float32"), (10.0, 9.8, "float32")],
+)
+def test_regenerate_dtype_auto_takes_what_the_decode_probe_measured(fp32_ms, bf16_ms, want):
+    """regenerate.dtype auto: a bf16 copy where a decode step measured faster in bf16 (this
+    CPU's kind at 32 rows: 27 vs 8 ms), the target's dtype where it did not or on a tie."""
+    from draftsmith.runtime.hardware import resolve_regen_dtype
+    from draftsmith.runtime.precision import decide, decode_shapes
+
+    shapes = decode_shapes({"hidden_size": 64, "vocab_size": 100, "num_attention_heads": 4}, 32)
+    probe = {"chosen": decide(fp32_ms, bf16_ms), "fp32_ms": fp32_ms, "bf16_ms": bf16_ms,
+             "shapes": shapes, "cached": True}  # fmt: skip
+    got, why = resolve_regen_dtype("auto", "float32", "cpu", lambda: probe)
+    assert got == want and "cached probe of a decode step at 32 rows" in why
+    assert f"float32 {fp32_ms:.1f} ms, bfloat16 {bf16_ms:.1f} ms" in why
+
+    def no_probe():
+        raise AssertionError("an explicit value, a GPU or a bf16 target measures nothing")
+
+    assert resolve_regen_dtype("float32", "float32", "cpu", no_probe)[0] == "float32"
+    assert resolve_regen_dtype("bfloat16", "float32", "cpu", no_probe)[0] == "bfloat16"
+    assert resolve_regen_dtype("auto", "float32", "cuda", no_probe)[0] == "float32"
+    assert resolve_regen_dtype("auto", "bfloat16", "cpu", no_probe)[0] == "bfloat16"
+
+
+def test_the_real_decode_probe_is_short():
+    import time
+
+    from draftsmith.runtime.precision import BUDGET_S, decode_seconds, decode_shapes, measure
+
+    cfg = {"hidden_size": 576, "intermediate_size": 1536, "num_attention_heads": 9,
+           "num_key_value_heads": 3, "vocab_size": 49152}  # fmt: skip
+    shapes = decode_shapes(cfg, 32)
+    assert shapes["linears"][1] == [576, 384] and shapes["linears"][-1] == [576, 49152]
+    t0 = time.perf_counter()
+    found = measure(shapes, decode_seconds)
+    assert found["chosen"] in ("fp32", "bf16") and found["bf16_ms"] > 0
+    assert time.perf_counter() - t0 < 5 * BUDGET_S
+
+
 def test_explicit_precision_is_kept_with_a_warning_where_bf16_is_emulated():
     assert resolve_precision("fp32", "cpu", XEON_AMX)[0] == "fp32"
     got, why = resolve_precision("bf16", "cpu", EPYC_AVX2)

@@ -228,11 +228,13 @@ def check_config(config: dict) -> None:
             "is 0 (greedy): set bench.temperature > 0 or leave bench.top_p at 1"
         )
     regen = config["regenerate"]
-    if regen["dtype"] != "float32" and not honours(regen["backend"], "regenerate.dtype"):
+    if regen["dtype"] not in ("auto", "float32") and not honours(
+        regen["backend"], "regenerate.dtype"
+    ):
         raise ConfigError(
             f"config: regenerate.dtype = {regen['dtype']} is the "
             f"{engines_text('regenerate.dtype', ' and ')} engine's; the {regen['backend']} "
-            "engine serves target.dtype: leave regenerate.dtype float32"
+            "engine serves target.dtype: leave regenerate.dtype auto"
         )
     capture = config["capture"]["storage"]
     if config["train"]["loss_positions"] == "all" and capture["final"] != "states":

@@ -19,6 +19,7 @@ Works on CPU or one GPU (the device torch sees).
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from pathlib import Path
@@ -196,6 +197,20 @@ class HFGenerator:
         return self.stats["new_tokens"] / self.stats["seconds"] if self.stats["seconds"] else 0.0
 
 
+def regen_dtype(job, target: Path) -> tuple[str, str]:
+    """regenerate.dtype resolved (`auto`: measured, draftsmith.runtime.hardware)."""
+    from draftsmith.runtime.hardware import cpu_facts, resolve_regen_dtype
+    from draftsmith.runtime.precision import cached_probe, decode_shapes
+    from draftsmith.targets.layout import text_config
+
+    def probe() -> dict:
+        cfg = text_config(json.loads((target / "config.json").read_text()))
+        return cached_probe(decode_shapes(cfg, job.regenerate.batch_size), cpu_facts().model)
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    return resolve_regen_dtype(job.regenerate.dtype, job.target.dtype, device, probe)
+
+
 def regenerate_rows(conversations, job, *, target, threads: int, seed: int, max_total: int):
     """The regenerate stage: load the target, answer every user turn again.
 
@@ -208,7 +223,8 @@ def regenerate_rows(conversations, job, *, target, threads: int, seed: int, max_
 
     regen = job.regenerate
     set_threads(threads)
-    dtype = regen.dtype
+    dtype, why = regen_dtype(job, Path(target))
+    log.info("regenerate.dtype %s (%s)", dtype, why)
     model, tokenizer = load_target(target, dtype=getattr(torch, dtype))
     cpu = announce(log, "regenerate", dtype, "regenerate.dtype", model.device.type)
     gen = HFGenerator(
@@ -232,6 +248,7 @@ def regenerate_rows(conversations, job, *, target, threads: int, seed: int, max_
         "temperature": gen.temperature,
         "batch_size": gen.batch_size,
         "dtype": dtype,
+        "dtype_why": why,
         "cpu": cpu,
         **gen.stats,
         "wall_seconds": time.perf_counter() - t0,

@@ -140,6 +140,26 @@ def resolve_precision(
     return requested, f"{requested} as configured on {where}"
 
 
+def resolve_regen_dtype(
+    requested: str, target_dtype: str, device_type: str, probe: Callable[[], dict] | None = None
+) -> tuple[str, str]:
+    """`regenerate.dtype` -> (torch dtype name, why). `auto` on a CPU: bfloat16 when `probe()`
+    (draftsmith.runtime.precision.cached_probe at the decode shapes) measured a bf16 decode
+    step faster than a float32 one, else target.dtype; on a GPU, or when the target is already
+    bfloat16, target.dtype. An explicit value is kept."""
+    if requested != "auto":
+        return requested, f"{requested} as configured"
+    if device_type != "cpu" or target_dtype == "bfloat16" or probe is None:
+        return target_dtype, f"auto: target.dtype {target_dtype} on {device_type}"
+    found = probe()
+    how = "cached probe" if found.get("cached") else "probe"
+    chosen = "bfloat16" if found["chosen"] == "bf16" else target_dtype
+    return chosen, (
+        f"auto; {how} of a decode step at {found['shapes']['decode_rows']} rows: float32 "
+        f"{found['fp32_ms']:.1f} ms, bfloat16 {found['bf16_ms']:.1f} ms"
+    )
+
+
 def bf16_warning(dtype: str, facts: CpuFacts, key: str) -> str | None:
     """A warning when a configured bf16 copy (e.g. regenerate.dtype) runs on a CPU without
     native bf16; None when the choice is fine."""

@@ -1,6 +1,7 @@
-"""`train.precision: auto` on a CPU, decided by measurement: a short timed probe of the
-trainer's own matmul shapes (forward and backward) in fp32 and under bf16 autocast, the faster
-one used.
+"""`train.precision: auto` and `regenerate.dtype: auto` on a CPU, decided by measurement: a
+short timed probe of the trainer's own matmul shapes (forward and backward) in fp32 and under
+bf16 autocast, or of one decode step of the target at the regeneration batch in float32 and in
+bfloat16, the faster one used.
 
 CPU flags do not say which is faster: with AMX a bf16 step ran 1.75x faster than fp32, with
 AVX512-BF16 and no AMX 0.57x as fast, with AVX2 only about 27x slower. The probe takes about a
@@ -57,6 +58,44 @@ def step_seconds(precision: str, shapes: dict, reps: int = 2, limit_s: float = f
         times.append(time.perf_counter() - t0)
         if times[-1] > limit_s:
             return times[-1]
+    return min(times[1:])
+
+
+def decode_shapes(target_cfg: dict, batch: int) -> dict:
+    """The matmuls of one batched decode step of the target (regenerate.dtype auto): one
+    layer's attention projections and MLP, and the lm_head over the full vocabulary, at
+    `batch` rows."""
+    hidden = int(target_cfg["hidden_size"])
+    inter = int(target_cfg.get("intermediate_size") or 4 * hidden)
+    heads = int(target_cfg.get("num_attention_heads") or 1)
+    kv = int(target_cfg.get("num_key_value_heads") or heads)
+    head_dim = int(target_cfg.get("head_dim") or hidden // heads)
+    return {
+        "decode_rows": max(1, int(batch)),
+        "linears": [[hidden, heads * head_dim], [hidden, 2 * kv * head_dim],
+                    [heads * head_dim, hidden], [hidden, 2 * inter], [inter, hidden],
+                    [hidden, int(target_cfg["vocab_size"])]],
+    }  # fmt: skip
+
+
+def decode_seconds(precision: str, shapes: dict, reps: int = 3, limit_s: float = float("inf")):
+    """The fastest of `reps` timed passes through the shapes' linears at the decode rows, the
+    weights and inputs in float32 or bfloat16 (a bf16 copy, not autocast); stops early like
+    `step_seconds`."""
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    gen = torch.Generator().manual_seed(0)
+    weights = [torch.randn(o, i, generator=gen).to(dtype) for i, o in shapes["linears"]]
+    inputs = [torch.randn(shapes["decode_rows"], i, generator=gen).to(dtype)
+              for i, _ in shapes["linears"]]  # fmt: skip
+    times = []
+    with torch.inference_mode():
+        for _ in range(reps + 1):  # the first is a warm-up
+            t0 = time.perf_counter()
+            for x, w in zip(inputs, weights, strict=True):
+                torch.nn.functional.linear(x, w)
+            times.append(time.perf_counter() - t0)
+            if times[-1] > limit_s:
+                return times[-1]
     return min(times[1:])
 
 

@@ -430,7 +430,7 @@ def main(argv: list[str] | None = None) -> None:
         target = parse_cfg(args.cfg)["target"]
         args.out.parent.mkdir(parents=True, exist_ok=True)
         if target["source"] == "embedded":
-            convert_embedded(args.wheel, args.out, target.get("dtype", "float32"))
+            convert_embedded(args.wheel, args.out, target["dtype"])
         else:
             # x-omit-default: absent from the job's config when off
             link_path_target(Path(target["path"]), args.out, bool(target.get("trust_remote_code")))
