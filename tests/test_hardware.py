@@ -113,6 +113,28 @@ def test_regenerate_dtype_auto_takes_what_the_decode_probe_measured(fp32_ms, bf1
     assert resolve_regen_dtype("auto", "bfloat16", "cpu", no_probe)[0] == "bfloat16"
 
 
+def test_the_regenerate_stage_probes_its_target(tmp_path, monkeypatch):
+    """The hf engine's regenerate.dtype auto, unfaked, on a small target config: measured
+    once, then read from the cache (DRAFTSMITH_CACHE)."""
+    import json
+    from types import SimpleNamespace
+
+    from draftsmith.engines.hf import regen_dtype
+
+    monkeypatch.setenv("DRAFTSMITH_CACHE", str(tmp_path / "cache"))
+    cfg = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
+           "vocab_size": 500}  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    job = SimpleNamespace(
+        regenerate=SimpleNamespace(dtype="auto", batch_size=8),
+        target=SimpleNamespace(dtype="float32"),
+    )
+    first, why = regen_dtype(job, tmp_path)
+    assert first in ("float32", "bfloat16") and why.startswith("auto; probe of a decode step")
+    again, why = regen_dtype(job, tmp_path)
+    assert again == first and why.startswith("auto; cached probe of a decode step at 8 rows")
+
+
 def test_the_real_decode_probe_is_short():
     import time
 

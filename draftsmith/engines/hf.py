@@ -200,12 +200,13 @@ class HFGenerator:
 def regen_dtype(job, target: Path) -> tuple[str, str]:
     """regenerate.dtype resolved (`auto`: measured, draftsmith.runtime.hardware)."""
     from draftsmith.runtime.hardware import cpu_facts, resolve_regen_dtype
-    from draftsmith.runtime.precision import cached_probe, decode_shapes
+    from draftsmith.runtime.precision import cached_probe, decode_seconds, decode_shapes
     from draftsmith.targets.layout import text_config
 
     def probe() -> dict:
         cfg = text_config(json.loads((target / "config.json").read_text()))
-        return cached_probe(decode_shapes(cfg, job.regenerate.batch_size), cpu_facts().model)
+        shapes = decode_shapes(cfg, job.regenerate.batch_size)
+        return cached_probe(shapes, cpu_facts().model, timer=decode_seconds)
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     return resolve_regen_dtype(job.regenerate.dtype, job.target.dtype, device, probe)
