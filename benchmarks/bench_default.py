@@ -305,6 +305,24 @@ def headline(run: Path) -> dict:
     return {"method": bench.get("method"), "sets": sets, "training": bench.get("training")}
 
 
+def decisions(run: Path) -> dict:
+    """What the run chose by measurement, as its jobs recorded it: regenerate.dtype auto, the
+    training precision (train.precision auto) and the bench's linear layer forms."""
+    res, out = run / "results", {}
+    regen = [load_json(p) for p in sorted((res / "data").glob("*.report.json"))]
+    whys = sorted({f"{r['dtype']} ({r['dtype_why']})" for r in regen if r and r.get("dtype_why")})
+    if whys:
+        out["regenerate.dtype"] = "; ".join(whys)
+    meta = load_json(res / "draft" / "draftsmith_draft.json") or {}
+    why = (meta.get("precision") or {}).get("why")
+    if why:
+        out["train.precision"] = f"{trained_precision(meta)} ({why})"
+    bench = load_json(res / "bench" / "report.json") or {}
+    for name, text in (bench.get("linear_routes") or {}).items():
+        out[f"bench linear layers ({name})"] = text
+    return out
+
+
 def git_info(repo: Path) -> dict:
     """The commit the run's files came from, and whether tracked files differed from it."""
     git = ["git", "-C", str(repo)]
@@ -410,6 +428,9 @@ def render_md(r: dict) -> str:
         ]
         head = "set | prompts | tau | tau (SGLang count) | accept by position | tok/s spec"
         lines += table(f"{head} | tok/s greedy | speedup | pass cost | identical", rows)
+    if r.get("decisions"):
+        lines += ["", "## Decided by measurement in this run", ""]
+        lines += [f"- {k}: {v}" for k, v in r["decisions"].items()]
     if hl.get("training"):
         t = hl["training"]
         acc = ", ".join(fmt(a) for a in t.get("final_acc_per_pos", []))
@@ -496,6 +517,7 @@ def main(argv: list[str] | None = None) -> None:
         "peaks": peaks,
         "rates": stage_rates(split, stage_work(run), peaks),
         "headline": headline(run),
+        "decisions": decisions(run),
     }
     args.out.mkdir(parents=True, exist_ok=True)
     if args.name is None:
