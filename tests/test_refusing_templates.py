@@ -76,7 +76,7 @@ def test_tokenize_skips_and_names_rows_the_template_refuses():
             "reason": "the chat template refuses it: System role not supported",
         }
     ]
-    assert tensors["row_offsets"].numel() == 3
+    assert tensors["row_offsets"].size == 3
     tok.chat_template = CHATML_TEMPLATE  # a template that renders every row refuses none
     assert "refused" not in tokenize_rows(tok, rows, 256)[1]
 

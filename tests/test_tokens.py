@@ -239,8 +239,7 @@ def test_pack_truncate_and_drop(tmp_path):
     full_ids, full_mask = encode_with_mask(tok, rows[1]["conversations"])
     assert tensors["input_ids"][8:20].tolist() == full_ids[:12]
     assert tensors["loss_mask"][8:20].tolist() == full_mask[:12]
-    assert tensors["input_ids"].dtype.is_floating_point is False
-    assert str(tensors["loss_mask"].dtype) == "torch.uint8"
+    assert str(tensors["input_ids"].dtype) == "int64" and str(tensors["loss_mask"].dtype) == "uint8"
 
     tensors, stats = tokenize_rows(tok, rows, max_length=12, overlong="drop")
     assert tensors["row_offsets"].tolist() == [0, 8, 16]
@@ -252,3 +251,41 @@ def test_pack_truncate_and_drop(tmp_path):
     assert back["input_ids"].tolist() == tensors["input_ids"].tolist()
     assert back["loss_mask"].tolist() == tensors["loss_mask"].tolist()
     assert sorted(p.name for p in tmp_path.iterdir()) == [path.name]  # no temp files left
+
+
+def test_load_tokenizer_takes_the_class_autotokenizer_would(tiny_target, tmp_path):
+    """The generic fast tokenizer is loaded by its class directly (no torch in the tokenize
+    job), and it is the class AutoTokenizer resolves, encoding and templating the same; a
+    config with its own class goes through AutoTokenizer."""
+    import json
+    import shutil
+    import subprocess
+    import sys
+
+    from transformers import AutoTokenizer
+
+    from draftsmith.data.tokens import GENERIC_FAST, load_tokenizer
+
+    cfg = json.loads((tiny_target / "tokenizer_config.json").read_text())
+    assert cfg.get("tokenizer_class") in GENERIC_FAST
+    fast, auto = load_tokenizer(tiny_target), AutoTokenizer.from_pretrained(tiny_target)
+    assert type(fast) is type(auto)
+    turns = [{"role": "user", "content": "Hi there"}, {"role": "assistant", "content": "Hello"}]
+    assert fast.apply_chat_template(turns, tokenize=False) == auto.apply_chat_template(
+        turns, tokenize=False
+    )
+    assert fast("a b, c")["input_ids"] == auto("a b, c")["input_ids"]
+    code = (
+        "import sys; from draftsmith.data.tokens import load_tokenizer; "
+        f"load_tokenizer({str(tiny_target)!r}); print('torch' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+    other = tmp_path / "other"
+    shutil.copytree(tiny_target, other)
+    (other / "tokenizer_config.json").write_text(
+        json.dumps({**cfg, "tokenizer_class": "GPT2Tokenizer"})
+    )
+    assert (
+        type(load_tokenizer(other)).__name__ == type(AutoTokenizer.from_pretrained(other)).__name__
+    )

@@ -226,9 +226,10 @@ def tokenize_rows(
     reasoning: str = "verbatim",
     thinking: str = "template",
 ):
-    """Pack rows -> (tensors dict, stats dict). `rows` are conversation dicts (prompts module);
+    """Pack rows -> (arrays dict, stats dict): numpy int64 ids and offsets, uint8 mask (no torch:
+    the tokenize job never imports it). `rows` are conversation dicts (prompts module);
     `reasoning` (data.reasoning) and `thinking` (regenerate.thinking) as in the module doc."""
-    import torch
+    import numpy as np
 
     if overlong not in ("truncate", "drop"):
         raise ValueError(f"data.overlong must be truncate or drop, got {overlong!r}")
@@ -257,9 +258,9 @@ def tokenize_rows(
         offsets.append(len(all_ids))
         kept.append(i)
     tensors = {
-        "input_ids": torch.tensor(all_ids, dtype=torch.int64),
-        "loss_mask": torch.tensor(all_mask, dtype=torch.uint8),
-        "row_offsets": torch.tensor(offsets, dtype=torch.int64),
+        "input_ids": np.asarray(all_ids, dtype=np.int64),
+        "loss_mask": np.asarray(all_mask, dtype=np.uint8),
+        "row_offsets": np.asarray(offsets, dtype=np.int64),
     }
     stats = {
         "rows": len(rows),
@@ -279,13 +280,39 @@ def tokenize_rows(
 
 
 def write_tokens(path, tensors: dict, stats: dict) -> None:
-    from safetensors.torch import save_file
+    """Write a tokens file from numpy arrays (or CPU torch tensors): the same bytes either way."""
+    import numpy as np
+    from safetensors.numpy import save_file
 
     from draftsmith.runtime.files import atomic_path
 
     meta = {"format": "draftsmith.data.tokens/1", "stats": json.dumps(stats)}
+    arrays = {k: np.ascontiguousarray(np.asarray(v)) for k, v in tensors.items()}
     with atomic_path(path) as tmp:
-        save_file(tensors, str(tmp), metadata=meta)
+        save_file(arrays, str(tmp), metadata=meta)
+
+
+GENERIC_FAST = ("TokenizersBackend", "PreTrainedTokenizerFast")
+
+
+def load_tokenizer(target: Path, trust_remote_code: bool = False):
+    """The target's tokenizer, as AutoTokenizer loads it. A tokenizer.json whose config names
+    the generic fast class (and no remote code) is loaded by that class directly, which is what
+    AutoTokenizer resolves it to, without importing the model configuration classes and torch
+    (seconds of a tokenize job's start-up)."""
+    cfg_path = Path(target) / "tokenizer_config.json"
+    try:
+        cfg = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
+    except ValueError:
+        cfg = {}
+    generic = cfg.get("tokenizer_class") in GENERIC_FAST and "auto_map" not in cfg
+    if generic and not trust_remote_code and (Path(target) / "tokenizer.json").is_file():
+        from transformers import PreTrainedTokenizerFast
+
+        return PreTrainedTokenizerFast.from_pretrained(Path(target))
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(Path(target), trust_remote_code=trust_remote_code)
 
 
 def read_tokens(path) -> dict:
@@ -317,8 +344,6 @@ def read_rows_jsonl(path) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from transformers import AutoTokenizer
-
     from draftsmith.runtime.files import init_logging, parse_cfg
 
     ap = argparse.ArgumentParser(
@@ -334,7 +359,7 @@ def main(argv: list[str] | None = None) -> None:
     init_logging("draftsmith.data.tokens")
     cfg = parse_cfg(args.cfg)
     data = cfg["data"]
-    tokenizer = AutoTokenizer.from_pretrained(
+    tokenizer = load_tokenizer(
         Path(args.target),
         trust_remote_code=bool(
             # a target section only when trust_remote_code is on (or thinking is set)
