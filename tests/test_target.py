@@ -87,3 +87,26 @@ def test_relative_target_path_gets_relative_links(tmp_path: Path, tiny_target: P
     moved = project.rename(tmp_path / "moved")
     monkeypatch.chdir(moved)
     assert json.loads((moved / "results" / "target" / "config.json").read_text())
+
+
+def test_gguf_is_parsed_once_inside_the_conversion_context(tmp_path):
+    """gguf's reader and tensor-name map are memoized inside `gguf_parsed_once` (the embedded
+    conversion's three transformers loads share one parse) and restored on exit."""
+    import gguf
+
+    from draftsmith.targets.model import gguf_parsed_once
+
+    path = tmp_path / "t.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(1)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    reader, names = gguf.GGUFReader, gguf.get_tensor_name_map
+    with gguf_parsed_once():
+        assert gguf.GGUFReader(str(path)) is gguf.GGUFReader(str(path))
+        arch = gguf.MODEL_ARCH.LLAMA
+        assert gguf.get_tensor_name_map(arch, 2) is gguf.get_tensor_name_map(arch, 2)
+    assert gguf.GGUFReader is reader and gguf.get_tensor_name_map is names
+    assert gguf.GGUFReader(str(path)) is not gguf.GGUFReader(str(path))
