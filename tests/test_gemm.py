@@ -39,7 +39,7 @@ def fake_times(monkeypatch, faster: dict):
     rows) pairs in `faster`, 1.0 elsewhere; the rows each call measured are recorded."""
     seen = []
 
-    def fake(fn, group, x, reps):
+    def fake(fn, group, x):
         seen.append((group.shape, x.shape[0]))
         if fn is gemm.transposed_linear and x.shape[0] in faster.get(group.shape[1], ()):
             return 0.5
@@ -80,7 +80,7 @@ def test_route_follows_the_measurement(monkeypatch):
 
 
 def test_near_tie_keeps_linear(monkeypatch):
-    def fake(fn, group, x, reps):
+    def fake(fn, group, x):
         return 0.95 if fn is gemm.transposed_linear else 1.0  # within the margin
 
     monkeypatch.setattr(gemm, "_pass_seconds", fake)

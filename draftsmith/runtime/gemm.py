@@ -13,7 +13,7 @@ at 27 GB/s. So `route` measures instead of guessing:
 - the model's linear layers are grouped by weight shape and dtype;
 - for each row count asked for, both forms run over every weight of a group once per
   repetition (so the weights come from memory as they do in a forward, not from a warm cache),
-  the fastest repetition of each kept;
+  the two forms alternating, the fastest repetition of each kept;
 - where the transposed form takes under `MARGIN` of `F.linear`'s time, the group's modules
   compute that row count that way; every other row count (a prefill, a batch) keeps `F.linear`.
 
@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 MARGIN = 0.9  # the transposed form must save 10%: a near tie keeps F.linear
-REPS = 3
+REPS = 5
 MAX_ROWS = 64  # row counts above this are prefills and batches: F.linear, never measured
 
 
@@ -70,16 +70,24 @@ class Group:
         return frozenset(m for m, (lin, tr) in self.seconds.items() if tr < MARGIN * lin)
 
 
-def _pass_seconds(fn, group: Group, x: torch.Tensor, reps: int) -> float:
-    """The fastest of `reps` passes of `fn` over every weight of the group (after a warm-up)."""
-    best = float("inf")
+def _pass_seconds(fn, group: Group, x: torch.Tensor) -> float:
+    """One pass of `fn` over every weight of the group, timed."""
+    t0 = time.perf_counter()
+    for m in group.modules:
+        fn(x, m.weight, m.bias)
+    return time.perf_counter() - t0
+
+
+def _both_seconds(group: Group, x: torch.Tensor, reps: int) -> tuple[float, float]:
+    """The fastest of `reps` passes of each form, the two forms alternating (after a warm-up
+    of each), so a slow spell of the machine hits both rather than one."""
+    best = [float("inf"), float("inf")]
     for i in range(reps + 1):
-        t0 = time.perf_counter()
-        for m in group.modules:
-            fn(x, m.weight, m.bias)
-        if i:
-            best = min(best, time.perf_counter() - t0)
-    return best
+        for j, fn in enumerate((F.linear, transposed_linear)):
+            seconds = _pass_seconds(fn, group, x)
+            if i:
+                best[j] = min(best[j], seconds)
+    return best[0], best[1]
 
 
 def groups_of(model: torch.nn.Module) -> list[Group]:
@@ -102,10 +110,7 @@ def route(model: torch.nn.Module, rows: Iterable[int], reps: int = REPS) -> list
         device = group.modules[0].weight.device
         for r in counts:
             x = torch.randn(r, group.shape[1], dtype=group.dtype, device=device)
-            group.seconds[r] = (
-                _pass_seconds(F.linear, group, x, reps),
-                _pass_seconds(transposed_linear, group, x, reps),
-            )
+            group.seconds[r] = _both_seconds(group, x, reps)
         chosen = group.transposed
         for m in group.modules:
             if chosen:
