@@ -134,7 +134,9 @@ def test_regeneration_agrees_with_hf(run, tmp_path):
     report = json.loads((work / f"results/data/{RANGE}.report.json").read_text())
     assert report["backend"] == "sglang" and report["server_launches"] == 1
     assert report["prompts"] >= 64 and report["new_tokens"] > 0
-    hf = validated({**cfg, "regenerate": {**cfg["regenerate"], "backend": "hf", "role": "cpu"}})
+    # float32, as SGLang serves the target (regenerate.dtype auto may take a bf16 copy)
+    regen = {**cfg["regenerate"], "backend": "hf", "role": "cpu", "dtype": "float32"}
+    hf = validated({**cfg, "regenerate": regen})
     out = tmp_path / f"{RANGE}.jsonl"
     main(
         [

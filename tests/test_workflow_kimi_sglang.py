@@ -95,6 +95,7 @@ def config(src: Path, prompts: Path, python: str, engine: str) -> dict:
             "thinking": "enabled",
             "max_new_tokens": BENCH["max_new_tokens"],
             "batch_size": len(PROMPTS),
+            "dtype": "float32",  # as SGLang serves the target: the rows are compared
         },
         capture={"backend": engine, "role": role, "dtype": "float32", "batch_tokens": 2048},
         train=train,
