@@ -145,8 +145,7 @@ def summary(table: list[dict]) -> str:
     for r in sorted({t["rows"] for t in table}):
         entries = [t for t in table if t["rows"] == r]
         lin = sum(t["linear_ms"] for t in entries)
-        best = sum(min(t["linear_ms"], t["transposed_ms"]) if t["route"] == "transposed"
-                   else t["linear_ms"] for t in entries)  # fmt: skip
+        best = sum(t[f"{t['route']}_ms"] for t in entries)
         routed = sum(t["modules"] for t in entries if t["route"] == "transposed")
         total = sum(t["modules"] for t in entries)
         out.append(f"{r} rows: {routed}/{total} layers transposed, {lin:.1f} -> {best:.1f} ms")

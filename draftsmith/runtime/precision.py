@@ -42,23 +42,33 @@ def trainer_shapes(target_cfg: dict, n_aux: int, draft_vocab: int, batch_tokens:
     }  # fmt: skip
 
 
-def step_seconds(precision: str, shapes: dict, reps: int = 2, limit_s: float = float("inf")):
-    """The fastest of `reps` timed forward + backward passes through the shapes' linears (after a
-    warm-up); stops early, returning that step's time, when one takes longer than `limit_s`."""
-    gen = torch.Generator().manual_seed(0)
-    weights = [torch.randn(o, i, generator=gen, requires_grad=True) for i, o in shapes["linears"]]
-    inputs = [torch.randn(shapes["tokens"], i, generator=gen) for i, _ in shapes["linears"]]
+def fastest(run: Callable[[], None], reps: int, limit_s: float = float("inf")) -> float:
+    """The fastest of `reps` timed calls of `run` (after a warm-up call); stops early, returning
+    that call's time, when one takes longer than `limit_s`."""
     times = []
     for _ in range(reps + 1):  # the first is a warm-up
         t0 = time.perf_counter()
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
-            loss = sum(torch.nn.functional.linear(x, w).float().square().mean()
-                       for x, w in zip(inputs, weights, strict=True))  # fmt: skip
-        loss.backward()
+        run()
         times.append(time.perf_counter() - t0)
         if times[-1] > limit_s:
             return times[-1]
     return min(times[1:])
+
+
+def step_seconds(precision: str, shapes: dict, reps: int = 2, limit_s: float = float("inf")):
+    """The fastest of `reps` timed forward + backward passes through the shapes' linears
+    (`fastest`)."""
+    gen = torch.Generator().manual_seed(0)
+    weights = [torch.randn(o, i, generator=gen, requires_grad=True) for i, o in shapes["linears"]]
+    inputs = [torch.randn(shapes["tokens"], i, generator=gen) for i, _ in shapes["linears"]]
+
+    def step() -> None:
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
+            loss = sum(torch.nn.functional.linear(x, w).float().square().mean()
+                       for x, w in zip(inputs, weights, strict=True))  # fmt: skip
+        loss.backward()
+
+    return fastest(step, reps, limit_s)
 
 
 def decode_shapes(target_cfg: dict, batch: int) -> dict:
@@ -80,23 +90,19 @@ def decode_shapes(target_cfg: dict, batch: int) -> dict:
 
 def decode_seconds(precision: str, shapes: dict, reps: int = 3, limit_s: float = float("inf")):
     """The fastest of `reps` timed passes through the shapes' linears at the decode rows, the
-    weights and inputs in float32 or bfloat16 (a bf16 copy, not autocast); stops early like
-    `step_seconds`."""
+    weights and inputs in float32 or bfloat16 (a bf16 copy, not autocast; `fastest`)."""
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
     gen = torch.Generator().manual_seed(0)
     weights = [torch.randn(o, i, generator=gen).to(dtype) for i, o in shapes["linears"]]
     inputs = [torch.randn(shapes["decode_rows"], i, generator=gen).to(dtype)
               for i, _ in shapes["linears"]]  # fmt: skip
-    times = []
-    with torch.inference_mode():
-        for _ in range(reps + 1):  # the first is a warm-up
-            t0 = time.perf_counter()
-            for x, w in zip(inputs, weights, strict=True):
-                torch.nn.functional.linear(x, w)
-            times.append(time.perf_counter() - t0)
-            if times[-1] > limit_s:
-                return times[-1]
-    return min(times[1:])
+
+    @torch.inference_mode()
+    def step() -> None:
+        for x, w in zip(inputs, weights, strict=True):
+            torch.nn.functional.linear(x, w)
+
+    return fastest(step, reps, limit_s)
 
 
 def decide(fp32_s: float, bf16_s: float) -> str:
