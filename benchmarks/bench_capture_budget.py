@@ -7,9 +7,10 @@ Reads a finished run's target and token files (results/target, results/tokens/*.
 captures each of the first `--ranges` row ranges with the hf engine at every budget in one
 process (the target loaded once; budgets interleaved per range so drift favours none), and
 reports per budget: capture seconds (forward and shard writing, the stage's own figure),
-padded tokens the forwards computed, and how many stored values differ from the largest
-budget's shard (bit for bit, per tensor). The budget only groups rows; the rows, their
-padding to a multiple of 16 tokens and the stored dtype are the same.
+padded tokens the forwards computed (the engine's own batching and padding), and how many stored values differ from the largest
+budget's shard (bit for bit, per tensor). The aux layers and the storage dtype are the run's own (each
+range's shard manifest). The budget only groups rows; the rows, their padding to a multiple of
+16 tokens and the stored dtype are the same.
 
 Writes benchmarks/results/capture_budget_<cpu kind>.{json,md}.
 """
@@ -28,18 +29,19 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from draftsmith.engines.hf import PAD_MULTIPLE, capture_shard  # noqa: E402
+from draftsmith.engines.hf import capture_shard, pad_rows  # noqa: E402
 from draftsmith.hidden.capture_base import plan_batches  # noqa: E402
 from draftsmith.runtime.hardware import cpu_facts  # noqa: E402
 
 
-def padded_tokens(lengths: list[int], budget: int) -> int:
-    """Tokens the forwards compute: rows x longest row (rounded up to PAD_MULTIPLE) per batch."""
-    total = 0
-    for rows in plan_batches(lengths, budget):
-        longest = -(-max(lengths[r] for r in rows) // PAD_MULTIPLE) * PAD_MULTIPLE
-        total += len(rows) * longest
-    return total
+def padded_tokens(tokens: dict, budget: int) -> int:
+    """Tokens the forwards compute at `budget`: the engine's own batches, padded as it pads."""
+    offsets = tokens["row_offsets"].tolist()
+    lengths = [b - a for a, b in zip(offsets, offsets[1:], strict=False)]
+    return sum(
+        pad_rows(tokens["input_ids"], offsets, rows).numel()
+        for rows in plan_batches(lengths, budget)
+    )
 
 
 def differing(a: Path, b: Path) -> dict:
@@ -55,31 +57,35 @@ def measure(run: Path, budgets: list[int], n_ranges: int, threads: int) -> dict:
 
     from draftsmith.targets.model import load_target
 
+    ranges = sorted((run / "results" / "tokens").glob("rows_*.safetensors"))[:n_ranges]
+    if not ranges:
+        raise SystemExit(f"{run}: no results/tokens/rows_*.safetensors (run the workflow first)")
     torch.set_num_threads(threads)
     model, _ = load_target(run / "results" / "target", dtype=torch.float32)
-    ranges = sorted((run / "results" / "tokens").glob("rows_*.safetensors"))[:n_ranges]
     out = {b: {"seconds": 0.0, "tokens": 0, "padded": 0, "differs": {}} for b in budgets}
     with tempfile.TemporaryDirectory() as tmp:
         for i, path in enumerate(ranges):
             tokens = load_file(str(path))
-            offsets = tokens["row_offsets"].tolist()
-            lengths = [b - a for a, b in zip(offsets, offsets[1:], strict=False)]
+            # the run's own capture: its aux layers and storage dtype, from the shard's manifest
+            manifest = json.loads((run / "results" / "hidden" / f"{path.stem}.json").read_text())
+            ids, dtype = manifest["aux_layer_ids"], manifest["dtype"]
             order = budgets if i % 2 == 0 else budgets[::-1]
             shards = {}
             for b in order:
                 shard = Path(tmp) / str(b) / path.name
                 shard.parent.mkdir(exist_ok=True)
                 t0 = time.perf_counter()
-                capture_shard(model, tokens, shard, [1, 14, 26], "bfloat16", b, {}, progress=False)
+                capture_shard(model, tokens, shard, ids, dtype, b, {}, progress=False)
                 out[b]["seconds"] += time.perf_counter() - t0
-                out[b]["tokens"] += sum(lengths)
-                out[b]["padded"] += padded_tokens(lengths, b)
+                out[b]["tokens"] += int(tokens["input_ids"].numel())
+                out[b]["padded"] += padded_tokens(tokens, b)
                 shards[b] = shard
             ref = shards[max(budgets)]
             for b in budgets:
                 for k, v in differing(shards[b], ref).items():
                     out[b]["differs"][k] = max(out[b]["differs"].get(k, 0.0), v)
-    return {"ranges": [p.name for p in ranges], "threads": threads, "budgets": out}
+    return {"ranges": [p.name for p in ranges], "threads": threads, "storage": dtype,
+            "budgets": out}  # fmt: skip
 
 
 def render(r: dict, kind: str, cpu: str) -> str:
@@ -87,8 +93,8 @@ def render(r: dict, kind: str, cpu: str) -> str:
     lines = [
         f"# capture.batch_tokens on {cpu} ({kind})",
         "",
-        f"Ranges {', '.join(r['ranges'])} of the default run, hf engine, float32 forward, bf16 "
-        f"storage, {r['threads']} threads; every budget in one process. Differing values: "
+        f"Ranges {', '.join(r['ranges'])} of the default run, hf engine, float32 forward, "
+        f"{r.get('storage', 'bfloat16')} storage, {r['threads']} threads; every budget in one process. Differing values: "
         "the largest fraction, over the ranges, of a tensor's stored values whose bits differ "
         "from the largest budget's shard.",
         "",
