@@ -27,9 +27,15 @@ from safetensors.torch import save_file
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from draftsmith.config.settings import job as job_settings  # noqa: E402
 from draftsmith.hidden.writer import ShardWriter  # noqa: E402
-from draftsmith.runtime.files import atomic_write_json, atomic_write_text, set_threads  # noqa: E402
-from draftsmith.train.loop import train  # noqa: E402
+from draftsmith.runtime.files import (  # noqa: E402
+    atomic_write_json,
+    atomic_write_text,
+    merge_run,
+    set_threads,
+)
+from draftsmith.train.loop import recorded, train  # noqa: E402
 
 H, V, K, LAYERS, I_SIZE = 576, 49152, 4096, 30, 1536
 IDS = [1, 14, 26]
@@ -94,7 +100,15 @@ def make_inputs(root: Path, tokens: int, seed: int = 0) -> dict:
     return {"target": target, "vocab": root / "vocab.safetensors", "shards": [path]}
 
 
-def run(inputs: dict, root: Path, name: str, steps: int, ttt: int, precision: str) -> dict:
+def run(
+    inputs: dict,
+    root: Path,
+    name: str,
+    steps: int,
+    ttt: int,
+    precision: str,
+    batch_tokens: int = 2048,
+) -> dict:
     cfg = {
         "train": {
             "role": "cpu",
@@ -102,7 +116,7 @@ def run(inputs: dict, root: Path, name: str, steps: int, ttt: int, precision: st
             "epochs": 1,
             "lr": 3e-4,
             "warmup_ratio": 0.05,
-            "batch_tokens": 2048,
+            "batch_tokens": batch_tokens,
             "max_steps": steps,
             "seed": 0,
             "checkpoint_every": 0,
@@ -117,7 +131,7 @@ def run(inputs: dict, root: Path, name: str, steps: int, ttt: int, precision: st
     out = root / name
     t0 = time.perf_counter()
     train(
-        cfg,
+        recorded(job_settings(merge_run(cfg, sections=("train",)), ("train", "draft", "capture"))),
         inputs["shards"],
         inputs["vocab"],
         inputs["target"],

@@ -100,6 +100,7 @@ from draftsmith.train.data import (  # noqa: F401 (target_tensors, run_key: publ
 )
 
 CLIP = 0.5
+MMAP_THRESHOLD = 16 << 20  # glibc M_MMAP_THRESHOLD of a training process (bound_cpu_memory)
 log = logging.getLogger("draftsmith.train.loop")
 
 
@@ -421,7 +422,7 @@ def pick_device(device: str | None) -> torch.device:
     return torch.device(device)
 
 
-def bound_cpu_memory(primitive_cache: int = 64, mmap_threshold: int = 4 << 20) -> None:
+def bound_cpu_memory(primitive_cache: int = 64, mmap_threshold: int | None = None) -> None:
     """Keep the trainer's heap from growing with the number of distinct batch shapes.
 
     Why (docs/default-run.md, "Training memory on a CPU"): without this, RSS grows with every
@@ -430,13 +431,17 @@ def bound_cpu_memory(primitive_cache: int = 64, mmap_threshold: int = 4 << 20) -
     default, and glibc's dynamic mmap threshold moves freed large tensors onto the fragmented
     heap. A small primitive cache
     (unless ONEDNN_PRIMITIVE_CACHE_CAPACITY is set; read at oneDNN's first use) and a fixed mmap
-    threshold (tensors of 4 MiB and more go back to the system when freed; glibc only) bound
-    both. The threshold is a trade: at 128 KiB every activation was a fresh mapping and a step
-    took 1.34x as long (page faults); at 4 MiB only the large ones are.
+    threshold (`MMAP_THRESHOLD`: tensors of 16 MiB and more go back to the system when freed;
+    glibc only) bound both. The threshold is a trade between page faults and heap: at 128 KiB
+    every activation was a fresh mapping and a step took 1.34x as long; at 4 MiB a step of the
+    embedded default still took 1.18x as long as at 16 MiB, which holds 116 MB more at peak, and
+    64 or 256 MiB were no faster (benchmarks/bench_train_heap.py,
+    benchmarks/results/train_heap_<kind>.md).
     """
     os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", str(primitive_cache))
     try:
-        ctypes.CDLL(None).mallopt(-3, mmap_threshold)  # M_MMAP_THRESHOLD
+        threshold = MMAP_THRESHOLD if mmap_threshold is None else mmap_threshold
+        ctypes.CDLL(None).mallopt(-3, threshold)  # M_MMAP_THRESHOLD
     except (OSError, AttributeError):
         pass  # not glibc
 
