@@ -1,4 +1,4 @@
-"""Training speed and resident memory against glibc's mmap threshold (`bound_cpu_memory`).
+"""Training and capture speed and resident memory against glibc's heap thresholds.
 
 A training process fixes glibc's M_MMAP_THRESHOLD (draftsmith.train.loop.MMAP_THRESHOLD):
 freed tensors at or above it go back to the system, so the heap does not grow with every new
@@ -11,10 +11,17 @@ anonymous RSS at the middle and the last step (growth between them is what the t
 there to stop). The drafts written must be byte-identical: the threshold moves memory, not
 results.
 
+With `--stage capture` it does the same for the run's first capture job (`python -m draftsmith
+capture` with the hf engine, draftsmith.engines.hf.CAPTURE_HEAP): glibc's own dynamic
+thresholds against the fixed ones given as `mmap:trim` MiB pairs, the capture's own timing
+(its log line) per run, and the shards must be byte-identical.
+
     python benchmarks/bench_train_heap.py [--from-run benchmarks/work/default_run]
         [--steps 120] [--reps 1] [--thresholds 4,16,64]    (MiB)
+    python benchmarks/bench_train_heap.py --stage capture [--reps 2] [--thresholds 64:256]
 
-Writes benchmarks/results/train_heap_<cpu kind>.{json,md}.
+Writes benchmarks/results/train_heap_<cpu kind>.{json,md} (capture_heap_<cpu kind> with
+--stage capture).
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ import argparse
 import hashlib
 import json
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -90,6 +98,88 @@ def child(threshold: int, args: list[str]) -> None:
     loop.main(args[1:] if args[:1] == ["train-rank"] else args)
 
 
+def capture_args(run: Path, out: Path) -> list[str]:
+    """The run's first capture command (snakemake.log), its shard written into directory `out`
+    under its own name (the range's)."""
+    log = run / "snakemake.log"
+    lines = log.read_text().splitlines() if log.exists() else []
+    found = [x for x in lines if x.startswith("Shell command: $DRAFTSMITH_PY_CAPTURE ")]
+    if not found:
+        raise SystemExit(f"{log}: no capture command; run benchmarks/bench_default.py first")
+    words = shlex.split(found[0].split(" -m draftsmith ", 1)[1].split(" > logs/", 1)[0])
+    at = words.index("--out") + 1
+    words[at] = str(out / Path(words[at]).name)
+    return words
+
+
+def capture_child(setting: str, args: list[str]) -> None:
+    """Run the capture with `setting` ("glibc": the thresholds left alone, else "mmap:trim")."""
+    import draftsmith.engines.hf as hf
+    import draftsmith.runtime.heap as heap
+    from draftsmith.cli import main as cli
+
+    if setting == "glibc":
+        heap.settle = lambda *a, **k: False
+    else:
+        hf.CAPTURE_HEAP = tuple(int(x) << 20 for x in setting.split(":"))
+    cli(args)
+
+
+def capture_run(run: Path, setting: str) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        args = capture_args(run, Path(tmp))
+        out = Path(args[args.index("--out") + 1])
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "DRAFTSMITH_OMP": "auto"}
+        cmd = [sys.executable, __file__, "--capture-child", setting, "--", *args]
+        done = subprocess.run(cmd, cwd=run, env=env, capture_output=True, text=True)
+        if done.returncode:
+            raise SystemExit(f"capture with {setting} failed:\n{done.stderr[-3000:]}")
+        secs = re.findall(r"tokens, ([0-9.]+) s, sha256", done.stderr)
+        if not secs:
+            raise SystemExit(f"capture with {setting}: no timing line in its log")
+        return {
+            "setting": setting,
+            "capture_s": float(secs[-1]),
+            "sha256": hashlib.sha256(out.read_bytes()).hexdigest()[:16],
+        }
+
+
+def capture_main(args, facts) -> None:
+    settings = ["glibc", *args.thresholds.split(",")]
+    load = os.getloadavg()[0]
+    runs = [capture_run(args.from_run, s) for _ in range(args.reps) for s in settings]
+    best = {s: min(r["capture_s"] for r in runs if r["setting"] == s) for s in settings}
+    report = {
+        "bench": "capture_heap",
+        "cpu": facts.as_dict(),
+        "kind": facts.kind,
+        "run": str(args.from_run),
+        "load_average": [load, os.getloadavg()[0]],
+        "runs": runs,
+        "identical": len({r["sha256"] for r in runs}) == 1,
+    }
+    out = ROOT / "benchmarks" / "results" / f"capture_heap_{facts.kind}"
+    atomic_write_json(out.with_suffix(".json"), report)
+    lines = [
+        "# Capture speed against glibc's heap thresholds",
+        "",
+        f"CPU {facts.describe()}; the default run's first capture job (`{args.from_run.name}`, "
+        f"hf engine), a fresh process per run, settings alternating, best of {args.reps}; "
+        f"1-min load average {load:.2f} -> {report['load_average'][1]:.2f}. Time: the capture's "
+        "own figure (forward passes and shard writing, without start-up and model load). "
+        "Baseline: glibc's dynamic thresholds.",
+        "",
+        "| mmap:trim threshold MiB | capture s | speed vs baseline |",
+        "|---|---:|---:|",
+    ]
+    for s, secs in best.items():
+        lines.append(f"| {s} | {secs:.1f} | {best['glibc'] / secs:.2f}x |")
+    same = "byte-identical" if report["identical"] else "NOT identical"
+    lines += ["", f"Shards written by all runs: {same}."]
+    atomic_write_text(out.with_suffix(".md"), "\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--from-run", type=Path, default=ROOT / "benchmarks/work/default_run")
@@ -97,11 +187,18 @@ def main() -> None:
     ap.add_argument("--skip", type=int, default=5, help="first steps not timed")
     ap.add_argument("--reps", type=int, default=1)
     ap.add_argument("--thresholds", default="4,16,64", help="MiB, comma-separated")
+    ap.add_argument("--stage", choices=["train", "capture"], default="train")
     ap.add_argument("--child", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--capture-child", help=argparse.SUPPRESS)
     args, rest = ap.parse_known_args()
+    rest = rest[1:] if rest[:1] == ["--"] else rest
     if args.child is not None:
-        return child(args.child, rest[1:] if rest[:1] == ["--"] else rest)
+        return child(args.child, rest)
+    if args.capture_child is not None:
+        return capture_child(args.capture_child, rest)
     facts = cpu_facts()
+    if args.stage == "capture":
+        return capture_main(args, facts)
     sizes = [int(x) << 20 for x in args.thresholds.split(",")]
     load = os.getloadavg()[0]
     runs = [one_run(args.from_run, t, args.steps, args.skip) for _ in range(args.reps)

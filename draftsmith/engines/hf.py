@@ -44,6 +44,13 @@ IN_PROCESS = True
 WORKFLOW = {"honours": ["bench.temperature", "regenerate.dtype"]}
 
 
+# glibc's mmap and trim thresholds of a capture job (draftsmith.runtime.heap): a prefill batch's
+# activations stay on the heap instead of faulting in anew each batch (1.11x faster capture
+# forwards, same bytes; 64:256 MiB was no faster); measured by
+# benchmarks/bench_train_heap.py --stage capture (benchmarks/results/capture_heap_<kind>.md)
+CAPTURE_HEAP = (16 << 20, 64 << 20)
+
+
 # ---------------------------------------------------------------- regenerate
 
 
@@ -382,10 +389,12 @@ def capture_range(
     """The capture stage: load the target and write the shard of one row range (`job`: the
     JobSettings of the engine seam, draftsmith.engines; draft_ids: the draft vocabulary, for a
     top-k teacher stored over it)."""
+    from draftsmith.runtime import heap
     from draftsmith.runtime.files import set_threads
     from draftsmith.targets.model import load_target
 
     set_threads(threads)
+    heap.settle(*CAPTURE_HEAP)
     dtype = getattr(torch, job.target.dtype)
     model, _ = load_target(target, dtype=dtype)
     announce(

@@ -38,7 +38,6 @@ since the last checkpoint.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import logging
 import math
@@ -66,6 +65,7 @@ from draftsmith.algorithms.offline import for_run as offline_estimate
 from draftsmith.config.checks import execution_defaults
 from draftsmith.config.settings import JobSettings, TrainSettings
 from draftsmith.config.settings import job as job_settings
+from draftsmith.runtime import heap
 from draftsmith.runtime.files import (
     atomic_path,
     init_logging,
@@ -439,11 +439,7 @@ def bound_cpu_memory(primitive_cache: int = 64, mmap_threshold: int | None = Non
     benchmarks/results/train_heap_<kind>.md).
     """
     os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", str(primitive_cache))
-    try:
-        threshold = MMAP_THRESHOLD if mmap_threshold is None else mmap_threshold
-        ctypes.CDLL(None).mallopt(-3, threshold)  # M_MMAP_THRESHOLD
-    except (OSError, AttributeError):
-        pass  # not glibc
+    heap.settle(MMAP_THRESHOLD if mmap_threshold is None else mmap_threshold)
 
 
 def rss_now_mb() -> dict:
