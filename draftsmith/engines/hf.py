@@ -226,6 +226,7 @@ def regenerate_rows(conversations, job, *, target, threads: int, seed: int, max_
     (HFGenerator).
     """
     from draftsmith.data.regenerate import regenerate
+    from draftsmith.engines.hf_attention import use_decode_attention
     from draftsmith.runtime.files import set_threads
     from draftsmith.targets.model import load_target
 
@@ -234,6 +235,8 @@ def regenerate_rows(conversations, job, *, target, threads: int, seed: int, max_
     dtype, why = regen_dtype(job, Path(target))
     log.info("regenerate.dtype %s (%s)", dtype, why)
     model, tokenizer = load_target(target, dtype=getattr(torch, dtype))
+    if model.device.type == "cpu":  # draftsmith.engines.hf_attention: measured on CPUs only
+        use_decode_attention(model)
     cpu = announce(log, "regenerate", dtype, "regenerate.dtype", model.device.type)
     gen = HFGenerator(
         model,
