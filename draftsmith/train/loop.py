@@ -425,7 +425,7 @@ def pick_device(device: str | None) -> torch.device:
 def bound_cpu_memory(primitive_cache: int = 64, mmap_threshold: int | None = None) -> None:
     """Keep the trainer's heap from growing with the number of distinct batch shapes.
 
-    Why (docs/default-run.md, "Training memory on a CPU"): without this, RSS grows with every
+    Why (docs/default-run.md, "Training and capture memory on a CPU"): without this, RSS grows with every
     new shape (the packs' length and the compact TTT layout change every step) and is not a
     leak: oneDNN caches one primitive (with its bf16 weight copies) per matmul shape, 1024 by
     default, and glibc's dynamic mmap threshold moves freed large tensors onto the fragmented
