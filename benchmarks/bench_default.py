@@ -18,7 +18,7 @@ against this CPU's limits, and the run's tau / speedup figures.
    FLOP/s or bytes/s, computed from the run's own counts (formulas in the markdown), against them.
 5. Copies the headline figures of results/bench/report.json and the training summary.
 
-Writes benchmarks/results/default_run.{json,md,png} (--out, --name to change).
+Writes benchmarks/results/default_run_<CPU kind>.{json,md,png} (--out, --name to change).
 """
 
 from __future__ import annotations
