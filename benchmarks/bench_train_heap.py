@@ -98,6 +98,21 @@ def child(threshold: int, args: list[str]) -> None:
     loop.main(args[1:] if args[:1] == ["train-rank"] else args)
 
 
+def report_of(bench: str, facts, args, load: float, runs: list[dict], **extra) -> dict:
+    """The results file's fields: what ran where, every run, whether all wrote the same bytes."""
+    return {"bench": bench, "cpu": facts.as_dict(), "kind": facts.kind,
+            "run": str(args.from_run), **extra, "load_average": [load, os.getloadavg()[0]],
+            "runs": runs, "identical": len({r["sha256"] for r in runs}) == 1}  # fmt: skip
+
+
+def write(report: dict, lines: list[str]) -> None:
+    """benchmarks/results/<bench>_<cpu kind>.{json,md}."""
+    out = ROOT / "benchmarks" / "results" / f"{report['bench']}_{report['kind']}"
+    atomic_write_json(out.with_suffix(".json"), report)
+    atomic_write_text(out.with_suffix(".md"), "\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
 def capture_args(run: Path, out: Path) -> list[str]:
     """The run's first capture command (snakemake.log), its shard written into directory `out`
     under its own name (the range's)."""
@@ -149,17 +164,7 @@ def capture_main(args, facts) -> None:
     load = os.getloadavg()[0]
     runs = [capture_run(args.from_run, s) for _ in range(args.reps) for s in settings]
     best = {s: min(r["capture_s"] for r in runs if r["setting"] == s) for s in settings}
-    report = {
-        "bench": "capture_heap",
-        "cpu": facts.as_dict(),
-        "kind": facts.kind,
-        "run": str(args.from_run),
-        "load_average": [load, os.getloadavg()[0]],
-        "runs": runs,
-        "identical": len({r["sha256"] for r in runs}) == 1,
-    }
-    out = ROOT / "benchmarks" / "results" / f"capture_heap_{facts.kind}"
-    atomic_write_json(out.with_suffix(".json"), report)
+    report = report_of("capture_heap", facts, args, load, runs)
     lines = [
         "# Capture speed against glibc's heap thresholds",
         "",
@@ -176,8 +181,7 @@ def capture_main(args, facts) -> None:
         lines.append(f"| {s} | {secs:.1f} | {best['glibc'] / secs:.2f}x |")
     same = "byte-identical" if report["identical"] else "NOT identical"
     lines += ["", f"Shards written by all runs: {same}."]
-    atomic_write_text(out.with_suffix(".md"), "\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write(report, lines)
 
 
 def main() -> None:
@@ -212,18 +216,7 @@ def main() -> None:
             or r["s_per_step"] < best[r["threshold_mib"]]["s_per_step"]
         ):
             best[r["threshold_mib"]] = r
-    report = {
-        "bench": "train_heap",
-        "cpu": facts.as_dict(),
-        "kind": facts.kind,
-        "run": str(args.from_run),
-        "steps": args.steps,
-        "load_average": [load, os.getloadavg()[0]],
-        "runs": runs,
-        "identical": len({r["sha256"] for r in runs}) == 1,
-    }
-    out = ROOT / "benchmarks" / "results" / f"train_heap_{facts.kind}"
-    atomic_write_json(out.with_suffix(".json"), report)
+    report = report_of("train_heap", facts, args, load, runs, steps=args.steps)
     lines = [
         "# Training speed and memory against glibc's mmap threshold",
         "",
@@ -242,8 +235,7 @@ def main() -> None:
         )
     same = "byte-identical" if report["identical"] else "NOT identical"
     lines += ["", f"Drafts written by all runs: {same}."]
-    atomic_write_text(out.with_suffix(".md"), "\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write(report, lines)
 
 
 if __name__ == "__main__":
