@@ -7,10 +7,10 @@ Reads a finished run's target and token files (results/target, results/tokens/*.
 captures each of the first `--ranges` row ranges with the hf engine at every budget in one
 process (the target loaded once; budgets interleaved per range so drift favours none), and
 reports per budget: capture seconds (forward and shard writing, the stage's own figure),
-padded tokens the forwards computed (the engine's own batching and padding), and how many stored values differ from the largest
-budget's shard (bit for bit, per tensor). The aux layers and the storage dtype are the run's own (each
-range's shard manifest). The budget only groups rows; the rows, their padding to a multiple of
-16 tokens and the stored dtype are the same.
+padded tokens the forwards computed (the engine's own batching and padding), and how many
+stored values differ from the largest budget's shard (bit for bit, per tensor). The aux layers
+and the storage dtype are the run's own (each range's shard manifest). The budget only groups
+rows; the rows, their padding to a multiple of 16 tokens and the stored dtype are the same.
 
 Writes benchmarks/results/capture_budget_<cpu kind>.{json,md}.
 """
@@ -94,7 +94,8 @@ def render(r: dict, kind: str, cpu: str) -> str:
         f"# capture.batch_tokens on {cpu} ({kind})",
         "",
         f"Ranges {', '.join(r['ranges'])} of the default run, hf engine, float32 forward, "
-        f"{r.get('storage', 'bfloat16')} storage, {r['threads']} threads; every budget in one process. Differing values: "
+        f"{r.get('storage', 'bfloat16')} storage, {r['threads']} threads; every budget in one "
+        "process. Differing values: "
         "the largest fraction, over the ranges, of a tensor's stored values whose bits differ "
         "from the largest budget's shard.",
         "",

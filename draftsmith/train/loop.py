@@ -422,24 +422,23 @@ def pick_device(device: str | None) -> torch.device:
     return torch.device(device)
 
 
-def bound_cpu_memory(primitive_cache: int = 64, mmap_threshold: int | None = None) -> None:
+def bound_cpu_memory(primitive_cache: int = 64) -> None:
     """Keep the trainer's heap from growing with the number of distinct batch shapes.
 
-    Why (docs/default-run.md, "Training and capture memory on a CPU"): without this, RSS grows with every
-    new shape (the packs' length and the compact TTT layout change every step) and is not a
-    leak: oneDNN caches one primitive (with its bf16 weight copies) per matmul shape, 1024 by
-    default, and glibc's dynamic mmap threshold moves freed large tensors onto the fragmented
-    heap. A small primitive cache
-    (unless ONEDNN_PRIMITIVE_CACHE_CAPACITY is set; read at oneDNN's first use) and a fixed mmap
-    threshold (`MMAP_THRESHOLD`: tensors of 16 MiB and more go back to the system when freed;
-    glibc only) bound both. The threshold is a trade between page faults and heap: at 128 KiB
-    every activation was a fresh mapping and a step took 1.34x as long; at 4 MiB a step of the
-    embedded default still took 1.18x as long as at 16 MiB, which holds 116 MB more at peak, and
-    64 or 256 MiB were no faster (benchmarks/bench_train_heap.py,
-    benchmarks/results/train_heap_<kind>.md).
+    Why (docs/default-run.md, "Training and capture memory on a CPU"): without this, RSS grows
+    with every new shape (the packs' length and the compact TTT layout change every step) and
+    is not a leak: oneDNN caches one primitive (with its bf16 weight copies) per matmul shape,
+    1024 by default, and glibc's dynamic mmap threshold moves freed large tensors onto the
+    fragmented heap. A small primitive cache (unless ONEDNN_PRIMITIVE_CACHE_CAPACITY is set;
+    read at oneDNN's first use) and a fixed mmap threshold (`MMAP_THRESHOLD`: tensors of 16 MiB
+    and more go back to the system when freed; glibc only) bound both. The threshold is a trade
+    between page faults and heap: at 128 KiB every activation was a fresh mapping and a step
+    took 1.34x as long; at 4 MiB a step of the embedded default still took 1.18x as long as at
+    16 MiB, which holds 116 MB more at peak, and 64 or 256 MiB were no faster
+    (benchmarks/bench_train_heap.py, benchmarks/results/train_heap_<kind>.md).
     """
     os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", str(primitive_cache))
-    heap.settle(MMAP_THRESHOLD if mmap_threshold is None else mmap_threshold)
+    heap.settle(MMAP_THRESHOLD)
 
 
 def rss_now_mb() -> dict:
