@@ -45,7 +45,9 @@ rule regenerate:
         "benchmarks/jobs/regenerate/{rows}.tsv"
     conda:
         role_env("regenerate")
-    threads: 2
+    # one thread: on a 2-core CPU two range jobs side by side finish sooner than two-thread
+    # jobs one after another (benchmarks/bench_job_threads.py); site profiles set their own
+    threads: 1
     resources:
         **gpu_resources("regenerate"),
         mem_mb=6000,

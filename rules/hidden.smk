@@ -54,7 +54,8 @@ if KEEP_SHARDS:
             "benchmarks/jobs/capture/{rows}.tsv"
         conda:
             role_env("capture")
-        threads: 2
+        # one thread, as regenerate (rules/data.smk; benchmarks/bench_job_threads.py)
+        threads: 1
         resources:
             **gpu_resources("capture"),
             mem_mb=6000,

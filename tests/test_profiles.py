@@ -50,9 +50,9 @@ def test_workflow_profile_alone_runs_the_rules_own_defaults(tmp_path: Path, tiny
     assert_no_gpus(sum(jobs.values(), []))
     for rule, threads, mem in (
         ("target_model", 2, "4000"),
-        ("regenerate", 2, "6000"),
+        ("regenerate", 1, "6000"),
         ("tokenize", 1, "2000"),
-        ("capture", 2, "6000"),
+        ("capture", 1, "6000"),
         ("train", 2, "8000"),
         ("bench", 2, "6000"),
     ):

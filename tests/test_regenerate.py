@@ -114,6 +114,16 @@ def test_left_padded_batch_equals_unbatched_greedy(tiny_model):
         assert len(ids) <= 12
 
 
+def test_generation_with_the_cache_written_in_place_equals_transformers_cache(tiny_model):
+    model, tok = tiny_model
+    gen = HFGenerator(model, tok, max_new_tokens=12, batch_size=8, progress=False)
+    assert gen.slab  # draftsmith.runtime.kvcache, the default
+    encoded = [gen._encode(p) for p in PROMPTS]
+    ours = gen.generate_ids(encoded)
+    gen.slab = False
+    assert gen.generate_ids(encoded) == ours
+
+
 def test_generator_returns_replies_in_input_order_and_counts_tokens(tiny_model):
     model, tok = tiny_model
     one_by_one = HFGenerator(model, tok, max_new_tokens=6, batch_size=1, progress=False)

@@ -98,6 +98,9 @@ class HFGenerator:
         # decode steps and batches: what benchmarks/bench_default.py needs for the weight
         # bytes read per second (one read of the weights per step of a batch)
         self.stats = {**new_stats(), "batches": 0, "decode_steps": 0}
+        # the KV cache written in place (draftsmith.runtime.kvcache); False: transformers' own
+        # concatenating cache (benchmarks/bench_regen_batch.py compares the two)
+        self.slab = True
 
     def _generation_config(self, max_new_tokens: int):
         from transformers import GenerationConfig
@@ -133,12 +136,17 @@ class HFGenerator:
         for i, p in enumerate(batch):
             input_ids[i, width - len(p) :] = torch.tensor(p, dtype=torch.long)
             attention[i, width - len(p) :] = 1
+        from draftsmith.runtime.kvcache import slab_cache
+
         device = next(self.model.parameters()).device
+        max_new = max_new or self.max_new_tokens
+        cache = slab_cache(self.model, width + max_new) if self.slab else None
         with torch.inference_mode():
             out = self.model.generate(
                 input_ids=input_ids.to(device),
                 attention_mask=attention.to(device),
-                generation_config=self._generation_config(max_new or self.max_new_tokens),
+                generation_config=self._generation_config(max_new),
+                past_key_values=cache,
             )
         self.stats["batches"] += 1
         self.stats["decode_steps"] += out.shape[1] - width

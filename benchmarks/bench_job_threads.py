@@ -1,0 +1,148 @@
+"""Range jobs on a small CPU: two-thread jobs one after another, or one-thread jobs side by side.
+
+On a 2-core CPU the workflow can run a range's regenerate or capture job with both cores, one
+job at a time, or two range jobs at once with one core each. This benchmark runs the real jobs
+of a finished default run (`--from-run`): it takes their shell commands from `snakemake -n -p`
+in that run, points their outputs to a scratch folder, and for each stage runs the first two
+ranges (a) one after another with `--threads 2` and (b) side by side with `--threads 1` each,
+each job a fresh process with the workflow's environment (DRAFTSMITH_OMP=auto,
+OMP_NUM_THREADS), today's package. `--reps` rounds, the order of (a) and (b) swapped every
+other round, the best wall time of each kept. Reports both wall times, the speed of (b) against
+(a), and whether the outputs of (b) equal those of (a) byte for byte (the thread count may
+change rounding).
+
+    python benchmarks/bench_job_threads.py [--from-run benchmarks/work/default_run] [--reps 1]
+
+Writes benchmarks/results/job_threads_<cpu kind>.{json,md} (`--name` replaces the stem).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from draftsmith.runtime.files import atomic_write_json, atomic_write_text  # noqa: E402
+from draftsmith.runtime.hardware import cpu_facts  # noqa: E402
+
+STAGES = {"regenerate": ("--out", "--report"), "capture": ("--out",)}
+
+
+def job_commands(run: Path) -> dict[str, list[str]]:
+    """{stage: [shell command of each range, in range order]} from `snakemake -n -p`."""
+    out = subprocess.run(
+        ["snakemake", "-n", "-p", "--cores", "2", "--forcerun", *STAGES],
+        cwd=run, capture_output=True, text=True, check=True,
+    ).stdout  # fmt: skip
+    found: dict[str, list[str]] = {stage: [] for stage in STAGES}
+    for line in out.splitlines():
+        m = re.search(r"-m draftsmith (regenerate|capture) .*", line)
+        if m:
+            found[m.group(1)].append(m.group(0).split(" > ")[0])
+    return {stage: sorted(cmds)[:2] for stage, cmds in found.items()}
+
+
+def retarget(cmd: str, stage: str, threads: int, scratch: Path) -> list[str]:
+    """The job's argv with this interpreter, `threads` and its outputs under `scratch`."""
+    argv = shlex.split(cmd)
+    for i, arg in enumerate(argv[:-1]):
+        if arg in STAGES[stage]:
+            argv[i + 1] = str(scratch / Path(argv[i + 1]).name)
+        if arg == "--threads":
+            argv[i + 1] = str(threads)
+    return [sys.executable, *argv]
+
+
+def run_jobs(run: Path, argvs: list[list[str]], threads: int, together: bool) -> float:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "DRAFTSMITH_OMP": "auto",
+           "OMP_NUM_THREADS": str(threads)}  # fmt: skip
+    t0 = time.perf_counter()
+    if together:
+        procs = [subprocess.Popen(a, cwd=run, env=env, stdout=subprocess.DEVNULL,
+                                  stderr=subprocess.DEVNULL) for a in argvs]  # fmt: skip
+        codes = [p.wait() for p in procs]
+    else:
+        codes = [subprocess.run(a, cwd=run, env=env, capture_output=True).returncode
+                 for a in argvs]  # fmt: skip
+    if any(codes):
+        raise SystemExit(f"a job failed ({codes}): {argvs}")
+    return time.perf_counter() - t0
+
+
+def same_outputs(a: Path, b: Path) -> str:
+    names = sorted(p.name for p in a.iterdir() if p.suffix in (".jsonl", ".safetensors"))
+    same = sum((a / n).read_bytes() == (b / n).read_bytes() for n in names)
+    return f"{same}/{len(names)}"
+
+
+def measure(run: Path, reps: int) -> list[dict]:
+    table = []
+    for stage, cmds in job_commands(run).items():
+        best = {"apart": float("inf"), "together": float("inf")}
+        with tempfile.TemporaryDirectory() as tmp:
+            dirs = {k: Path(tmp) / k for k in best}
+            for d in dirs.values():
+                d.mkdir()
+            modes = list(best)
+            for rep in range(reps):
+                for mode in modes if rep % 2 == 0 else modes[::-1]:
+                    threads, together = (2, False) if mode == "apart" else (1, True)
+                    argvs = [retarget(c, stage, threads, dirs[mode]) for c in cmds]
+                    seconds = run_jobs(run, argvs, threads, together)
+                    print(f"{stage} {mode}: {seconds:.1f} s", flush=True)
+                    best[mode] = min(best[mode], seconds)
+            same = same_outputs(dirs["apart"], dirs["together"])
+        table.append({"stage": stage, "jobs": len(cmds),
+                      "apart_s": round(best["apart"], 1), "together_s": round(best["together"], 1),
+                      "speed": round(best["apart"] / best["together"], 3), "identical": same})  # fmt: skip
+    return table
+
+
+def render(result: dict) -> str:
+    lines = [
+        "# Range jobs: two threads one after another, or one thread side by side",
+        "",
+        f"CPU {result['cpu']}, {result['cores']} cores; the regenerate and capture jobs of the "
+        f"first two ranges of a finished default run, each a fresh process; best of "
+        f"{result['reps']} round(s); 1-min load average {result['load_before']:.2f} -> "
+        f"{result['load_after']:.2f}. apart: `--threads 2`, one job after the other; together: "
+        "`--threads 1`, both jobs at once.",
+        "",
+        "| stage | jobs | apart s | together s | speed | identical outputs |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for r in result["table"]:
+        lines.append(f"| {r['stage']} | {r['jobs']} | {r['apart_s']:.1f} | "
+                     f"{r['together_s']:.1f} | {r['speed']:.2f}x | {r['identical']} |")  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--from-run", type=Path, default=ROOT / "benchmarks/work/default_run")
+    ap.add_argument("--reps", type=int, default=1)
+    ap.add_argument("--name", default="")
+    args = ap.parse_args()
+    facts = cpu_facts()
+    load_before = os.getloadavg()[0]
+    table = measure(args.from_run.resolve(), args.reps)
+    result = {"cpu": facts.describe(), "kind": facts.kind, "cores": os.cpu_count(),
+              "reps": args.reps, "load_before": load_before,
+              "load_after": os.getloadavg()[0], "table": table}  # fmt: skip
+    out = ROOT / "benchmarks/results" / (args.name or f"job_threads_{facts.kind}")
+    atomic_write_json(out.with_suffix(".json"), result)
+    atomic_write_text(out.with_suffix(".md"), render(result))
+    print(render(result))
+
+
+if __name__ == "__main__":
+    main()

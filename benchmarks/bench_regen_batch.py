@@ -1,0 +1,125 @@
+"""The regenerate stage's generation: KV cache kind and batch size, on one real range.
+
+Loads a finished default run's target (`--from-run`, results/target) and regenerates the
+conversations of its first range (results/data/rows_000000-000064.jsonl: the user turns are
+what the stage answers; every turn, follow-ups included) with the hf engine's `HFGenerator`, as
+the regenerate stage does, once per variant: transformers' concatenating KV cache or the cache
+written in place (draftsmith.runtime.kvcache), at each `--batch` size. The variants run in
+turn in one process, in `--dtype` (the dtype `regenerate.dtype: auto` picks on this CPU),
+`--reps` rounds with the order reversed every other round, best round kept. Reports the wall
+time of each variant, its speed against the first one (the baseline), new tokens, and how many
+conversations came out identical to the baseline's (batching and cache differ in rounding
+only; a near tie may flip a token and the rest of its reply).
+
+    python benchmarks/bench_regen_batch.py [--from-run benchmarks/work/default_run]
+        [--dtype float32] [--batch 32 64] [--reps 1]
+
+Writes benchmarks/results/regen_batch_<cpu kind>.{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from draftsmith.data.regenerate import regenerate  # noqa: E402
+from draftsmith.engines.hf import HFGenerator  # noqa: E402
+from draftsmith.engines.hf_attention import use_decode_attention  # noqa: E402
+from draftsmith.runtime.files import atomic_write_json, atomic_write_text, set_threads  # noqa: E402
+from draftsmith.runtime.hardware import cpu_facts  # noqa: E402
+from draftsmith.targets.model import load_target  # noqa: E402
+
+RANGE = "rows_000000-000064"
+
+
+def run_variant(model, tokenizer, rows: list[dict], slab: bool, batch: int) -> dict:
+    gen = HFGenerator(model, tokenizer, max_new_tokens=96, batch_size=batch, max_total=512,
+                      progress=False)  # fmt: skip
+    gen.slab = slab
+    t0 = time.perf_counter()
+    out = regenerate(rows, gen)
+    return {"seconds": time.perf_counter() - t0, "new_tokens": gen.stats["new_tokens"],
+            "batches": gen.stats["batches"], "rows": out}  # fmt: skip
+
+
+def measure(target: Path, rows: list[dict], dtype: str, batches: list[int], reps: int) -> list:
+    model, tokenizer = load_target(target, dtype=getattr(torch, dtype))
+    use_decode_attention(model)
+    variants = [(slab, b) for b in batches for slab in (False, True)]
+    best: dict = {}
+    for rep in range(reps):
+        for slab, b in variants if rep % 2 == 0 else variants[::-1]:
+            run = run_variant(model, tokenizer, rows, slab, b)
+            print(f"rep {rep} cache {'in place' if slab else 'cat'} batch {b}: "
+                  f"{run['seconds']:.1f} s", flush=True)  # fmt: skip
+            if (slab, b) not in best or run["seconds"] < best[(slab, b)]["seconds"]:
+                best[(slab, b)] = run
+    base = best[variants[0]]
+    table = []
+    for slab, b in variants:
+        run = best[(slab, b)]
+        same = sum(x == y for x, y in zip(run["rows"], base["rows"], strict=True))
+        table.append({"cache": "in place" if slab else "cat", "batch": b,
+                      "seconds": round(run["seconds"], 2), "new_tokens": run["new_tokens"],
+                      "batches": run["batches"],
+                      "speed": round(base["seconds"] / run["seconds"], 3),
+                      "identical": f"{same}/{len(rows)}"})  # fmt: skip
+    return table
+
+
+def render(result: dict) -> str:
+    lines = [
+        "# Regeneration: KV cache kind and batch size",
+        "",
+        f"CPU {result['cpu']}, {result['threads']} threads; the default's target in "
+        f"{result['dtype']}; the {result['rows']} conversations of {RANGE} (every user turn, "
+        "follow-ups included), 96 new tokens at most per reply (greedy), decode attention of "
+        f"draftsmith.engines.hf_attention; best of {result['reps']} round(s); 1-min load "
+        f"average {result['load_before']:.2f} -> {result['load_after']:.2f}.",
+        "",
+        "| cache | batch | s | speed | new tokens | batches | identical conversations |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in result["table"]:
+        lines.append(f"| {r['cache']} | {r['batch']} | {r['seconds']:.1f} | {r['speed']:.2f}x | "
+                     f"{r['new_tokens']} | {r['batches']} | {r['identical']} |")  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--from-run", type=Path, default=ROOT / "benchmarks/work/default_run")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--batch", type=int, nargs="+", default=[32, 64])
+    ap.add_argument("--reps", type=int, default=1)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--name", default="")
+    args = ap.parse_args()
+    set_threads(args.threads)
+    path = args.from_run / "results/data" / f"{RANGE}.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    facts = cpu_facts()
+    load_before = os.getloadavg()[0]
+    table = measure(args.from_run / "results/target", rows, args.dtype, args.batch, args.reps)
+    result = {"cpu": facts.describe(), "kind": facts.kind, "threads": args.threads,
+              "dtype": args.dtype, "rows": len(rows), "reps": args.reps,
+              "load_before": load_before, "load_after": os.getloadavg()[0],
+              "table": table}  # fmt: skip
+    name = args.name or f"regen_batch_{facts.kind}"
+    out = ROOT / "benchmarks/results"
+    atomic_write_json(out / f"{name}.json", result)
+    atomic_write_text(out / f"{name}.md", render(result))
+    print(render(result))
+
+
+if __name__ == "__main__":
+    main()
