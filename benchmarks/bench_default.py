@@ -11,8 +11,10 @@ against this CPU's limits, and the run's tau / speedup figures.
    the work directory, progress lines are echoed), then `snakemake --report report.html` with
    --report.
 3. Sums the per-job benchmark files every rule writes (benchmarks/jobs/<rule>/*.tsv, Snakemake's
-   `benchmark:`) per rule: wall and CPU seconds, peak RSS, jobs. What the jobs do not cover of the
-   total wall time is reported as scheduling / overhead (negative when jobs overlapped).
+   `benchmark:`) per rule: wall and CPU seconds, peak RSS, jobs. From snakemake.log's job
+   timeline (start and end stamps, threads), each rule's span (the wall time it had a job
+   running: jobs side by side overlap) and core-seconds, and the wall time with no job running
+   (without the log: the total less the jobs' sum, as scheduling / overhead).
 4. Measures this CPU's peaks in the same process (bench_roofline.peak_gflops for fp32 and bf16,
    bench_roofline.copy_bandwidth) at the run's thread count, and puts each stage's achieved
    FLOP/s or bytes/s, computed from the run's own counts (formulas in the markdown), against them.
@@ -101,6 +103,58 @@ def read_tsv(path: Path) -> dict:
     return {k: num(v) for k, v in rows[-1].items() if k != "h:m:s"}
 
 
+STAMP = re.compile(r"^\[(\w{3} \w{3} +\d+ \d\d:\d\d:\d\d \d{4})\]$")
+JOB_START = re.compile(r"^(?:local)?rule (\w+):$")
+JOB_END = re.compile(r"^Finished jobid: (\d+) \(Rule: (\w+)\)")
+
+
+def job_timeline(log: Path) -> dict[int, dict]:
+    """{jobid: {rule, start, end, threads}} from a run's snakemake.log: Snakemake stamps the
+    time (to the second) before each job's block and before each `Finished jobid` line; a job
+    block names its threads when they are more than one."""
+    jobs: dict[int, dict] = {}
+    stamp, current = None, None
+    for line in log.read_text(errors="replace").splitlines() if log.exists() else []:
+        text = line.strip()
+        if m := STAMP.match(text):
+            stamp, current = time.mktime(time.strptime(m.group(1), "%a %b %d %H:%M:%S %Y")), None
+        elif (m := JOB_START.match(text)) and stamp is not None:
+            current = {"rule": m.group(1), "start": stamp, "end": None, "threads": 1}
+        elif current is not None and text.startswith("jobid: "):
+            jobs[int(text.split()[1])] = current
+        elif current is not None and text.startswith("threads: "):
+            current["threads"] = int(text.split()[1])
+        elif (m := JOB_END.match(text)) and int(m.group(1)) in jobs and stamp is not None:
+            jobs[int(m.group(1))]["end"] = stamp
+    return {k: j for k, j in jobs.items() if j["end"] is not None}
+
+
+def covered(intervals: list[tuple[float, float]]) -> float:
+    """Seconds covered by the union of [start, end] intervals."""
+    total, reach = 0.0, float("-inf")
+    for a, b in sorted(intervals):
+        if b > reach:
+            total += b - max(a, reach)
+            reach = b
+    return total
+
+
+def add_timeline(split: dict, jobs: dict[int, dict]) -> None:
+    """Per stage, from the run's job timeline: the span its jobs covered (side by side they
+    overlap), the threads each job held, the core-seconds held (job wall x threads); and the
+    wall time with no job running."""
+    for rule, st in split["stages"].items():
+        mine = [j for j in jobs.values() if j["rule"] == rule]
+        if not mine:
+            continue
+        st["span_s"] = covered([(j["start"], j["end"]) for j in mine])
+        st["threads"] = max(j["threads"] for j in mine)
+        st["core_s"] = st["wall_s"] * st["threads"]
+    if jobs:
+        split["idle_s"] = max(0.0, split["total_s"] - covered(
+            [(j["start"], j["end"]) for j in jobs.values()]))  # fmt: skip
+
+
 def stage_split(run: Path, total_s: float | None) -> dict:
     """Per rule: jobs, wall s, CPU s, peak RSS (MB) from benchmarks/jobs/<rule>/**/*.tsv."""
     jobs_dir = run / "benchmarks" / "jobs"
@@ -124,6 +178,7 @@ def stage_split(run: Path, total_s: float | None) -> dict:
     jobs_s = sum(s["wall_s"] for s in stages.values())
     total = jobs_s if total_s is None else total_s
     split = {"total_s": total, "jobs_s": jobs_s, "overhead_s": total - jobs_s, "stages": stages}
+    add_timeline(split, job_timeline(run / "snakemake.log"))
     return {**split, "total_measured": total_s is not None}
 
 
@@ -268,7 +323,10 @@ def stage_rates(split: dict, work: dict, peaks: dict) -> dict:
     """Achieved rate of each stage with counted work, against the peak that bounds it."""
     out = {}
     for stage, w in work.items():
-        sec = split["stages"].get(stage, {}).get("wall_s")
+        st = split["stages"].get(stage, {})
+        # the cores it held, in seconds of the peaks' thread count (= wall for jobs that ran
+        # with that many threads; one-thread jobs side by side count half each on 2 cores)
+        sec = st.get("core_s", st.get("wall_s", 0.0) * peaks["threads"]) / peaks["threads"]
         if not sec:
             continue
         r = {"seconds": sec, "dtype": w["dtype"], "formula": w["formula"]}
@@ -386,16 +444,35 @@ def render_md(r: dict) -> str:
         "## Stage split (Snakemake benchmark files, per rule)",
         "",
     ]
-    rows = [
-        f"{k} | {s['jobs']} | {s['wall_s']:.1f} | {pct(s['wall_s'], total)} | {s['cpu_s']:.1f} "
-        f"| {s['max_rss_mb']:.0f}"
-        for k, s in sp["stages"].items()
-    ]
-    rows += [
-        f"scheduling / overhead | | {sp['overhead_s']:.1f} | {pct(sp['overhead_s'], total)} | - | -"
-    ]
-    rows += [f"**total** | | **{total:.1f}** | 100% | - | -"]
-    lines += table("stage | jobs | wall s | share | CPU s | peak RSS MB", rows)
+    if "idle_s" in sp:  # the job timeline of snakemake.log: jobs may have run side by side
+        lines += [
+            "Job s: the jobs' own wall seconds, summed; span s: the wall time during which the "
+            "stage had a job running (jobs side by side overlap, so spans add up to more than "
+            "the total); share: span of the total.",
+            "",
+        ]
+        rows = [
+            f"{k} | {s['jobs']} | {s.get('threads', '-')} | {s['wall_s']:.1f} | "
+            f"{s.get('span_s', s['wall_s']):.1f} | {pct(s.get('span_s', s['wall_s']), total)} | "
+            f"{s['cpu_s']:.1f} | {s['max_rss_mb']:.0f}"
+            for k, s in sp["stages"].items()
+        ]
+        rows += [f"no job running | | | | {sp['idle_s']:.1f} | {pct(sp['idle_s'], total)} | - | -"]
+        rows += [f"**total** | | | | **{total:.1f}** | 100% | - | -"]
+        head = "stage | jobs | threads | job s | span s | share | CPU s | peak RSS MB"
+    else:
+        rows = [
+            f"{k} | {s['jobs']} | {s['wall_s']:.1f} | {pct(s['wall_s'], total)} | "
+            f"{s['cpu_s']:.1f} | {s['max_rss_mb']:.0f}"
+            for k, s in sp["stages"].items()
+        ]
+        rows += [
+            f"scheduling / overhead | | {sp['overhead_s']:.1f} | {pct(sp['overhead_s'], total)} "
+            "| - | -"
+        ]
+        rows += [f"**total** | | **{total:.1f}** | 100% | - | -"]
+        head = "stage | jobs | wall s | share | CPU s | peak RSS MB"
+    lines += table(head, rows)
     lines += [
         "",
         "## Stages against this CPU's limits",
@@ -404,7 +481,8 @@ def render_md(r: dict) -> str:
         f"{pk['gflop_s']['fp32']:.1f} GFLOP/s, bf16 {pk['gflop_s']['bf16']:.1f} GFLOP/s (best "
         f"large square GEMM), copy {pk['copy_gb_s']:.1f} GB/s (256 MiB tensor copy, read + "
         "write). The bound is the limit the stage comes closest to. Only the linear layers are "
-        "counted (not attention, norms, padding), over the stage's whole wall time (loading too).",
+        "counted (not attention, norms, padding), over the core-seconds the stage's jobs held, "
+        f"in seconds of {pk['threads']} cores (loading too).",
         "",
     ]
     rows = []
@@ -446,13 +524,17 @@ def plot(r: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     sp = r["split"]
-    names = ["total", *sp["stages"], "scheduling / overhead"]
-    secs = [sp["total_s"], *(s["wall_s"] for s in sp["stages"].values()), sp["overhead_s"]]
+    timeline = "idle_s" in sp  # spans of the stages (jobs side by side overlap)
+    rest = ("no job running", sp["idle_s"]) if timeline else ("scheduling / overhead",
+                                                               sp["overhead_s"])  # fmt: skip
+    names = ["total", *sp["stages"], rest[0]]
+    secs = [sp["total_s"], *(s.get("span_s", s["wall_s"]) for s in sp["stages"].values()),
+            rest[1]]  # fmt: skip
     colors = ["tab:gray"] + ["tab:blue"] * (len(names) - 1)
     fig, ax = plt.subplots(figsize=(8, 0.35 * len(names) + 1.5))
     ax.barh(names[::-1], secs[::-1], color=colors[::-1])
     ax.axvline(GOAL_S, color="tab:red", linestyle="--", label=f"goal: {GOAL_S / 60:.0f} min total")
-    ax.set_xlabel("wall seconds")
+    ax.set_xlabel("wall seconds" + (" (each stage: the span its jobs ran)" if timeline else ""))
     ax.set_title(f"Stage split, total {r['split']['total_s']:.0f} s")
     ax.legend(loc="lower right")
     fig.tight_layout()
