@@ -104,6 +104,54 @@ def test_stage_split_sums_per_rule_and_the_remainder_is_overhead(tmp_path: Path)
     assert unmeasured["overhead_s"] == 0.0 and not unmeasured["total_measured"]
 
 
+LOG = """\
+[Sat Dec  5 20:51:00 2026]
+localrule regenerate:
+    jobid: 6
+    wildcards: rows=rows_000000-000064
+Shell command: python -m draftsmith regenerate --threads 1
+
+[Sat Dec  5 20:51:00 2026]
+localrule regenerate:
+    jobid: 7
+    wildcards: rows=rows_000064-000128
+[Sat Dec  5 20:51:04 2026]
+Finished jobid: 6 (Rule: regenerate)
+[Sat Dec  5 20:51:06 2026]
+Finished jobid: 7 (Rule: regenerate)
+[Sat Dec  5 20:51:10 2026]
+localrule train:
+    jobid: 9
+    threads: 2
+[Sat Dec  5 20:51:20 2026]
+Finished jobid: 9 (Rule: train)
+"""
+
+
+def test_job_timeline_gives_spans_of_jobs_side_by_side_and_their_core_seconds(tmp_path: Path):
+    fake_run(tmp_path)
+    (tmp_path / "snakemake.log").write_text(LOG)
+    jobs = bd.job_timeline(tmp_path / "snakemake.log")
+    assert {k: (j["rule"], j["end"] - j["start"], j["threads"]) for k, j in jobs.items()} == {
+        6: ("regenerate", 4.0, 1), 7: ("regenerate", 6.0, 1), 9: ("train", 10.0, 2)}  # fmt: skip
+    split = bd.stage_split(tmp_path, total_s=25.0)
+    st = split["stages"]
+    # two regenerate jobs side by side: a span of 6 s, though their job seconds sum to 10
+    assert (st["regenerate"]["span_s"], st["regenerate"]["threads"]) == (6.0, 1)
+    assert st["regenerate"]["core_s"] == 10.0
+    assert st["train"]["core_s"] == 2 * st["train"]["wall_s"]
+    assert "span_s" not in st["capture"]  # not in the log: no timeline for it
+    assert split["idle_s"] == pytest.approx(25.0 - 6.0 - 10.0)
+    # the rate is over the core-seconds held, in seconds of the peaks' thread count
+    peaks = {"threads": 2, "gflop_s": {"fp32": 100.0, "bf16": 400.0}, "copy_gb_s": 10.0}
+    rates = bd.stage_rates(split, bd.stage_work(tmp_path), peaks)
+    assert rates["regenerate"]["seconds"] == pytest.approx(10.0 / 2)
+    assert rates["train"]["seconds"] == pytest.approx(st["train"]["wall_s"])
+    assert "| regenerate | 2 | 1 | 10.0 | 6.0 |" in bd.render_md(
+        {"split": split, "machine": bd.machine(bd.git_info(tmp_path)), "peaks": peaks,
+         "headline": {}, "rates": rates, "run_dir": "x", "load_before": 0, "load_after": 0})  # fmt: skip
+
+
 def test_missing_benchmark_files_is_an_error_naming_the_directory(tmp_path: Path):
     with pytest.raises(SystemExit, match=str(tmp_path / "benchmarks" / "jobs")):
         bd.stage_split(tmp_path, 10.0)
