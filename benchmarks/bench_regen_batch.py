@@ -51,10 +51,11 @@ def run_variant(model, tokenizer, rows: list[dict], slab: bool, batch: int) -> d
             "batches": gen.stats["batches"], "rows": out}  # fmt: skip
 
 
-def measure(target: Path, rows: list[dict], dtype: str, batches: list[int], reps: int) -> list:
+def measure(target: Path, rows: list[dict], dtype: str, batches: list[int], reps: int,
+            caches: tuple[bool, ...] = (False, True)) -> list:  # fmt: skip
     model, tokenizer = load_target(target, dtype=getattr(torch, dtype))
     use_decode_attention(model)
-    variants = [(slab, b) for b in batches for slab in (False, True)]
+    variants = [(slab, b) for b in batches for slab in caches]
     best: dict = {}
     for rep in range(reps):
         for slab, b in variants if rep % 2 == 0 else variants[::-1]:
@@ -101,6 +102,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--batch", type=int, nargs="+", default=[32, 64])
     ap.add_argument("--reps", type=int, default=1)
+    ap.add_argument("--caches", nargs="+", default=["cat", "in-place"], choices=["cat", "in-place"])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--name", default="")
     args = ap.parse_args()
@@ -109,7 +111,9 @@ def main() -> None:
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     facts = cpu_facts()
     load_before = os.getloadavg()[0]
-    table = measure(args.from_run / "results/target", rows, args.dtype, args.batch, args.reps)
+    caches = tuple(c == "in-place" for c in args.caches)
+    table = measure(args.from_run / "results/target", rows, args.dtype, args.batch, args.reps,
+                    caches)  # fmt: skip
     result = {"cpu": facts.describe(), "kind": facts.kind, "threads": args.threads,
               "dtype": args.dtype, "rows": len(rows), "reps": args.reps,
               "load_before": load_before, "load_after": os.getloadavg()[0],
