@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+from test_hf_attention import tiny_gqa_model
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
@@ -59,18 +60,8 @@ def test_crop_select_and_reset_then_update():
     assert torch.equal(ours.update(k, v)[0], k)
 
 
-def tiny_model():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                      attn_implementation="sdpa")  # fmt: skip
-    return LlamaForCausalLM(cfg).eval()
-
-
 def test_slab_cache_replaces_only_full_attention_layers():
-    model = tiny_model()
+    model = tiny_gqa_model()
     cache = slab_cache(model, 10)
     assert [type(layer) for layer in cache.layers] == [SlabLayer, SlabLayer]
     assert all(layer.capacity == 10 for layer in cache.layers)
@@ -80,9 +71,9 @@ def test_slab_cache_replaces_only_full_attention_layers():
 def test_batched_generation_is_identical_with_the_slab_cache():
     """Left-padded greedy generation of a tiny random model, with the decode attention the
     regenerate stage uses: the same tokens and scores with the cache written in place."""
-    model = tiny_model()
+    model = tiny_gqa_model()
     use_decode_attention(model)
-    ids = torch.randint(3, 96, (3, 9), generator=torch.Generator().manual_seed(3))
+    ids = torch.randint(3, 128, (3, 9), generator=torch.Generator().manual_seed(3))
     mask = torch.ones_like(ids)
     mask[1, :3], mask[2, :6] = 0, 0
     kw = {"do_sample": False, "max_new_tokens": 12, "min_new_tokens": 12,
