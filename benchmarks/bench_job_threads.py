@@ -62,19 +62,23 @@ def retarget(cmd: str, stage: str, threads: int, scratch: Path) -> list[str]:
     return [sys.executable, *argv]
 
 
-def run_jobs(run: Path, argvs: list[list[str]], threads: int, together: bool) -> float:
+def run_jobs(run: Path, argvs: list[list[str]], threads: int, together: bool, logs: Path):
+    """Wall seconds of the jobs, all at once or one after another; each job's output goes to
+    logs/job<i>.log, as a workflow job's goes to its log."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "DRAFTSMITH_OMP": "auto",
            "OMP_NUM_THREADS": str(threads)}  # fmt: skip
+    paths = [logs / f"job{i}.log" for i in range(len(argvs))]
     t0 = time.perf_counter()
-    if together:
-        procs = [subprocess.Popen(a, cwd=run, env=env, stdout=subprocess.DEVNULL,
-                                  stderr=subprocess.DEVNULL) for a in argvs]  # fmt: skip
-        codes = [p.wait() for p in procs]
-    else:
-        codes = [subprocess.run(a, cwd=run, env=env, capture_output=True).returncode
-                 for a in argvs]  # fmt: skip
+    procs = []
+    for argv, path in zip(argvs, paths, strict=True):
+        with open(path, "w") as out:
+            procs.append(subprocess.Popen(argv, cwd=run, env=env, stdout=out,
+                                          stderr=subprocess.STDOUT))  # fmt: skip
+        if not together:
+            procs[-1].wait()
+    codes = [p.wait() for p in procs]
     if any(codes):
-        raise SystemExit(f"a job failed ({codes}): {argvs}")
+        raise SystemExit(f"a job failed ({codes}); see {', '.join(map(str, paths))}")
     return time.perf_counter() - t0
 
 
@@ -97,7 +101,7 @@ def measure(run: Path, reps: int) -> list[dict]:
                 for mode in modes if rep % 2 == 0 else modes[::-1]:
                     threads, together = (2, False) if mode == "apart" else (1, True)
                     argvs = [retarget(c, stage, threads, dirs[mode]) for c in cmds]
-                    seconds = run_jobs(run, argvs, threads, together)
+                    seconds = run_jobs(run, argvs, threads, together, dirs[mode])
                     print(f"{stage} {mode}: {seconds:.1f} s", flush=True)
                     best[mode] = min(best[mode], seconds)
             same = same_outputs(dirs["apart"], dirs["together"])

@@ -3,8 +3,8 @@
 transformers' `DynamicLayer` appends a step's keys and values with `torch.cat`, which copies
 the whole cache of the layer every step: at 32 rows of the embedded target (30 layers, 3 KV
 heads of 64) and 115 cached positions that is 170 MB copied per decode step in float32, and it
-grows with every token. `SlabLayer` keeps the keys and values in
-a buffer with room for `capacity` positions and writes each step into the next free slots;
+grows with every token. `SlabLayer` keeps the keys and values in a buffer with room for
+`capacity` positions and writes each step into the next free slots;
 `keys` and `values` are views of the filled part, so attention reads exactly the tensors the
 concatenating cache would hold (same values, same order). A layer that runs out of room
 doubles its buffer (one copy); cropping keeps the buffer, and a batch selection or reset starts
@@ -43,10 +43,10 @@ class SlabLayer(DynamicLayer):
             and self.keys.shape[:-2] == self.slab_keys.shape[:-2]
         )
 
-    def _reserve(self, key_states: torch.Tensor, value_states: torch.Tensor, need: int) -> None:
-        """Buffers with room for `need` positions holding the filled part (a copy, once)."""
+    def _reserve(self, key_states, value_states, need: int, room: int) -> None:
+        """New buffers with room for `need` positions (at least `capacity`, at least twice the
+        `room` of the full ones), holding the filled part (a copy, once)."""
         n = self._filled()
-        room = self.slab_keys.shape[-2] if self.slab_keys is not None else 0
         size = max(self.capacity, need, 2 * room)
         lead = key_states.shape[:-2]
         keys = key_states.new_empty(*lead, size, key_states.shape[-1])
@@ -60,11 +60,10 @@ class SlabLayer(DynamicLayer):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         n, new = self._filled(), key_states.shape[-2]
-        owned = n > 0 and self._own()
-        if not owned or n + new > self.slab_keys.shape[-2]:
-            if not owned:
-                self.slab_keys = self.slab_values = None  # a selection or reset: start anew
-            self._reserve(key_states, value_states, n + new)
+        # no room where keys are not views of our buffers (first update, selection, reset)
+        room = self.slab_keys.shape[-2] if n > 0 and self._own() else 0
+        if not room or n + new > room:
+            self._reserve(key_states, value_states, n + new, room)
         self.slab_keys[..., n : n + new, :].copy_(key_states)
         self.slab_values[..., n : n + new, :].copy_(value_states)
         self.keys = self.slab_keys[..., : n + new, :]
