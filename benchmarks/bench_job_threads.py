@@ -37,18 +37,19 @@ from draftsmith.runtime.hardware import cpu_facts  # noqa: E402
 STAGES = {"regenerate": ("--out", "--report"), "capture": ("--out",)}
 
 
-def job_commands(run: Path) -> dict[str, list[str]]:
-    """{stage: [shell command of each range, in range order]} from `snakemake -n -p`."""
+def job_commands(run: Path, stages=tuple(STAGES), keep: int = 2) -> dict[str, list[str]]:
+    """{stage: [shell command of each of the first `keep` jobs, in range order]} from
+    `snakemake -n -p` (each from `-m draftsmith` on, its log redirection cut)."""
     out = subprocess.run(
-        ["snakemake", "-n", "-p", "--cores", "2", "--forcerun", *STAGES],
+        ["snakemake", "-n", "-p", "--cores", "2", "--forcerun", *stages],
         cwd=run, capture_output=True, text=True, check=True,
     ).stdout  # fmt: skip
-    found: dict[str, list[str]] = {stage: [] for stage in STAGES}
+    found: dict[str, list[str]] = {stage: [] for stage in stages}
     for line in out.splitlines():
-        m = re.search(r"-m draftsmith (regenerate|capture) .*", line)
+        m = re.search(rf"-m draftsmith ({'|'.join(stages)}) .*", line)
         if m:
             found[m.group(1)].append(m.group(0).split(" > ")[0])
-    return {stage: sorted(cmds)[:2] for stage, cmds in found.items()}
+    return {stage: sorted(cmds)[:keep] for stage, cmds in found.items()}
 
 
 def retarget(cmd: str, stage: str, threads: int, scratch: Path) -> list[str]:
@@ -59,7 +60,7 @@ def retarget(cmd: str, stage: str, threads: int, scratch: Path) -> list[str]:
             argv[i + 1] = str(scratch / Path(argv[i + 1]).name)
         if arg == "--threads":
             argv[i + 1] = str(threads)
-    return [sys.executable, *argv]
+    return [sys.executable, "-P", *argv]  # -P: today's package, not the run's copy in its cwd
 
 
 def run_jobs(run: Path, argvs: list[list[str]], threads: int, together: bool, logs: Path):

@@ -41,8 +41,8 @@ def other_value(key: str):
     kinds = kind if isinstance(kind, list) else [kind]
     if "boolean" in kinds:
         return not default
-    if "integer" in kinds:
-        return int(default) + 2
+    if "integer" in kinds:  # a number where the default is a word (auto)
+        return default + 2 if isinstance(default, int) else 2
     if "number" in kinds:
         return 0.7 if default == 0 else default / 2
     raise AssertionError(f"no other value known for {key} ({p})")
@@ -99,7 +99,7 @@ def test_the_table_covers_every_kind_of_refusal():
     ids = [r[0] for r in TABLE]
     assert "dflash+sglang" in ids and "dflash+train.eval_rows" in ids, ids
     assert "dflash+draft.attention" in ids and "dflash+bench.temperature" in ids, ids
-    assert "hf+bench.concurrency" in ids, ids
+    assert "hf+bench.concurrency" in ids and "sglang+bench.workers" in ids, ids
     assert "sglang+regenerate.dtype" in ids and "segments+train.nproc" in ids, ids
     assert len(ids) == len(set(ids))
 

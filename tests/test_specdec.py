@@ -353,3 +353,72 @@ def test_bench_smoke_reports_a_failed_gate_without_failing(target, tiny_target, 
     md = (out / "report.md").read_text()
     assert md.splitlines()[2].startswith("**SMOKE RUN (bench.smoke: true): the sanity gate failed")
     assert "SMOKE RUN" in (out / "summary.html").read_text()
+
+
+def test_bench_workers_measure_what_one_process_does(target, tiny_target, tmp_path):
+    """bench.workers 2 on a 2-thread job: two one-thread worker processes share the prompts;
+    every prompt's outputs, verification passes and acceptance equal those of the whole job in
+    one one-thread process, in the same order; the report names the processes."""
+    import json
+
+    from draftsmith.stages import bench as bench
+
+    model, _ = target
+    reports = {}
+    for workers, threads in ((2, "2"), (1, "1")):
+        argv, out = _bench_inputs(tmp_path / f"w{workers}", tiny_target, model, num_heldout=3)
+        i = argv.index("--cfg") + 1
+        cfg = json.loads(argv[i])
+        cfg["bench"].update(smoke=True, workers=workers)
+        argv[i] = json.dumps(cfg)
+        argv[argv.index("--threads") + 1] = threads
+        bench.main(argv)
+        reports[workers] = json.loads((out / "report.json").read_text())
+    pooled, single = reports[2], reports[1]
+    assert (pooled["workers"], pooled["threads"]) == (2, 2)
+    assert "2 processes of 1 thread(s) each" in pooled["method"]
+    assert (single["workers"], single["threads"]) == (1, 1)
+    for name in ("heldout", "humaneval"):
+        a, b = pooled["sets"][name], single["sets"][name]
+        assert a["per_prompt"] == b["per_prompt"] and len(a["per_prompt"]) > 1
+        assert a["identical_outputs"] == len(a["per_prompt"])  # lossless in the workers too
+        assert a["spec_seconds"] > 0 and a["baseline_seconds"] > 0
+        assert a["speedup_verdict"]["comparable"] is not False, a["speedup_verdict"]
+
+
+def test_bench_worker_count():
+    from draftsmith.engines.hf_bench_pool import worker_count
+
+    gib = 2**30
+    assert worker_count("auto", "cpu", 2, 24, gib, 20 * gib)[0] == 2
+    assert worker_count("auto", "cpu", 8, 3, gib, 20 * gib)[0] == 3  # no more than the prompts
+    n, why = worker_count("auto", "cpu", 8, 24, 4 * gib, 10 * gib)  # memory for two copies
+    assert n == 2 and "10.0 GiB free holds 2 x 4.0 GiB" in why
+    assert worker_count("auto", "cpu", 2, 24, 4 * gib, gib)[0] == 1  # never fewer than one
+    assert worker_count("auto", "cpu", 2, 24, gib, None)[0] == 2  # memory unknown
+    assert worker_count("auto", "cuda", 8, 24, None, None)[0] == 1
+    assert worker_count(1, "cpu", 2, 24, gib, 20 * gib)[0] == 1
+    assert worker_count(4, "cpu", 2, 24, gib, 20 * gib)[0] == 2  # no more than the threads
+
+
+def test_a_failing_bench_worker_ends_the_job_with_its_error(target, tiny_target, tmp_path):
+    """A worker that cannot load the draft: the job stops with that worker's message (which names
+    the file), not with a hang or a traceback of the queue."""
+    import json
+
+    from draftsmith.config import settings
+    from draftsmith.engines.hf_bench_pool import bench_sets
+
+    model, _ = target
+    argv, _ = _bench_inputs(tmp_path, tiny_target, model, num_heldout=2)
+    cfg = json.loads(argv[argv.index("--cfg") + 1])
+    cfg["bench"]["workers"] = 2
+    (tmp_path / "draft" / "config.json").write_text("{not json")
+    rows = [{"id": f"r{i}", "conversations": [{"role": "user", "content": p}]}
+            for i, p in enumerate(PROMPTS)]  # fmt: skip
+    job = settings.stage_job(cfg, "bench")
+    target_dir = argv[argv.index("--target") + 1]
+    with pytest.raises(SystemExit) as err:
+        bench_sets({"s": rows}, job, target=target_dir, draft=tmp_path / "draft", threads=2)
+    assert "bench worker" in str(err.value) and "config.json" in str(err.value), err.value
+    assert "Traceback" not in str(err.value)

@@ -313,7 +313,11 @@ def load_export(out_dir) -> Eagle3Draft:
     """The exported draft back as an `Eagle3Draft` (contract-checked first)."""
     from safetensors.torch import load_file
 
-    c = json.loads((Path(out_dir) / "config.json").read_text())
+    path = Path(out_dir) / "config.json"
+    try:
+        c = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ExportError(f"{path}: not a readable draft config ({e})") from None
     own = algorithms.part(algorithms.of_export(c), "exporter")
     if own is not None:  # an algorithm with its own format (dflash)
         return own.load_export(out_dir)

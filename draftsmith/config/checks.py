@@ -222,6 +222,12 @@ def check_config(config: dict) -> None:
             "runs one request at a time; concurrency levels are run by the "
             f"{engines_text('bench.concurrency', ' and ')} engines: set bench.concurrency 1"
         )
+    if bench["workers"] not in ("auto", 1) and not honours(bench["backend"], "bench.workers"):
+        raise ConfigError(
+            f"config: bench.workers = {bench['workers']}: only the "
+            f"{engines_text('bench.workers', ' and ')} engine shares the prompts between "
+            f"processes; the {bench['backend']} engine serves them: leave bench.workers auto"
+        )
     if bench["top_p"] < 1 and bench["temperature"] == 0:
         raise ConfigError(
             f"config: bench.top_p = {bench['top_p']} applies to sampling, but bench.temperature "

@@ -122,6 +122,7 @@ class BenchSettings:
     topk: int
     num_draft_tokens: int
     concurrency: int | tuple[int, ...]
+    workers: str | int
     max_new_tokens: int
     temperature: float
     top_p: float

@@ -11,8 +11,9 @@
   `PAD_MULTIPLE`, which makes a row's states bit-identical whichever rows share its batch (see
   `pad_rows`).
 - bench: chain speculative decoding with the draft (`draftsmith.bench.specdec`) against plain greedy
-  decoding (or speculative sampling against plain sampling), in `draftsmith.engines.hf_bench`;
-  `bench_sets` and `load_models` are re-exported here.
+  decoding (or speculative sampling against plain sampling), measured in
+  `draftsmith.engines.hf_bench`, in this process or spread over worker processes on a CPU
+  (`draftsmith.engines.hf_bench_pool`); `bench_sets` and `load_models` are re-exported here.
 
 Works on CPU or one GPU (the device torch sees).
 """
@@ -28,7 +29,8 @@ import torch
 from tqdm import tqdm
 
 from draftsmith.data.regenerate import new_stats
-from draftsmith.engines.hf_bench import bench_sets, load_models  # the bench stage (re-exported)
+from draftsmith.engines.hf_bench import load_models  # re-exported
+from draftsmith.engines.hf_bench_pool import bench_sets  # the bench stage (re-exported)
 from draftsmith.hidden.capture_base import CaptureError, plan_batches
 from draftsmith.hidden.storage import Storage
 from draftsmith.hidden.writer import ShardWriter
@@ -41,7 +43,7 @@ IN_PROCESS = True
 # what the workflow needs from this engine (draftsmith.engines.NEEDS, read without importing
 # this module): no settings of its own, one GPU at most; it alone samples in the benchmark and
 # loads the target in regenerate.dtype
-WORKFLOW = {"honours": ["bench.temperature", "regenerate.dtype"]}
+WORKFLOW = {"honours": ["bench.temperature", "bench.workers", "regenerate.dtype"]}
 
 
 # glibc's mmap and trim thresholds of a capture job (draftsmith.runtime.heap): a prefill batch's

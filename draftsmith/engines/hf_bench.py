@@ -3,7 +3,9 @@ against plain greedy decoding of the target, both timed in this process, batch s
 bench.temperature > 0, speculative sampling against plain sampling (`draftsmith.algorithms.sampling`).
 It returns raw measurements; `draftsmith.bench.figures` computes the figures.
 
-`draftsmith.engines.hf` re-exports `bench_sets` (the registry's entry point) and `load_models`.
+These are the measurements of one process; `draftsmith.engines.hf_bench_pool` runs them in this
+process or spread over worker processes (its `bench_sets` is the registry's entry point, which
+`draftsmith.engines.hf` re-exports with `load_models`).
 """
 
 from __future__ import annotations
@@ -15,7 +17,6 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from draftsmith.runtime.hardware import announce
 from draftsmith.runtime.load import LoadMeter
 
 log = logging.getLogger("draftsmith.engines.hf")
@@ -26,58 +27,68 @@ def _sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
-def run_set(model, tokenizer, draft, rows, bench, aux_ids: list[int]) -> dict:
-    """Speculative and baseline generation of every row, timed: the raw measurements
-    `draftsmith.bench.figures.set_figures` turns into the report's figures."""
+def measure_prompt(model, tokenizer, draft, row, index: int, bench, aux_ids, meter) -> tuple:
+    """(record, {"spec": s, "base": s}) of prompt `index` of its set: its speculative and its
+    plain run, each timed (and its load metered) in this process."""
     from draftsmith.bench.specdec import greedy_generate, prompt_ids, speculative_generate, stop_ids
     from draftsmith.data.prompts import prompt_turns
 
     stops = stop_ids(model, tokenizer)
     k, max_new = bench.num_steps, bench.max_new_tokens
-    seconds, prompts = {"spec": 0.0, "base": 0.0}, []
-    meter = LoadMeter()  # other processes' CPU use while each side was timed
-    for i, row in enumerate(tqdm(rows, desc="prompts", unit="prompt")):
-        ids = prompt_ids(tokenizer, prompt_turns(row))
-        # prompt i samples with seed + i on both sides (None: greedy)
-        sp, bs = (sampler(bench, i, model.device) for _ in range(2))
-        runs = {
-            "spec": lambda ids=ids, sp=sp: speculative_generate(
-                model, draft, ids, max_new, stops, k, aux_ids, sp
-            ),
-            "base": lambda ids=ids, bs=bs: greedy_generate(model, ids, max_new, stops, bs),
-        }
-        results = {}
-        # alternate the order so drift (thermal, caches) does not favour one side
-        for name in ("spec", "base") if i % 2 == 0 else ("base", "spec"):
+    ids = prompt_ids(tokenizer, prompt_turns(row))
+    # prompt i samples with seed + i on both sides (None: greedy)
+    sp, bs = (sampler(bench, index, model.device) for _ in range(2))
+    runs = {
+        "spec": lambda: speculative_generate(model, draft, ids, max_new, stops, k, aux_ids, sp),
+        "base": lambda: greedy_generate(model, ids, max_new, stops, bs),
+    }
+    results, seconds = {}, {}
+    # alternate the order so drift (thermal, caches) does not favour one side
+    for name in ("spec", "base") if index % 2 == 0 else ("base", "spec"):
+        _sync(model.device)
+        t0 = time.perf_counter()
+        with meter.phase(name):
+            results[name] = runs[name]()
             _sync(model.device)
-            t0 = time.perf_counter()
-            with meter.phase(name):
-                results[name] = runs[name]()
-                _sync(model.device)
-            seconds[name] += time.perf_counter() - t0
-        trace, base = results["spec"], results["base"]
-        prompts.append(
-            {
-                "id": row["id"],
-                "prompt_tokens": trace.prompt_len,
-                "spec_ids": trace.tokens,
-                "base_ids": base,
-                "spec_tokens": len(trace.tokens),
-                "base_tokens": len(base),
-                "verify_passes": trace.passes,
-                "accept_len_hist": [trace.accepted.count(a) for a in range(k + 1)],
-                "emitted": sum(trace.emitted),
-            }
-        )
+        seconds[name] = time.perf_counter() - t0
+    trace, base = results["spec"], results["base"]
+    record = {
+        "id": row["id"],
+        "prompt_tokens": trace.prompt_len,
+        "spec_ids": trace.tokens,
+        "base_ids": base,
+        "spec_tokens": len(trace.tokens),
+        "base_tokens": len(base),
+        "verify_passes": trace.passes,
+        "accept_len_hist": [trace.accepted.count(a) for a in range(k + 1)],
+        "emitted": sum(trace.emitted),
+    }
+    return record, seconds
+
+
+def set_measurements(bench, prompts: list[dict], seconds: list[dict], load: dict) -> dict:
+    """A set's raw measurements (`draftsmith.bench.figures.set_figures` turns them into the
+    report's figures) from its prompts' records and timings, in prompt order."""
     return {
-        "num_steps": k,
+        "num_steps": bench.num_steps,
         # sampled outputs are compared in distribution (tests/test_sampling.py), not here
         "sampled": sampling(bench) is not None,
-        "spec_seconds": seconds["spec"],
-        "base_seconds": seconds["base"],
+        "spec_seconds": sum(s["spec"] for s in seconds),
+        "base_seconds": sum(s["base"] for s in seconds),
         "prompts": prompts,
-        "extra": {"load": meter.summary()},
+        "extra": {"load": load},
     }
+
+
+def run_set(model, tokenizer, draft, rows, bench, aux_ids: list[int]) -> dict:
+    """Speculative and baseline generation of every row, timed, in this process."""
+    meter = LoadMeter()  # other processes' CPU use while each side was timed
+    measured = [
+        measure_prompt(model, tokenizer, draft, row, i, bench, aux_ids, meter)
+        for i, row in enumerate(tqdm(rows, desc="prompts", unit="prompt"))
+    ]
+    records, seconds = [m[0] for m in measured], [m[1] for m in measured]
+    return set_measurements(bench, records, seconds, meter.summary())
 
 
 def sampling(bench) -> dict | None:
@@ -167,8 +178,15 @@ def drafting_text(algorithm: str, n: int) -> str:
     return algorithms.get(algorithm or algorithms.DEFAULT).drafting.format(n=n)
 
 
-def method_text(bench, device: str, threads: int, algorithm: str = "") -> str:
+def method_text(bench, device: str, threads: int, algorithm: str = "", workers: int = 1) -> str:
+    """The report's method line (`threads`: the job's, over `workers` processes)."""
     s = sampling(bench)
+    where = f"{threads} threads"
+    if workers > 1:
+        where = (
+            f"{workers} processes of {threads // workers} thread(s) each, the prompts shared "
+            "between them, each prompt's two runs timed in one process"
+        )
     verify, base, step = "greedy verification", "greedy decoding", "greedy decoding"
     if s is not None:
         verify = (
@@ -181,7 +199,7 @@ def method_text(bench, device: str, threads: int, algorithm: str = "") -> str:
         f"{drafting_text(algorithm, bench.num_steps)}, {bench.num_steps} draft tokens "
         "per verification "
         f"pass (top-k 1), {verify}, at most {bench.max_new_tokens} new tokens "
-        f"per prompt, batch size 1, on {device} ({threads} threads), transformers in-process "
+        f"per prompt, batch size 1, on {device} ({where}), transformers in-process "
         "(hf engine). tau = tokens emitted by verification passes / verification passes (the "
         "prefill's token excluded; the SGLang count includes it). Speedup = tokens/s with "
         f"speculation / tokens/s of plain {base} with KV cache, both measured in this "
@@ -189,47 +207,3 @@ def method_text(bench, device: str, threads: int, algorithm: str = "") -> str:
         f"verification, prefill amortised) in {step} steps: speedup = tau (SGLang count) / "
         "pass cost exactly."
     )
-
-
-def bench_sets(sets: dict, job, *, target, draft, threads: int):
-    """The bench stage: speculative and greedy generation of every set, in this process (`job`:
-    the JobSettings of the engine seam, draftsmith.engines)."""
-    from draftsmith.config.checks import concurrency_levels
-    from draftsmith.config.settings import plain
-    from draftsmith.runtime.files import set_threads
-
-    bench = job.bench
-    if bench.topk != 1:
-        raise SystemExit(f"bench.topk {bench.topk}: the hf engine decodes chains (top-k 1)")
-    if concurrency_levels(bench.concurrency) != [1]:
-        raise SystemExit(
-            f"bench.concurrency {plain(bench.concurrency)}: the hf engine runs batch size 1"
-        )
-    set_threads(threads)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    model, tokenizer, drafter = load_models(Path(target), Path(draft), job.target.dtype, device)
-    aux_ids = list(drafter.config.aux_layer_ids)
-    log.info("aux ids %s; device %s", aux_ids, device)
-    cpu = announce(
-        log, "bench timing", str(model.dtype).removeprefix("torch."), "target.dtype", device
-    )
-    routes = route_linears(model, drafter, bench.num_steps, device)
-    warm_up(model, tokenizer, drafter, next(iter(sets.values()))[0], bench, aux_ids)
-    results = {
-        name: run_set(model, tokenizer, drafter, rows, bench, aux_ids)
-        for name, rows in sets.items()
-    }
-    n_threads = torch.get_num_threads()
-    info = {
-        "backend": "hf",
-        "device": device,
-        "threads": n_threads,
-        "aux_layer_ids": aux_ids,
-        "draft_vocab_size": drafter.config.draft_vocab_size,
-        "method": method_text(bench, device, n_threads, getattr(drafter.config, "algorithm", "")),
-        "cpu": cpu,
-        **({"linear_routes": routes} if routes else {}),
-    }
-    if sampling(bench) is not None:
-        info["sampling"] = sampling(bench)
-    return results, info

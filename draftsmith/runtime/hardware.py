@@ -183,3 +183,23 @@ def announce(log, what: str, dtype: str, key: str, device: str = "cpu") -> dict:
     if warning:
         log.warning("%s", warning)
     return facts.as_dict()
+
+
+def free_memory_bytes() -> int | None:
+    """Bytes this process's processes can still take: the kernel's MemAvailable, lowered to
+    what the cgroup (a SLURM or container limit, cgroup v2) leaves; None where neither is read."""
+    found = []
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                found.append(int(line.split()[1]) * 1024)
+    except (OSError, ValueError, IndexError):
+        pass
+    cgroup = Path("/sys/fs/cgroup")
+    try:
+        limit = (cgroup / "memory.max").read_text().strip()
+        if limit != "max":
+            found.append(int(limit) - int((cgroup / "memory.current").read_text()))
+    except (OSError, ValueError):
+        pass
+    return max(0, min(found)) if found else None

@@ -36,6 +36,36 @@ def machine_busy_seconds() -> float | None:
     return (user + nice + system + irq + softirq + steal) / _TICK
 
 
+def tree_cpu_seconds(root: int) -> float | None:
+    """CPU seconds of process `root` and its live descendants, read from /proc (None where
+    /proc is absent): a job's whole process tree, e.g. its worker processes."""
+    parents: dict[int, int] = {}
+    seconds: dict[int, float] = {}
+    try:
+        entries = [e for e in os.listdir("/proc") if e.isdigit()]
+    except OSError:
+        return None
+    for entry in entries:
+        try:
+            text = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:  # ended meanwhile
+            continue
+        fields = text.rsplit(")", 1)[1].split()  # after the command name, which may hold spaces
+        parents[int(entry)] = int(fields[1])
+        seconds[int(entry)] = (int(fields[11]) + int(fields[12])) / _TICK
+    if root not in seconds:
+        return None
+    children: dict[int, list[int]] = {}
+    for pid, ppid in parents.items():
+        children.setdefault(ppid, []).append(pid)
+    total, todo = 0.0, [root]
+    while todo:
+        pid = todo.pop()
+        total += seconds.get(pid, 0.0)
+        todo.extend(children.get(pid, []))
+    return total
+
+
 def own_cpu_seconds() -> float:
     """CPU seconds of this process (all threads) and of its live descendants."""
     t = os.times()
@@ -57,26 +87,48 @@ def own_cpu_seconds() -> float:
 
 
 class LoadMeter:
-    """Accumulates, per phase name, wall seconds and other processes' CPU seconds."""
+    """Accumulates, per phase name, wall seconds and other processes' CPU seconds. `job`: the
+    pid whose process tree counts as this job's own (a worker process passes its parent's, so
+    that its sibling workers are not other work); by default this process and its children."""
 
-    def __init__(self) -> None:
+    def __init__(self, job: int | None = None) -> None:
         self.wall: dict[str, float] = {}
         self.others: dict[str, float] = {}
         self.measured = machine_busy_seconds() is not None
         self.loadavg_start = _loadavg()
+        self.job = job
+
+    def _own(self) -> float:
+        if self.job is not None:
+            tree = tree_cpu_seconds(self.job)
+            if tree is not None:
+                return tree
+        return own_cpu_seconds()
 
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
-        busy0, own0, t0 = machine_busy_seconds(), own_cpu_seconds(), time.perf_counter()
+        busy0, own0, t0 = machine_busy_seconds(), self._own(), time.perf_counter()
         try:
             yield
         finally:
             wall = time.perf_counter() - t0
-            busy1, own1 = machine_busy_seconds(), own_cpu_seconds()
+            busy1, own1 = machine_busy_seconds(), self._own()
             self.wall[name] = self.wall.get(name, 0.0) + wall
             if busy0 is not None and busy1 is not None:
                 other = max(0.0, (busy1 - busy0) - (own1 - own0))
                 self.others[name] = self.others.get(name, 0.0) + other
+
+    def state(self) -> dict:
+        """What `absorb` adds up (a worker process sends it to its parent)."""
+        return {"wall": dict(self.wall), "others": dict(self.others), "measured": self.measured}
+
+    def absorb(self, state: dict) -> None:
+        """Add another meter's phases (its `state()`) to this one's."""
+        for name, wall in state["wall"].items():
+            self.wall[name] = self.wall.get(name, 0.0) + wall
+        for name, other in state["others"].items():
+            self.others[name] = self.others.get(name, 0.0) + other
+        self.measured = self.measured and state["measured"]
 
     def cores(self) -> dict[str, float]:
         """Average cores of other work per phase."""

@@ -1,0 +1,262 @@
+"""The `hf` engine's bench stage: its sets measured in this process, or, on a CPU, spread over
+worker processes of one thread each (bench.workers).
+
+At batch size 1 a decode step of a small target is a long chain of small ops and Python; a
+second thread in the same process shortens it little, while two one-thread processes, each
+decoding its own prompts, keep both cores busy. `bench.workers: auto` therefore starts, on a CPU,
+one process per thread of the job (benchmarks/bench_bench_workers.py measures both ways on the
+default's real bench job, benchmarks/results/bench_workers_<cpu kind>.md), fewer where the
+prompts are fewer or the memory cannot hold a copy of the target per process; on a GPU one.
+
+Each worker loads the target and the draft, measures its own linear-layer routes at its own
+thread count (draftsmith.runtime.gemm) and warms up, then takes prompts from a shared queue
+until none is left. A prompt's speculative and plain runs are timed back to back in the same
+worker (`hf_bench.measure_prompt`), so a speedup compares two runs under the same conditions;
+the set's figures add up every prompt's seconds, so its tokens/s are those of one process. What
+is measured is the same as in one process: the same prompts, seeds and order of the two sides
+per prompt. A worker's load meter counts the whole job's processes as its own, so the sibling
+workers are not taken for other work. A worker that fails ends the job with its error; the
+others are stopped.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import traceback
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from draftsmith.engines.hf_bench import (
+    load_models,
+    measure_prompt,
+    method_text,
+    route_linears,
+    run_set,
+    sampling,
+    set_measurements,
+    warm_up,
+)
+from draftsmith.runtime.hardware import announce, free_memory_bytes
+from draftsmith.runtime.load import LoadMeter
+
+log = logging.getLogger("draftsmith.engines.hf")
+
+POLL_S = 5.0  # how often the parent looks at its workers while it waits for a result
+WEIGHT_COPIES = 2  # a worker's memory in copies of the target's weights (routes, allocator)
+
+
+def worker_count(
+    requested, device: str, threads: int, prompts: int, need: int | None, free: int | None
+) -> tuple[int, str]:
+    """(worker processes, why) for bench.workers `requested` ("auto" or a number) on a job of
+    `threads` threads with `prompts` prompts; `need`: bytes one worker holds, `free`: bytes the
+    machine can give (None: unknown). Each worker gets threads // workers threads."""
+    threads = max(1, threads)
+    if device != "cpu":
+        return 1, f"one process on {device}"
+    if requested != "auto":
+        n = min(int(requested), threads, max(1, prompts))
+        return n, f"bench.workers {requested} ({n} for {threads} threads and {prompts} prompts)"
+    n = min(threads, max(1, prompts))
+    why = f"auto: one per thread of the job ({threads}), at most one per prompt ({prompts})"
+    if need and free is not None and free // need < n:
+        n = max(1, free // need)
+        why += f"; {free / 2**30:.1f} GiB free holds {n} x {need / 2**30:.1f} GiB"
+    return n, why
+
+
+def weight_bytes(target_dir: Path, dtype: str) -> int:
+    """Bytes of the target's weights in `dtype` (read from the safetensors headers only)."""
+    from safetensors import safe_open
+
+    size = torch.empty((), dtype=getattr(torch, dtype)).element_size()
+    total = 0
+    for path in sorted(Path(target_dir).glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as f:
+            for key in f.keys():
+                total += size * int(torch.Size(f.get_slice(key).get_shape()).numel())
+    return total
+
+
+def worker_main(spec: dict, tasks, results) -> None:
+    """One worker process: load, route, warm up, then measure prompts from `tasks` (None ends),
+    sending ("ready", index, facts), ("prompt", set, i, record, seconds), ("done", index,
+    {set: meter state}) or ("error", index, text) to `results`."""
+    from draftsmith.runtime.files import init_logging, set_threads
+
+    init_logging("draftsmith.engines.hf")
+    index = spec["index"]
+    try:
+        set_threads(spec["threads"])
+        model, tokenizer, drafter = load_models(
+            Path(spec["target"]), Path(spec["draft"]), spec["dtype"], "cpu"
+        )
+        bench, aux_ids = spec["bench"], list(drafter.config.aux_layer_ids)
+        facts = {
+            "routes": route_linears(model, drafter, bench.num_steps, "cpu"),
+            "aux_ids": aux_ids,
+            "draft_vocab_size": drafter.config.draft_vocab_size,
+            "algorithm": getattr(drafter.config, "algorithm", ""),
+        }
+        warm_up(model, tokenizer, drafter, spec["warm_row"], bench, aux_ids)
+        results.put(("ready", index, facts))
+        meters: dict[str, LoadMeter] = {}
+        for name, i, row in iter(tasks.get, None):
+            meter = meters.setdefault(name, LoadMeter(job=spec["job_pid"]))
+            record, seconds = measure_prompt(
+                model, tokenizer, drafter, row, i, bench, aux_ids, meter
+            )
+            results.put(("prompt", name, i, record, seconds))
+        results.put(("done", index, {name: m.state() for name, m in meters.items()}))
+    except BaseException as e:  # noqa: BLE001 - every failure goes to the parent, named
+        text = str(e) if isinstance(e, SystemExit) else traceback.format_exc()
+        results.put(("error", index, text))
+        raise SystemExit(1) from None
+
+
+def next_message(results, procs) -> tuple:
+    """The next worker message; SystemExit when a worker ended without saying why."""
+    while True:
+        try:
+            return results.get(timeout=POLL_S)
+        except queue.Empty:
+            for i, p in enumerate(procs):
+                if p.exitcode not in (None, 0):
+                    raise SystemExit(
+                        f"bench worker {i} ended with exit code {p.exitcode} (killed, e.g. out "
+                        "of memory?); set bench.workers 1 to bench in one process"
+                    ) from None
+
+
+def collect(sets: dict, results, procs) -> tuple[dict, dict, dict]:
+    """({set: {i: (record, seconds)}}, {set: merged meter}, facts of worker 0) from the
+    workers' messages, with a progress bar over every prompt."""
+    got: dict[str, dict] = {name: {} for name in sets}
+    meters = {name: LoadMeter() for name in sets}
+    facts, finished = {}, 0
+    bar = tqdm(total=sum(len(rows) for rows in sets.values()), desc="prompts", unit="prompt")
+    while finished < len(procs):
+        msg = next_message(results, procs)
+        if msg[0] == "error":
+            raise SystemExit(f"bench worker {msg[1]} failed: {msg[2]}")
+        if msg[0] == "ready":
+            facts = facts or msg[2]
+        elif msg[0] == "prompt":
+            got[msg[1]][msg[2]] = (msg[3], msg[4])
+            bar.update(1)
+        else:
+            finished += 1
+            for name, state in msg[2].items():
+                meters[name].absorb(state)
+    bar.close()
+    return got, meters, facts
+
+
+def run_in_workers(sets: dict, job, target, draft, workers: int, threads: int) -> tuple:
+    """(measurements per set, facts of worker 0): the sets measured by `workers` processes of
+    threads // workers threads each."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")  # a fresh interpreter: libgomp is not fork-safe
+    tasks, results = ctx.Queue(), ctx.Queue()
+    for name, rows in sets.items():
+        for i, row in enumerate(rows):
+            tasks.put((name, i, row))
+    base = {
+        "threads": max(1, threads // workers),
+        "target": str(target),
+        "draft": str(draft),
+        "dtype": job.target.dtype,
+        "bench": job.bench,
+        "job_pid": os.getpid(),
+        "warm_row": next(iter(sets.values()))[0],
+    }
+    procs = [
+        ctx.Process(target=worker_main, args=({**base, "index": i}, tasks, results), daemon=True)
+        for i in range(workers)
+    ]
+    for _ in procs:
+        tasks.put(None)
+    try:
+        for p in procs:
+            p.start()
+        got, meters, facts = collect(sets, results, procs)
+    finally:
+        for p in procs:
+            p.join(timeout=POLL_S)
+            if p.is_alive():
+                p.terminate()
+                p.join()
+    measured = {}
+    for name, rows in sets.items():
+        pairs = [got[name][i] for i in range(len(rows))]
+        measured[name] = set_measurements(
+            job.bench, [r for r, _ in pairs], [s for _, s in pairs], meters[name].summary()
+        )
+    return measured, facts
+
+
+def run_in_process(sets: dict, job, target, draft, device: str) -> tuple:
+    """(measurements per set, facts): the sets measured in this process."""
+    bench = job.bench
+    model, tokenizer, drafter = load_models(Path(target), Path(draft), job.target.dtype, device)
+    aux_ids = list(drafter.config.aux_layer_ids)
+    facts = {
+        "routes": route_linears(model, drafter, bench.num_steps, device),
+        "aux_ids": aux_ids,
+        "draft_vocab_size": drafter.config.draft_vocab_size,
+        "algorithm": getattr(drafter.config, "algorithm", ""),
+    }
+    warm_up(model, tokenizer, drafter, next(iter(sets.values()))[0], bench, aux_ids)
+    measured = {
+        name: run_set(model, tokenizer, drafter, rows, bench, aux_ids)
+        for name, rows in sets.items()
+    }
+    return measured, facts
+
+
+def bench_sets(sets: dict, job, *, target, draft, threads: int):
+    """The bench stage: speculative and greedy generation of every set (`job`: the JobSettings
+    of the engine seam, draftsmith.engines)."""
+    from draftsmith.config.checks import concurrency_levels
+    from draftsmith.config.settings import plain
+    from draftsmith.runtime.files import set_threads
+
+    bench = job.bench
+    if bench.topk != 1:
+        raise SystemExit(f"bench.topk {bench.topk}: the hf engine decodes chains (top-k 1)")
+    if concurrency_levels(bench.concurrency) != [1]:
+        raise SystemExit(
+            f"bench.concurrency {plain(bench.concurrency)}: the hf engine runs batch size 1"
+        )
+    set_threads(threads)
+    threads = torch.get_num_threads()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    prompts = sum(len(rows) for rows in sets.values())
+    need = WEIGHT_COPIES * weight_bytes(target, job.target.dtype) if device == "cpu" else None
+    workers, why = worker_count(bench.workers, device, threads, prompts, need, free_memory_bytes())
+    log.info("bench processes: %d (%s)", workers, why)
+    cpu = announce(log, "bench timing", job.target.dtype, "target.dtype", device)
+    if workers > 1:
+        measured, facts = run_in_workers(sets, job, target, draft, workers, threads)
+    else:
+        measured, facts = run_in_process(sets, job, target, draft, device)
+    log.info("aux ids %s; device %s", facts["aux_ids"], device)
+    info = {
+        "backend": "hf",
+        "device": device,
+        "threads": threads,
+        "workers": workers,
+        "aux_layer_ids": facts["aux_ids"],
+        "draft_vocab_size": facts["draft_vocab_size"],
+        "method": method_text(bench, device, threads, facts["algorithm"], workers),
+        "cpu": cpu,
+        **({"linear_routes": facts["routes"]} if facts["routes"] else {}),
+    }
+    if sampling(bench) is not None:
+        info["sampling"] = sampling(bench)
+    return measured, info
