@@ -376,7 +376,7 @@ def test_bench_workers_measure_what_one_process_does(target, tiny_target, tmp_pa
         reports[workers] = json.loads((out / "report.json").read_text())
     pooled, single = reports[2], reports[1]
     assert (pooled["workers"], pooled["threads"]) == (2, 2)
-    assert "2 processes of 1 thread(s) each" in pooled["method"]
+    assert "2 processes of 1 thread each" in pooled["method"]
     assert (single["workers"], single["threads"]) == (1, 1)
     for name in ("heldout", "humaneval"):
         a, b = pooled["sets"][name], single["sets"][name]

@@ -45,12 +45,12 @@ def measure_prompt(model, tokenizer, draft, row, index: int, bench, aux_ids, met
     results, seconds = {}, {}
     # alternate the order so drift (thermal, caches) does not favour one side
     for name in ("spec", "base") if index % 2 == 0 else ("base", "spec"):
-        _sync(model.device)
-        t0 = time.perf_counter()
-        with meter.phase(name):
+        with meter.phase(name):  # the meter's own reads stay out of the timed span
+            _sync(model.device)
+            t0 = time.perf_counter()
             results[name] = runs[name]()
             _sync(model.device)
-        seconds[name] = time.perf_counter() - t0
+            seconds[name] = time.perf_counter() - t0
     trace, base = results["spec"], results["base"]
     record = {
         "id": row["id"],
@@ -184,7 +184,8 @@ def method_text(bench, device: str, threads: int, algorithm: str = "", workers: 
     where = f"{threads} threads"
     if workers > 1:
         where = (
-            f"{workers} processes of {threads // workers} thread(s) each, the prompts shared "
+            f"{workers} processes of {threads // workers} thread"
+            f"{'s' if threads // workers > 1 else ''} each, the prompts shared "
             "between them, each prompt's two runs timed in one process"
         )
     verify, base, step = "greedy verification", "greedy decoding", "greedy decoding"
