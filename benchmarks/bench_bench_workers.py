@@ -18,18 +18,13 @@ Writes benchmarks/results/bench_workers_<cpu kind>.{json,md} (`--name` replaces 
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
 import shlex
 import sys
 import tempfile
 from pathlib import Path
 
-from bench_job_threads import ROOT, job_commands, run_jobs
-
-from draftsmith.runtime.files import atomic_write_json, atomic_write_text
-from draftsmith.runtime.hardware import cpu_facts
+from bench_job_threads import from_run_main, job_commands, run_jobs
 
 OUTPUTS = ("--report-json", "--report-md", "--summary-html", "--acceptance", "--hist",
            "--training", "--captions")  # fmt: skip
@@ -124,23 +119,5 @@ def render(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--from-run", type=Path, default=ROOT / "benchmarks/work/default_run")
-    ap.add_argument("--reps", type=int, default=1)
-    ap.add_argument("--name", default="")
-    args = ap.parse_args()
-    facts = cpu_facts()
-    load_before = os.getloadavg()[0]
-    measured = measure(args.from_run.resolve(), args.reps)
-    result = {"cpu": facts.describe(), "kind": facts.kind, "cores": os.cpu_count(),
-              "reps": args.reps, "load_before": load_before,
-              "load_after": os.getloadavg()[0], "measured": measured}  # fmt: skip
-    out = ROOT / "benchmarks/results" / (args.name or f"bench_workers_{facts.kind}")
-    atomic_write_json(out.with_suffix(".json"), result)
-    atomic_write_text(out.with_suffix(".md"), render(result))
-    print(render(result))
-
-
 if __name__ == "__main__":
-    main()
+    from_run_main(__doc__, measure, render, "bench_workers", "measured")

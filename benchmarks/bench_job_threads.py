@@ -131,23 +131,26 @@ def render(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def from_run_main(doc: str, measure, render, stem: str, key: str) -> None:
+    """The command line of a benchmark of a finished run's jobs (`--from-run`, `--reps`,
+    `--name`): `measure(run, reps)` goes under `key` of the result, which is written to
+    benchmarks/results/<stem>_<cpu kind>.{json,md} (`render` makes the markdown)."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
     ap.add_argument("--from-run", type=Path, default=ROOT / "benchmarks/work/default_run")
     ap.add_argument("--reps", type=int, default=1)
     ap.add_argument("--name", default="")
     args = ap.parse_args()
     facts = cpu_facts()
     load_before = os.getloadavg()[0]
-    table = measure(args.from_run.resolve(), args.reps)
+    measured = measure(args.from_run.resolve(), args.reps)
     result = {"cpu": facts.describe(), "kind": facts.kind, "cores": os.cpu_count(),
               "reps": args.reps, "load_before": load_before,
-              "load_after": os.getloadavg()[0], "table": table}  # fmt: skip
-    out = ROOT / "benchmarks/results" / (args.name or f"job_threads_{facts.kind}")
+              "load_after": os.getloadavg()[0], key: measured}  # fmt: skip
+    out = ROOT / "benchmarks/results" / (args.name or f"{stem}_{facts.kind}")
     atomic_write_json(out.with_suffix(".json"), result)
     atomic_write_text(out.with_suffix(".md"), render(result))
     print(render(result))
 
 
 if __name__ == "__main__":
-    main()
+    from_run_main(__doc__, measure, render, "job_threads", "table")
