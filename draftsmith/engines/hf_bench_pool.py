@@ -86,12 +86,13 @@ def worker_main(spec: dict, tasks, results) -> None:
     """One worker process: load, route, warm up, then measure prompts from `tasks` (None ends),
     sending ("ready", index, facts), ("prompt", set, i, record, seconds), ("done", index,
     {set: meter state}) or ("error", index, text) to `results`."""
-    from draftsmith.runtime.files import init_logging, set_threads
+    from draftsmith.runtime.files import init_logging
 
     init_logging("draftsmith.engines.hf")
     index = spec["index"]
     try:
-        set_threads(spec["threads"])
+        # the parent logged the job's wait policy (inherited); this process's thread count:
+        torch.set_num_threads(spec["threads"])
         model, tokenizer, drafter = load_models(
             Path(spec["target"]), Path(spec["draft"]), spec["dtype"], "cpu"
         )
