@@ -19,12 +19,10 @@ Writes benchmarks/results/bench_workers_<cpu kind>.{json,md} (`--name` replaces 
 from __future__ import annotations
 
 import json
-import shlex
-import sys
 import tempfile
 from pathlib import Path
 
-from bench_job_threads import from_run_main, job_commands, run_jobs
+from bench_job_threads import from_run_main, job_commands, retarget, run_jobs
 
 OUTPUTS = ("--report-json", "--report-md", "--summary-html", "--acceptance", "--hist",
            "--training", "--captions")  # fmt: skip
@@ -34,17 +32,12 @@ MODES = {"one process": 1, "workers": "auto"}
 def bench_argv(cmd: str, workers, scratch: Path) -> list[str]:
     """The bench job's argv with this interpreter, bench.workers `workers`, two threads and its
     outputs under `scratch`."""
-    argv = shlex.split(cmd)
-    for i, arg in enumerate(argv[:-1]):
-        if arg in OUTPUTS:
-            argv[i + 1] = str(scratch / Path(argv[i + 1]).name)
-        elif arg == "--cfg":
-            cfg = json.loads(argv[i + 1])
-            cfg["bench"]["workers"] = workers
-            argv[i + 1] = json.dumps(cfg)
-        elif arg == "--threads":
-            argv[i + 1] = "2"
-    return [sys.executable, "-P", *argv]  # -P: today's package, not the run's copy in its cwd
+    argv = retarget(cmd, OUTPUTS, 2, scratch)
+    i = argv.index("--cfg") + 1
+    cfg = json.loads(argv[i])
+    cfg["bench"]["workers"] = workers
+    argv[i] = json.dumps(cfg)
+    return argv
 
 
 def figures(report_json: Path) -> dict:

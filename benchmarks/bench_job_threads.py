@@ -52,11 +52,12 @@ def job_commands(run: Path, stages=tuple(STAGES), keep: int = 2) -> dict[str, li
     return {stage: sorted(cmds)[:keep] for stage, cmds in found.items()}
 
 
-def retarget(cmd: str, stage: str, threads: int, scratch: Path) -> list[str]:
-    """The job's argv with this interpreter, `threads` and its outputs under `scratch`."""
+def retarget(cmd: str, outputs: tuple[str, ...], threads: int, scratch: Path) -> list[str]:
+    """The job's argv with this interpreter, `threads` and its `outputs` (the options that name
+    them) under `scratch`."""
     argv = shlex.split(cmd)
     for i, arg in enumerate(argv[:-1]):
-        if arg in STAGES[stage]:
+        if arg in outputs:
             argv[i + 1] = str(scratch / Path(argv[i + 1]).name)
         if arg == "--threads":
             argv[i + 1] = str(threads)
@@ -101,7 +102,7 @@ def measure(run: Path, reps: int) -> list[dict]:
             for rep in range(reps):
                 for mode in modes if rep % 2 == 0 else modes[::-1]:
                     threads, together = (2, False) if mode == "apart" else (1, True)
-                    argvs = [retarget(c, stage, threads, dirs[mode]) for c in cmds]
+                    argvs = [retarget(c, STAGES[stage], threads, dirs[mode]) for c in cmds]
                     seconds = run_jobs(run, argvs, threads, together, dirs[mode])
                     print(f"{stage} {mode}: {seconds:.1f} s", flush=True)
                     best[mode] = min(best[mode], seconds)

@@ -170,6 +170,19 @@ def route_linears(model, drafter, num_steps: int, device: str) -> dict:
     return summaries
 
 
+def prepare(model, tokenizer, drafter, bench, device: str, warm_row: dict) -> dict:
+    """Route the linear layers (on a CPU) and warm both paths up on `warm_row`; the facts the
+    report needs of the loaded draft: routes, aux ids, draft vocab size, algorithm."""
+    facts = {
+        "routes": route_linears(model, drafter, bench.num_steps, device),
+        "aux_ids": list(drafter.config.aux_layer_ids),
+        "draft_vocab_size": drafter.config.draft_vocab_size,
+        "algorithm": getattr(drafter.config, "algorithm", ""),
+    }
+    warm_up(model, tokenizer, drafter, warm_row, bench, facts["aux_ids"])
+    return facts
+
+
 def drafting_text(algorithm: str, n: int) -> str:
     """How the draft proposes, for the report's method line (draft.algorithm of the export;
     the words are its spec's)."""

@@ -34,11 +34,10 @@ from draftsmith.engines.hf_bench import (
     load_models,
     measure_prompt,
     method_text,
-    route_linears,
+    prepare,
     run_set,
     sampling,
     set_measurements,
-    warm_up,
 )
 from draftsmith.runtime.hardware import announce, free_memory_bytes
 from draftsmith.runtime.load import LoadMeter
@@ -96,14 +95,9 @@ def worker_main(spec: dict, tasks, results) -> None:
         model, tokenizer, drafter = load_models(
             Path(spec["target"]), Path(spec["draft"]), spec["dtype"], "cpu"
         )
-        bench, aux_ids = spec["bench"], list(drafter.config.aux_layer_ids)
-        facts = {
-            "routes": route_linears(model, drafter, bench.num_steps, "cpu"),
-            "aux_ids": aux_ids,
-            "draft_vocab_size": drafter.config.draft_vocab_size,
-            "algorithm": getattr(drafter.config, "algorithm", ""),
-        }
-        warm_up(model, tokenizer, drafter, spec["warm_row"], bench, aux_ids)
+        bench = spec["bench"]
+        facts = prepare(model, tokenizer, drafter, bench, "cpu", spec["warm_row"])
+        aux_ids = facts["aux_ids"]
         results.put(("ready", index, facts))
         meters: dict[str, LoadMeter] = {}
         for name, i, row in iter(tasks.get, None):
@@ -145,7 +139,7 @@ def collect(sets: dict, results, procs) -> tuple[dict, dict, dict]:
         if msg[0] == "error":
             raise SystemExit(f"bench worker {msg[1]} failed: {msg[2]}")
         if msg[0] == "ready":
-            facts = facts or msg[2]
+            facts = msg[2] if msg[1] == 0 else facts
         elif msg[0] == "prompt":
             got[msg[1]][msg[2]] = (msg[3], msg[4])
             bar.update(1)
@@ -205,16 +199,9 @@ def run_in_process(sets: dict, job, target, draft, device: str) -> tuple:
     """(measurements per set, facts): the sets measured in this process."""
     bench = job.bench
     model, tokenizer, drafter = load_models(Path(target), Path(draft), job.target.dtype, device)
-    aux_ids = list(drafter.config.aux_layer_ids)
-    facts = {
-        "routes": route_linears(model, drafter, bench.num_steps, device),
-        "aux_ids": aux_ids,
-        "draft_vocab_size": drafter.config.draft_vocab_size,
-        "algorithm": getattr(drafter.config, "algorithm", ""),
-    }
-    warm_up(model, tokenizer, drafter, next(iter(sets.values()))[0], bench, aux_ids)
+    facts = prepare(model, tokenizer, drafter, bench, device, next(iter(sets.values()))[0])
     measured = {
-        name: run_set(model, tokenizer, drafter, rows, bench, aux_ids)
+        name: run_set(model, tokenizer, drafter, rows, bench, facts["aux_ids"])
         for name, rows in sets.items()
     }
     return measured, facts
