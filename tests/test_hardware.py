@@ -210,3 +210,24 @@ def test_load_meter_sees_other_work():
     if not s["measured"]:
         pytest.skip("no /proc/stat")
     assert 0.0 <= s["other_work_cores"]["x"] <= s["cpus"]
+
+
+def test_a_job_meter_keeps_the_seconds_of_a_worker_that_ended():
+    """A meter over a job's process tree (what each bench worker uses): a worker that burns CPU
+    and ends (and is waited for) inside a phase stays the job's own, so its seconds do not
+    turn into other work; before, they vanished from the tree with the process."""
+    import os
+    import subprocess
+    import sys
+
+    from draftsmith.runtime.load import tree_cpu_seconds
+
+    if tree_cpu_seconds(os.getpid()) is None:
+        pytest.skip("no /proc")
+    meter = LoadMeter(job=os.getpid())
+    before = tree_cpu_seconds(os.getpid())
+    with meter.phase("x"):
+        subprocess.run([sys.executable, "-c", "sum(range(30_000_000))"], check=True)
+    burnt = tree_cpu_seconds(os.getpid()) - before
+    assert burnt > 0.3  # the child's seconds are in the tree after it ended
+    assert meter.others["x"] < burnt / 2, (meter.others, burnt)

@@ -383,7 +383,7 @@ def test_bench_workers_measure_what_one_process_does(target, tiny_target, tmp_pa
         assert a["per_prompt"] == b["per_prompt"] and len(a["per_prompt"]) > 1
         assert a["identical_outputs"] == len(a["per_prompt"])  # lossless in the workers too
         assert a["spec_seconds"] > 0 and a["baseline_seconds"] > 0
-        assert a["speedup_verdict"]["comparable"] is not False, a["speedup_verdict"]
+        assert "why" in a["speedup_verdict"]  # the load meter's verdict (figures: test_hardware)
 
 
 def test_bench_worker_count():

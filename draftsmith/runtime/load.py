@@ -37,8 +37,10 @@ def machine_busy_seconds() -> float | None:
 
 
 def tree_cpu_seconds(root: int) -> float | None:
-    """CPU seconds of process `root` and its live descendants, read from /proc (None where
-    /proc is absent): a job's whole process tree, e.g. its worker processes."""
+    """CPU seconds of process `root` and its descendants, read from /proc (None where /proc is
+    absent): a job's whole process tree, e.g. its worker processes. A descendant that ended and
+    was waited for still counts, in its parent's children's times (cutime, cstime), so a worker
+    ending between two reads does not take its seconds out of the tree."""
     parents: dict[int, int] = {}
     seconds: dict[int, float] = {}
     try:
@@ -52,7 +54,7 @@ def tree_cpu_seconds(root: int) -> float | None:
             continue
         fields = text.rsplit(")", 1)[1].split()  # after the command name, which may hold spaces
         parents[int(entry)] = int(fields[1])
-        seconds[int(entry)] = (int(fields[11]) + int(fields[12])) / _TICK
+        seconds[int(entry)] = sum(int(f) for f in fields[11:15]) / _TICK  # own + waited children
     if root not in seconds:
         return None
     children: dict[int, list[int]] = {}
