@@ -278,9 +278,11 @@ def train_work(res: Path, manifests: list[dict], tp: dict) -> dict | None:
         "dtype": "bfloat16" if trained_precision(meta) == "bf16" else "float32",
         "flops": 6 * draft * trained * steps + 2 * h * kd * trained + 2 * tp["head"] * shard_tokens,
         "formula": [
-            f"FLOPs = 6 x {draft:,} draft params x {trained:,} trained tokens x {steps} TTT steps "
-            f"+ teacher 2 x {h} x {kd} x {trained:,} + teacher argmax (once) 2 x {tp['head']:,} "
-            f"x {shard_tokens:,} shard tokens"
+            f"FLOPs <= 6 x {draft:,} draft params x {trained:,} trained tokens x {steps} TTT "
+            f"steps + teacher 2 x {h} x {kd} x {trained:,} + teacher argmax (once) 2 x "
+            f"{tp['head']:,} x {shard_tokens:,} shard tokens: an upper bound, so the fraction "
+            "of the peak is at most this (the trainer runs steps after the first, the draft's "
+            "lm_head and the teacher argmax only on positions whose prediction is trained)"
         ],
     }
 
@@ -365,12 +367,16 @@ def headline(run: Path) -> dict:
 
 def decisions(run: Path) -> dict:
     """What the run chose by measurement, as its jobs recorded it: regenerate.dtype auto, the
-    training precision (train.precision auto) and the bench's linear layer forms."""
+    training precision (train.precision auto), regeneration's and the bench's linear layer
+    forms."""
     res, out = run / "results", {}
     regen = [load_json(p) for p in sorted((res / "data").glob("*.report.json"))]
     whys = sorted({f"{r['dtype']} ({r['dtype_why']})" for r in regen if r and r.get("dtype_why")})
     if whys:
         out["regenerate.dtype"] = "; ".join(whys)
+    for path, r in zip(sorted((res / "data").glob("*.report.json")), regen, strict=True):
+        if r and r.get("linear_routes"):
+            out[f"regenerate linear layers ({path.name.split('.')[0]})"] = r["linear_routes"]
     meta = load_json(res / "draft" / "draftsmith_draft.json") or {}
     why = (meta.get("precision") or {}).get("why")
     if why:

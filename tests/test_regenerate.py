@@ -186,6 +186,10 @@ def test_cli_regenerates_one_range(tiny_target, tmp_path):
     assert all(r["conversations"][-1]["role"] == "assistant" for r in rows)
     report = json.loads(rep.read_text())
     assert report["rows"] == 3 and report["prompts"] == 3 and report["tokens_per_second"] > 0
+    # on a CPU the decode steps' linear layers were routed for each batch size met (2, then 1)
+    assert (
+        report["linear_routes"].startswith("1 rows: ") and "; 2 rows: " in report["linear_routes"]
+    )
 
     cfg["regenerate"]["enabled"] = False
     with pytest.raises(SystemExit, match="no source answer"):
@@ -203,6 +207,28 @@ def test_cli_regenerates_one_range(tiny_target, tmp_path):
                 str(rep),
             ]
         )
+
+
+def test_routed_regeneration_measures_each_batch_size_once(tiny_model, caplog):
+    """route=True: the first batch of each size measures its linear layers' forms (logged),
+    a later batch of that size does not; the replies are those of F.linear everywhere, up to
+    rounding (compared here by count: a near tie may flip a token of a random-weight model)."""
+    import logging
+
+    from draftsmith.runtime import gemm
+
+    model, tok = tiny_model
+    plain = HFGenerator(model, tok, max_new_tokens=6, batch_size=2, progress=False)
+    want = plain(PROMPTS[:5])
+    gen = HFGenerator(model, tok, max_new_tokens=6, batch_size=2, progress=False, route=True)
+    try:
+        with caplog.at_level(logging.INFO, logger="draftsmith.engines.hf"):
+            got = gen(PROMPTS[:5])
+    finally:
+        gemm.unroute(model)
+    assert sorted({t["rows"] for t in gen.routes}) == [1, 2]  # batches of 2, 2, 1
+    assert len([m for m in caplog.messages if m.startswith("linear layers at ")]) == 2
+    assert len(got) == len(want) and all(isinstance(r, str) for r in got)
 
 
 def test_prompt_plus_reply_never_exceeds_the_limit(tiny_model):

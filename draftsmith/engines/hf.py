@@ -51,6 +51,9 @@ WORKFLOW = {"honours": ["bench.temperature", "bench.workers", "regenerate.dtype"
 # forwards, same bytes; 64:256 MiB was no faster); measured by
 # benchmarks/bench_train_heap.py --stage capture (benchmarks/results/capture_heap_<kind>.md)
 CAPTURE_HEAP = (16 << 20, 64 << 20)
+# timed passes per form when regeneration routes a batch size's linear layers: a pass of every
+# form over the target's weights at 32 rows takes about 0.2 s on one core
+ROUTE_REPS = 3
 
 
 # ---------------------------------------------------------------- regenerate
@@ -78,6 +81,7 @@ class HFGenerator:
         max_total: int = 0,
         progress: bool = True,
         thinking: str = "template",
+        route: bool = False,
     ):
         from draftsmith.data.tokens import end_of_turn_id
 
@@ -103,6 +107,9 @@ class HFGenerator:
         # the KV cache written in place (draftsmith.runtime.kvcache); False: transformers' own
         # concatenating cache (benchmarks/bench_regen_batch.py compares the two)
         self.slab = True
+        # route: each batch size's decode steps take the fastest form of every linear layer,
+        # measured when a batch of that size first comes (draftsmith.runtime.gemm, CPU only)
+        self.route, self.routes = route, []
 
     def _generation_config(self, max_new_tokens: int):
         from transformers import GenerationConfig
@@ -129,6 +136,17 @@ class HFGenerator:
         if not self.max_total:
             return self.max_new_tokens
         return min(self.max_new_tokens, self.max_total - prompt_len)
+
+    def route_rows(self, rows: int) -> None:
+        """Measure and install the linear layers' forms for decode steps of `rows` rows (once
+        per row count); the log names what was chosen."""
+        from draftsmith.runtime import gemm
+
+        if not self.route or any(t["rows"] == rows for t in self.routes):
+            return
+        self.routes = gemm.route(self.model, [rows], reps=ROUTE_REPS, known=self.routes)
+        chosen = [t for t in self.routes if t["rows"] == rows]
+        log.info("linear layers at %s", gemm.summary(chosen) or f"{rows} rows: not measured")
 
     def generate_ids(self, batch: list[list[int]], max_new: int = 0) -> list[list[int]]:
         """Greedy/sampled continuation of each prompt (ids), cut after its first stop token."""
@@ -180,6 +198,7 @@ class HFGenerator:
         progress_log = ProgressLog(log, "regenerate", len(prompts), "prompts", done=too_long)
         for start in range(0, len(order), self.batch_size):
             idx = order[start : start + self.batch_size]
+            self.route_rows(len(idx))
             t0 = time.perf_counter()
             room = {i: self.budget(len(encoded[i])) for i in idx}
             new = self.generate_ids([encoded[i] for i in idx], max(room.values()))
@@ -237,6 +256,7 @@ def regenerate_rows(conversations, job, *, target, threads: int, seed: int, max_
     """
     from draftsmith.data.regenerate import regenerate
     from draftsmith.engines.hf_attention import use_decode_attention
+    from draftsmith.runtime import gemm
     from draftsmith.runtime.files import set_threads
     from draftsmith.targets.model import load_target
 
@@ -257,6 +277,7 @@ def regenerate_rows(conversations, job, *, target, threads: int, seed: int, max_
         seed=seed,
         max_total=int(max_total),
         thinking=regen.thinking,
+        route=model.device.type == "cpu",
     )
     t0 = time.perf_counter()
     out = regenerate(conversations, gen)
@@ -271,6 +292,7 @@ def regenerate_rows(conversations, job, *, target, threads: int, seed: int, max_
         "dtype": dtype,
         "dtype_why": why,
         "cpu": cpu,
+        **({"linear_routes": gemm.summary(gen.routes)} if gen.routes else {}),
         **gen.stats,
         "wall_seconds": time.perf_counter() - t0,
         "tokens_per_second": gen.tokens_per_second(),
