@@ -16,7 +16,13 @@ from __future__ import annotations
 import torch
 
 from draftsmith.algorithms.eagle3.model import DraftConfig, Eagle3Draft
-from draftsmith.algorithms.eagle3.ttt import TTTObjective, batch_teacher, step_masks, step_weights
+from draftsmith.algorithms.eagle3.ttt import (
+    TTTObjective,
+    batch_teacher,
+    step_masks,
+    step_weights,
+    teacher_positions,
+)
 from draftsmith.targets.families import effective_norm_weight
 
 
@@ -54,7 +60,7 @@ def losses(s, b, aux: torch.Tensor, gen: torch.Generator):
     steps = obj.steps
     masks = step_masks(b.seg, b.loss_mask, b.ok, steps, b.length).to(s.device)
     counts = masks.sum(dim=(1, 2)).float()
-    teacher = batch_teacher(b, s.draft_rows, s.draft_index)
+    teacher = batch_teacher(b, s.draft_rows, s.draft_index, teacher_positions(masks))
     embeds = s.embed[b.ids[:, : b.length + steps + 1].to(s.device)]
     with s.autocast:
         ce, correct = s.model(

@@ -41,14 +41,40 @@ TAIL_MIN = 1e-5  # unassigned teacher mass below this is rounding, not a tail
 
 
 @torch.no_grad()
-def teacher_logprobs(last: torch.Tensor, draft_rows: torch.Tensor, chunk: int = 1024):
-    """[..., H] post-norm states -> [..., K] fp32 log-softmax over the draft vocabulary rows."""
+def teacher_logprobs(
+    last: torch.Tensor,
+    draft_rows: torch.Tensor,
+    chunk: int = 1024,
+    need: torch.Tensor | None = None,
+):
+    """[..., H] post-norm states -> [..., K] fp32 log-softmax over the draft vocabulary rows.
+    need: bool [...], the positions whose teacher is read (`teacher_positions`); the others
+    are left 0 and are never read."""
     flat = last.reshape(-1, last.shape[-1])
-    out = torch.empty(flat.shape[0], draft_rows.shape[0], dtype=torch.float32)
     w = draft_rows.float()
-    for s in range(0, flat.shape[0], chunk):
-        out[s : s + chunk] = F.log_softmax(flat[s : s + chunk].float() @ w.T, dim=-1)
+    idx = None if need is None else need.reshape(-1).nonzero().flatten().to(flat.device)
+    rows = flat if idx is None else flat[idx]
+    got = torch.empty(rows.shape[0], draft_rows.shape[0], dtype=torch.float32, device=w.device)
+    for s in range(0, rows.shape[0], chunk):
+        got[s : s + chunk] = F.log_softmax(rows[s : s + chunk].float() @ w.T, dim=-1)
+    if idx is None:
+        out = got
+    else:
+        out = torch.zeros(flat.shape[0], draft_rows.shape[0], dtype=torch.float32, device=w.device)
+        out[idx] = got
     return out.view(*last.shape[:-1], draft_rows.shape[0])
+
+
+def teacher_positions(masks: torch.Tensor) -> torch.Tensor:
+    """[B, L] bool from step_masks' [S, B, L]: the positions whose teacher some kept prediction
+    reads (step j at position p reads the teacher at p + j + 1). Where no step reads it (the
+    prompt's tokens, a row's end, an argmax outside the draft vocabulary), it is not computed."""
+    steps, _, length = masks.shape
+    need = torch.zeros(masks.shape[1:], dtype=torch.bool, device=masks.device)
+    for j in range(steps):
+        if j + 1 < length:
+            need[:, j + 1 :] |= masks[j, :, : length - j - 1]
+    return need
 
 
 def step_masks(
@@ -68,13 +94,20 @@ def step_masks(
 
 
 @torch.no_grad()
-def batch_teacher(batch: Batch, draft_rows: torch.Tensor, draft_index: torch.Tensor):
+def batch_teacher(
+    batch: Batch,
+    draft_rows: torch.Tensor,
+    draft_index: torch.Tensor,
+    need: torch.Tensor | None = None,
+):
     """[B, L, K] fp32 teacher log-probs over the draft vocabulary, on draft_rows' device, from
     whichever teacher input the batch holds. draft_index [V]: draft id of each target id or -1.
-    From a draft-vocabulary top-k the rows sum to 1 - r (the mass on unlisted tokens)."""
+    From a draft-vocabulary top-k the rows sum to 1 - r (the mass on unlisted tokens). need
+    [B, L] bool: from stored final states, only these positions are computed (the others are
+    never read; `teacher_positions`)."""
     device = draft_rows.device
     if batch.last is not None:
-        return teacher_logprobs(batch.last.to(device), draft_rows)
+        return teacher_logprobs(batch.last.to(device), draft_rows, need=need)
     return topk_teacher(
         batch.topk_ids.to(device),
         batch.topk_logprobs.to(device),
