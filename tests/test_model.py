@@ -78,9 +78,11 @@ def test_ttt_visibility_never_sees_a_later_position():
                 assert seen == list(range(row_start, i + 1)) + [s * t + i for s in range(1, j + 1)]
 
 
-def test_ttt_cache_equals_explicit_mask_attention():
-    """TTTCache (T x T scores + diagonal, compact positions) == one softmax over all steps'
-    keys with the explicit `ttt_visibility` mask, at every position each step keeps."""
+@pytest.mark.parametrize("chunk", [1, 2, 3, 128])
+def test_ttt_cache_equals_explicit_mask_attention(chunk):
+    """TTTCache (step-0 scores over each query chunk's key window + diagonal, compact
+    positions) == one softmax over all steps' keys with the explicit `ttt_visibility` mask, at
+    every position each step keeps, whatever the chunk size."""
     g = torch.Generator().manual_seed(0)
     b, nh, nkv, t, d, steps = 2, 4, 2, 7, 8, 4
     seg = torch.tensor([[0, 0, 0, 1, 1, 1, 1], [0, 0, 0, 0, 0, -1, -1]])
@@ -88,7 +90,9 @@ def test_ttt_cache_equals_explicit_mask_attention():
     qs = [torch.randn(b, nh, t, d, generator=g) for _ in range(steps)]
     ks = [torch.randn(b, nkv, t, d, generator=g) for _ in range(steps)]
     vs = [torch.randn(b, nkv, t, d, generator=g) for _ in range(steps)]
-    cache = TTTCache(visible)
+    cache = TTTCache(visible, chunk=chunk)
+    if chunk == 2:  # windows start at the earliest row start of the chunk, over the batch
+        assert cache.windows == [(0, 0, 2), (2, 0, 4), (4, 0, 6), (6, 3, 7)]
     idx = torch.arange(b * t)
     got = []
     for j in range(steps):

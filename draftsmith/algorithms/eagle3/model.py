@@ -285,16 +285,28 @@ class TTTCache:
 
     A query of step j at position t sees the step-0 keys `step0_visible[b, t]` allows
     (block-causal over the packed rows, kept as an additive 0/-inf mask made once) and its own
-    keys of steps 1..j (the diagonal): [T] scores against step 0 concatenated with j diagonal
-    scores `(q * k_s).sum(-1)`, one softmax over both, output `p0 @ v0 + sum_s p_s * v_s`.
+    keys of steps 1..j (the diagonal): step-0 scores concatenated with j diagonal scores
+    `(q * k_s).sum(-1)`, one softmax over both, output `p0 @ v0 + sum_s p_s * v_s`.
     `ttt_visibility` is the same rule as an explicit mask. Grouped-query heads are views
     ([B, nkv, g, T, d]: query head h uses kv head h // g); K and V are never repeated.
+
+    The queries go in chunks of `chunk` positions; a chunk's step-0 scores cover only the keys
+    from the start of the earliest row any of its queries is in (over the batch) to its last
+    position. Every key outside that window is masked for all of the chunk's queries (an
+    earlier row or a later position), so the softmax is the full one; with rows shorter than
+    the pack, most of the T x T scores are never computed.
     """
 
-    def __init__(self, step0_visible: torch.Tensor):
+    def __init__(self, step0_visible: torch.Tensor, chunk: int = 128):
         self.batch, self.length = step0_visible.shape[:2]
         bias = torch.zeros(step0_visible.shape, device=step0_visible.device)
         self.bias = bias.masked_fill_(~step0_visible, float("-inf"))[:, None, None]
+        # the first key each query sees (its row's start; a padding position sees itself)
+        first = step0_visible.to(torch.uint8).argmax(-1).amin(0)  # [T], over the batch
+        self.windows = [
+            (a, int(first[a : a + chunk].min()), min(a + chunk, self.length))
+            for a in range(0, self.length, chunk)
+        ]
         self.index: torch.Tensor | None = None  # None: every position, in order
         self.k0 = self.v0 = None  # [B, nkv, T, d]
         self.dk = self.dv = None  # steps 1..j: [B, nkv, 1, T, j, d]
@@ -311,6 +323,25 @@ class TTTCache:
             x = full.index_copy(0, self.index, x)
         return x.view(self.batch, self.length, *x.shape[1:]).transpose(1, 2)
 
+    def _window(self, qg: torch.Tensor, a: int, w0: int, e: int) -> torch.Tensor:
+        """Outputs [B, nkv, g, e - a, dv] of the queries a..e-1 (qg: [B, nkv, g, T, d], scaled)
+        over the step-0 keys w0..e-1 and their own diagonal keys."""
+        q = qg[:, :, :, a:e]
+        bsz, nkv, g, c, d = q.shape
+        k0, v0 = self.k0[:, :, w0:e], self.v0[:, :, w0:e]
+        width = e - w0
+        scores = (q.reshape(bsz, nkv, g * c, d) @ k0.transpose(-1, -2)).view(bsz, nkv, g, c, width)
+        if self.dk is not None:
+            sd = (q[..., None, :] * self.dk[:, :, :, a:e]).sum(-1)  # [B, nkv, g, c, j]
+            scores = torch.cat([scores, sd], dim=-1)
+        scores = scores.float()
+        scores[..., :width] += self.bias[..., a:e, w0:e]
+        p = torch.softmax(scores, dim=-1).to(q.dtype)
+        o = (p[..., :width].reshape(bsz, nkv, g * c, width) @ v0).view(bsz, nkv, g, c, -1)
+        if self.dv is not None:
+            o = o + (p[..., width:, None] * self.dv[:, :, :, a:e]).sum(-2)
+        return o
+
     def attend(self, q, k, v):
         """q/k [1, nh|nkv, N, d], v [1, nkv, N, dv] at `self.index` -> [1, nh, N, dv]."""
         if self.k0 is None and q.shape[2] != self.batch * self.length:
@@ -320,7 +351,6 @@ class TTTCache:
         q, k, v = self._batched(q), self._batched(k), self._batched(v)
         bsz, nh, t, d = q.shape
         nkv = k.shape[1]
-        g = nh // nkv
         dv = v.shape[-1]  # the value width (MLA: not the query/key width)
         if self.k0 is None:
             self.k0, self.v0 = k, v
@@ -328,18 +358,9 @@ class TTTCache:
             k, v = k[:, :, None, :, None], v[:, :, None, :, None]
             self.dk = k if self.dk is None else torch.cat([self.dk, k], dim=-2)
             self.dv = v if self.dv is None else torch.cat([self.dv, v], dim=-2)
-        qg = (q * d**-0.5).reshape(bsz, nkv, g * t, d)  # scaled once, before the scores
-        s0 = (qg @ self.k0.transpose(-1, -2)).view(bsz, nkv, g, t, t)
-        if self.dk is not None:
-            sd = (qg.view(bsz, nkv, g, t, 1, d) * self.dk).sum(-1)  # [B, nkv, g, T, j]
-            s0 = torch.cat([s0, sd], dim=-1)
-        scores = s0.float()
-        scores[..., :t] += self.bias
-        p = torch.softmax(scores, dim=-1).to(q.dtype)
-        o = (p[..., :t].reshape(bsz, nkv, g * t, t) @ self.v0).view(bsz, nkv, g, t, dv)
-        if self.dv is not None:
-            o = o + (p[..., t:, None] * self.dv).sum(-2)
-        o = o.view(bsz, nh, t, dv)
+        qg = (q * d**-0.5).reshape(bsz, nkv, nh // nkv, t, d)  # scaled once, before the scores
+        parts = [self._window(qg, a, w0, e) for a, w0, e in self.windows]
+        o = (parts[0] if len(parts) == 1 else torch.cat(parts, dim=3)).reshape(bsz, nh, t, dv)
         if self.index is None:
             return o.transpose(1, 2).reshape(1, bsz * t, nh, dv).transpose(1, 2)
         out = o[self.index // t, :, self.index % t]  # [N, nh, d]
