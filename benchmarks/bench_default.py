@@ -388,10 +388,14 @@ def decisions(run: Path) -> dict:
 
 
 def git_info(repo: Path) -> dict:
-    """The commit the run's files came from, and whether tracked files differed from it."""
+    """The commit the run's files came from, and whether tracked files differed from it (the
+    results files benchmarks write are not the run's files)."""
     git = ["git", "-C", str(repo)]
     commit = subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True)
-    dirty = subprocess.run([*git, "status", "--porcelain", "-uno"], capture_output=True, text=True)
+    dirty = subprocess.run(
+        [*git, "status", "--porcelain", "-uno", "--", ".", ":(exclude)benchmarks/results"],
+        capture_output=True, text=True,
+    )  # fmt: skip
     return {"git_commit": commit.stdout.strip(), "git_dirty": bool(dirty.stdout.strip())}
 
 
