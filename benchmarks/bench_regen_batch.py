@@ -107,6 +107,14 @@ def render(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def write_result(name: str, result: dict, render) -> None:
+    """benchmarks/results/<name>.json and .md (`render(result)`, also printed)."""
+    out = ROOT / "benchmarks/results"
+    atomic_write_json(out / f"{name}.json", result)
+    atomic_write_text(out / f"{name}.md", render(result))
+    print(render(result))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--from-run", type=Path, default=ROOT / "benchmarks/work/default_run")
@@ -131,11 +139,7 @@ def main() -> None:
               "dtype": args.dtype, "rows": len(rows), "reps": args.reps,
               "load_before": load_before, "load_after": os.getloadavg()[0],
               "table": table}  # fmt: skip
-    name = args.name or f"regen_batch_{facts.kind}"
-    out = ROOT / "benchmarks/results"
-    atomic_write_json(out / f"{name}.json", result)
-    atomic_write_text(out / f"{name}.md", render(result))
-    print(render(result))
+    write_result(args.name or f"regen_batch_{facts.kind}", result, render)
 
 
 if __name__ == "__main__":

@@ -29,8 +29,10 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench_regen_batch import write_result  # noqa: E402
+
 from draftsmith.algorithms.eagle3.model import TTTCache, block_causal_mask  # noqa: E402
-from draftsmith.runtime.files import atomic_write_json, atomic_write_text, set_threads  # noqa: E402
+from draftsmith.runtime.files import set_threads  # noqa: E402
 from draftsmith.runtime.hardware import cpu_facts  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64  # the embedded default's draft (SmolLM2-135M's shapes)
@@ -138,11 +140,7 @@ def main() -> None:
               "batch": args.batch, "pack": args.pack, "row": args.row, "steps": args.steps,
               "reps": args.reps, "load_before": load_before,
               "load_after": os.getloadavg()[0], "table": table}  # fmt: skip
-    name = args.name or f"ttt_attention_{facts.kind}"
-    out = ROOT / "benchmarks/results"
-    atomic_write_json(out / f"{name}.json", result)
-    atomic_write_text(out / f"{name}.md", render(result))
-    print(render(result))
+    write_result(args.name or f"ttt_attention_{facts.kind}", result, render)
 
 
 if __name__ == "__main__":

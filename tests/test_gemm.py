@@ -11,15 +11,23 @@ import torch.nn.functional as F
 from draftsmith.runtime import gemm
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 5])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 32])
 @pytest.mark.parametrize("bias", [False, True])
-def test_transposed_linear_equals_linear(rows, bias):
+@pytest.mark.parametrize("form", ["transposed", "packed"])
+def test_each_form_equals_linear(form, rows, bias):
     gen = torch.Generator().manual_seed(rows)
     w = torch.randn(48, 32, generator=gen)
     b = torch.randn(48, generator=gen) if bias else None
     x = torch.randn(1, rows, 32, generator=gen)
-    got = gemm.transposed_linear(x, w, b)
-    assert got.shape == (1, rows, 48) and got.is_contiguous()
+    if form == "transposed":
+        got = gemm.transposed_linear(x, w, b)
+        assert got.is_contiguous()
+    else:
+        packed = gemm.pack(w, rows)
+        if packed is None:
+            pytest.skip("no oneDNN linear in this torch build")
+        got = gemm.packed_linear(x, packed, b)
+    assert got.shape == (1, rows, 48)
     torch.testing.assert_close(got, F.linear(x, w, b), rtol=1e-5, atol=1e-5)
 
 
@@ -32,21 +40,6 @@ class Tiny(torch.nn.Module):
 
     def forward(self, x):
         return self.c(self.a(x) + self.b(x))
-
-
-@pytest.mark.parametrize("rows", [1, 3, 32])
-@pytest.mark.parametrize("bias", [False, True])
-def test_packed_linear_equals_linear(rows, bias):
-    gen = torch.Generator().manual_seed(rows)
-    w = torch.randn(48, 32, generator=gen)
-    b = torch.randn(48, generator=gen) if bias else None
-    x = torch.randn(1, rows, 32, generator=gen)
-    packed = gemm.pack(w, rows)
-    if packed is None:
-        pytest.skip("no oneDNN linear in this torch build")
-    got = gemm.packed_linear(x, packed, b)
-    assert got.shape == (1, rows, 48)
-    torch.testing.assert_close(got, F.linear(x, w, b), rtol=1e-5, atol=1e-5)
 
 
 def test_no_packed_form_where_onednn_cannot_take_the_weight():
