@@ -213,9 +213,9 @@ def test_load_meter_sees_other_work():
 
 
 def test_a_job_meter_keeps_the_seconds_of_a_worker_that_ended():
-    """A meter over a job's process tree (what each bench worker uses): a worker that burns CPU
-    and ends (and is waited for) inside a phase stays the job's own, so its seconds do not
-    turn into other work; before, they vanished from the tree with the process."""
+    """A meter over a job's process tree (what each bench worker uses) counts a worker that
+    burnt CPU and ended (and was waited for) as the job's own, so its seconds do not turn into
+    other work; before, they vanished from the tree with the process."""
     import os
     import subprocess
     import sys
@@ -224,10 +224,13 @@ def test_a_job_meter_keeps_the_seconds_of_a_worker_that_ended():
 
     if tree_cpu_seconds(os.getpid()) is None:
         pytest.skip("no /proc")
-    meter = LoadMeter(job=os.getpid())
     before = tree_cpu_seconds(os.getpid())
-    with meter.phase("x"):
-        subprocess.run([sys.executable, "-c", "sum(range(30_000_000))"], check=True)
+    child = subprocess.run(
+        [sys.executable, "-c", "import time; t = time.process_time(); sum(range(30_000_000)); "
+         "print(time.process_time() - t)"],
+        check=True, capture_output=True, text=True,
+    )  # fmt: skip
     burnt = tree_cpu_seconds(os.getpid()) - before
-    assert burnt > 0.3  # the child's seconds are in the tree after it ended
-    assert meter.others["x"] < burnt / 2, (meter.others, burnt)
+    # the child's seconds are in the tree after it ended (they were lost with it): the figure
+    # the meter subtracts from the machine's, so they are not other work (whatever else runs)
+    assert burnt >= float(child.stdout) > 0.1, (burnt, child.stdout)
