@@ -370,13 +370,17 @@ def decisions(run: Path) -> dict:
     training precision (train.precision auto), regeneration's and the bench's linear layer
     forms."""
     res, out = run / "results", {}
-    regen = [load_json(p) for p in sorted((res / "data").glob("*.report.json"))]
-    whys = sorted({f"{r['dtype']} ({r['dtype_why']})" for r in regen if r and r.get("dtype_why")})
+    regen = {
+        p.name.split(".")[0]: load_json(p) for p in sorted((res / "data").glob("*.report.json"))
+    }
+    whys = sorted(
+        {f"{r['dtype']} ({r['dtype_why']})" for r in regen.values() if r and r.get("dtype_why")}
+    )
     if whys:
         out["regenerate.dtype"] = "; ".join(whys)
-    for path, r in zip(sorted((res / "data").glob("*.report.json")), regen, strict=True):
+    for name, r in regen.items():
         if r and r.get("linear_routes"):
-            out[f"regenerate linear layers ({path.name.split('.')[0]})"] = r["linear_routes"]
+            out[f"regenerate linear layers ({name})"] = r["linear_routes"]
     meta = load_json(res / "draft" / "draftsmith_draft.json") or {}
     why = (meta.get("precision") or {}).get("why")
     if why:

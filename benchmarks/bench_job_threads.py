@@ -147,9 +147,14 @@ def from_run_main(doc: str, measure, render, stem: str, key: str) -> None:
     result = {"cpu": facts.describe(), "kind": facts.kind, "cores": os.cpu_count(),
               "reps": args.reps, "load_before": load_before,
               "load_after": os.getloadavg()[0], key: measured}  # fmt: skip
-    out = ROOT / "benchmarks/results" / (args.name or f"{stem}_{facts.kind}")
-    atomic_write_json(out.with_suffix(".json"), result)
-    atomic_write_text(out.with_suffix(".md"), render(result))
+    write_result(args.name or f"{stem}_{facts.kind}", result, render)
+
+
+def write_result(name: str, result: dict, render) -> None:
+    """benchmarks/results/<name>.json and .md (`render(result)`, also printed)."""
+    out = ROOT / "benchmarks/results"
+    atomic_write_json(out / f"{name}.json", result)
+    atomic_write_text(out / f"{name}.md", render(result))
     print(render(result))
 
 

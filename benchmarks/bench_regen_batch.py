@@ -35,11 +35,13 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench_job_threads import write_result  # noqa: E402
+
 from draftsmith.data.regenerate import regenerate  # noqa: E402
 from draftsmith.engines.hf import HFGenerator  # noqa: E402
 from draftsmith.engines.hf_attention import use_decode_attention  # noqa: E402
 from draftsmith.runtime import gemm  # noqa: E402
-from draftsmith.runtime.files import atomic_write_json, atomic_write_text, set_threads  # noqa: E402
+from draftsmith.runtime.files import set_threads  # noqa: E402
 from draftsmith.runtime.hardware import cpu_facts  # noqa: E402
 from draftsmith.targets.model import load_target  # noqa: E402
 
@@ -105,14 +107,6 @@ def render(result: dict) -> str:
                      f"{r['seconds']:.1f} | {r['speed']:.2f}x | {r['new_tokens']} | "
                      f"{r['batches']} | {r['identical']} |")  # fmt: skip
     return "\n".join(lines) + "\n"
-
-
-def write_result(name: str, result: dict, render) -> None:
-    """benchmarks/results/<name>.json and .md (`render(result)`, also printed)."""
-    out = ROOT / "benchmarks/results"
-    atomic_write_json(out / f"{name}.json", result)
-    atomic_write_text(out / f"{name}.md", render(result))
-    print(render(result))
 
 
 def main() -> None:

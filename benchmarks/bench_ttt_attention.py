@@ -29,7 +29,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench_regen_batch import write_result  # noqa: E402
+from bench_job_threads import write_result  # noqa: E402
 
 from draftsmith.algorithms.eagle3.model import TTTCache, block_causal_mask  # noqa: E402
 from draftsmith.runtime.files import set_threads  # noqa: E402
