@@ -225,6 +225,8 @@ def test_kill_and_resume_equals_uninterrupted(inputs, tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "draftsmith", "train-rank", *train_args(inputs, out, cfg)]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    # run it in 10 ms slices (SIGSTOP/SIGCONT) until its checkpoint of step 4 exists: the kill
+    # then lands with most steps to come on any machine, however fast or loaded
     deadline = time.time() + 120
     while time.time() < deadline:
         ckpts = list((out / "state").glob("*/step-000004/meta.json"))
@@ -232,7 +234,9 @@ def test_kill_and_resume_equals_uninterrupted(inputs, tmp_path):
             break
         if proc.poll() is not None:
             pytest.fail(f"training ended before the kill: {proc.stderr.read().decode()[-2000:]}")
+        proc.send_signal(signal.SIGCONT)
         time.sleep(0.01)
+        proc.send_signal(signal.SIGSTOP)
     proc.send_signal(signal.SIGKILL)
     assert proc.wait() == -signal.SIGKILL
     assert not (out / "metrics.jsonl").exists()

@@ -71,14 +71,24 @@ def arg(p: psutil.Process, name: str) -> str:
 
 
 def kill_a_capture(work: Path, proc: subprocess.Popen) -> str:
-    """SIGKILL the first capture job of epoch 1 seen running; its range."""
+    """SIGKILL the first capture job of epoch 1 seen running, held (SIGSTOP) and checked to have
+    written no manifest yet, so the kill lands mid-job however fast the machine; its range."""
     deadline = time.monotonic() + PATIENCE
     while time.monotonic() < deadline and proc.poll() is None:
         p = job(work, "segment-capture", "epoch001/")
-        if p is not None:
+        if p is None:
+            time.sleep(0.02)
+            continue
+        try:
+            p.suspend()
+            out = work / arg(p, "--out")
+            if out.with_suffix(".json").exists():
+                p.resume()  # its work is done: too late for this one, try the next
+                continue
             p.kill()
-            return Path(arg(p, "--out")).stem
-        time.sleep(0.02)
+        except psutil.NoSuchProcess:
+            continue
+        return out.stem
     pytest.fail(f"no capture of epoch 1 seen running:\n{ended(proc)[-3000:]}")
 
 

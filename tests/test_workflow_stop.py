@@ -1,17 +1,25 @@
 """Ctrl-C and SIGTERM of a running `snakemake --cores 2`: every job ends within STOP_BOUND
 seconds, nothing half-written is kept, and the next plain run resumes training from its last
-checkpoint and ends with exactly the curve of an uninterrupted run (tiny target, fp32)."""
+checkpoint and ends with exactly the curve of an uninterrupted run (tiny target, fp32).
+
+The signal is aimed at a state that is mid-run on any machine, however fast or loaded: the
+training job runs in short slices (SIGSTOP/SIGCONT) until its first checkpoint exists, and is
+sent the signal while it is held there, with most of its steps still to come (checked before the
+signal); it is let go right after. A race with the job's speed cannot make the test pass or fail."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 from wf import ROOT, SNAKEMAKE, snakemake, tiny_config, write_config
 
@@ -19,8 +27,10 @@ pytestmark = [pytest.mark.slow, pytest.mark.workflow]
 
 STOP_BOUND = 10.0  # seconds from the signal to the last process of the run gone
 TRAINED = ("results/draft", "results/train/metrics.jsonl")
-# long enough to be stopped mid-run; checkpoints by time, not by step count
-TRAIN = {"epochs": 20, "checkpoint_every": 0, "checkpoint_seconds": 1, "precision": "fp32"}
+# 40 epochs of 8 steps; a checkpoint every 4 steps (an execution key: no result changes), so the
+# first one leaves 316 of 320 steps to come
+TRAIN = {"epochs": 40, "checkpoint_every": 4, "checkpoint_seconds": 0, "precision": "fp32"}
+SLICE = 0.02  # seconds the held training job runs between looks
 
 
 def start(workdir: Path) -> subprocess.Popen:
@@ -45,23 +55,65 @@ def group_alive(pgid: int) -> bool:
     return True
 
 
-def wait_for_checkpoint(workdir: Path, proc: subprocess.Popen, timeout: float = 300) -> Path:
-    deadline = time.monotonic() + timeout
+def training_job(workdir: Path) -> psutil.Process | None:
+    """The running `python -m draftsmith train` job of this project (it execs the trainer)."""
+    for p in psutil.process_iter(["cmdline", "cwd"]):
+        cmd = p.info["cmdline"] or []
+        if p.info["cwd"] == str(workdir) and any(
+            cmd[i : i + 3] == ["-m", "draftsmith", "train"] for i in range(len(cmd) - 2)
+        ):
+            return p
+    return None
+
+
+def checkpoints(workdir: Path) -> list[int]:
+    found = (workdir / "state" / "train").glob("*/step-*/meta.json")
+    return sorted(json.loads(m.read_text())["step"] for m in found)
+
+
+def total_steps(workdir: Path) -> int | None:
+    """The step count the training job logged at its start (None before it did)."""
+    log = workdir / "logs" / "train.log"
+    text = log.read_text() if log.exists() else ""
+    found = re.findall(r" rows, (\d+) steps, pack length", text)
+    return int(found[0]) if found else None
+
+
+def hold_at_first_checkpoint(workdir: Path, proc: subprocess.Popen) -> psutil.Process:
+    """Run the training job in SLICE-second slices until its first checkpoint exists, and
+    return it suspended there (a provably mid-run state); the caller resumes it."""
+    deadline = time.monotonic() + 600
     while time.monotonic() < deadline:
-        found = sorted((workdir / "state" / "train").glob("*/step-*/meta.json"))
-        if found:
-            return found[-1].parent
         if proc.poll() is not None:
             pytest.fail(f"snakemake ended before a checkpoint:\n{proc.stdout.read()[-3000:]}")
-        time.sleep(0.05)
+        p = training_job(workdir)
+        if p is None:
+            time.sleep(0.02)
+            continue
+        try:
+            p.suspend()
+            while not checkpoints(workdir):
+                p.resume()
+                time.sleep(SLICE)
+                p.suspend()
+        except psutil.NoSuchProcess:
+            pytest.fail(f"training ended before a checkpoint:\n{proc.stdout.read()[-3000:]}")
+        done, total = checkpoints(workdir)[-1], total_steps(workdir)
+        assert total and done <= total // 4, f"not mid-run: checkpoint {done} of {total} steps"
+        assert not (workdir / "results" / "draft").exists()
+        return p
     pytest.fail("no training checkpoint within the timeout")
 
 
-def stop(proc: subprocess.Popen, send) -> float:
-    """Send the signal, return seconds until snakemake and every process of its group are
-    gone (the jobs are in snakemake's group: Snakemake starts them without a new session)."""
+def stop(proc: subprocess.Popen, held: psutil.Process, send) -> float:
+    """Send the signal while the training job is held, let the job go, and return seconds
+    until snakemake and every process of its group are gone (the jobs are in snakemake's
+    group: Snakemake starts them without a new session)."""
     t0 = time.monotonic()
     send()
+    time.sleep(0.2)  # snakemake's handler forwards SIGTERM to the (held) job meanwhile
+    with contextlib.suppress(psutil.NoSuchProcess):
+        held.resume()
     try:
         proc.wait(timeout=60)
     except subprocess.TimeoutExpired:
@@ -98,8 +150,9 @@ def test_ctrl_c_stops_within_the_bound_and_resumes_exactly(captured: Path, tmp_p
     reference = tmp_path / "reference"
     shutil.copytree(captured, reference, symlinks=True)
     proc = start(captured)
-    ckpt = wait_for_checkpoint(captured, proc)
-    elapsed = stop(proc, lambda: os.killpg(proc.pid, signal.SIGINT))  # what Ctrl-C sends
+    held = hold_at_first_checkpoint(captured, proc)
+    saved = checkpoints(captured)[-1]
+    elapsed = stop(proc, held, lambda: os.killpg(proc.pid, signal.SIGINT))  # what Ctrl-C sends
     out = proc.stdout.read()
     assert elapsed <= STOP_BOUND, f"stopped after {elapsed:.1f} s\n{out[-3000:]}"
     assert proc.returncode != 0
@@ -113,7 +166,6 @@ def test_ctrl_c_stops_within_the_bound_and_resumes_exactly(captured: Path, tmp_p
     assert "(SIGINT)" in stopped[0] or "(SIGTERM)" in stopped[0], log
     assert "a rerun resumes from checkpoint" in log, log
     assert "draftsmith: SIGINT: sent SIGTERM to" in out, out[-3000:]  # snakemake saw the Ctrl-C
-    saved = int(ckpt.name.removeprefix("step-"))
 
     snakemake(captured, "--cores", "2", *TRAINED)  # the next plain run
     log = (captured / "logs" / "train.log").read_text()
@@ -132,8 +184,8 @@ def test_sigterm_to_snakemake_alone_stops_its_jobs(captured: Path):
     """Snakemake's own SIGTERM handling waits for running jobs; the workflow's handler
     (draftsmith.runtime.stopping.forward_stop_signals) ends them first."""
     proc = start(captured)
-    wait_for_checkpoint(captured, proc)
-    elapsed = stop(proc, lambda: proc.send_signal(signal.SIGTERM))
+    held = hold_at_first_checkpoint(captured, proc)
+    elapsed = stop(proc, held, lambda: proc.send_signal(signal.SIGTERM))
     out = proc.stdout.read()
     assert elapsed <= STOP_BOUND, f"stopped after {elapsed:.1f} s\n{out[-3000:]}"
     assert "sent SIGTERM to" in out, out[-3000:]
