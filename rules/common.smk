@@ -193,7 +193,7 @@ def job_environment():
     env = {
         "DRAFTSMITH_WORKFLOW": workflow.basedir,
         "DRAFTSMITH_DRIVER": sys.executable,
-        # capture_server auto resolved for the capture role (config.workflow.run_settings)
+        # sglang.shared_server auto resolved (config.workflow.run_settings)
         "DRAFTSMITH_RUN": json.dumps(wf.run_settings(config, RUN_KEYS), sort_keys=True),
     }
     for stage in ("env", "target", "data", *STAGES):

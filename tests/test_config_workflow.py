@@ -48,13 +48,17 @@ def test_gpus_per_job_follow_the_engine_and_train_nproc():
     assert wf.gpu_layout(with_defaults({}), ["cpu"]) is None
 
 
-def test_run_settings_resolve_capture_server_without_changing_the_config():
+def test_run_settings_resolve_shared_server_without_changing_the_config():
+    """`auto` is `run` on a GPU role too: the servers' GPUs are given back before other GPU
+    work (draftsmith.runtime.serverhosts), so sharing never hides GPUs from Snakemake."""
     cfg = gpu_config()
     before = copy.deepcopy(cfg)
-    assert cfg["sglang"]["capture_server"] == "auto"
-    assert wf.run_settings(cfg, RUN_KEYS)["sglang"]["capture_server"] == "job"  # a GPU role
+    assert cfg["sglang"]["shared_server"] == "auto"
+    assert wf.run_settings(cfg, RUN_KEYS)["sglang"]["shared_server"] == "run"  # a GPU role
     cpu = with_defaults({"capture": {"backend": "sglang", "role": "sglang-cpu"}})
-    assert wf.run_settings(cpu, RUN_KEYS)["sglang"]["capture_server"] == "run"
+    assert wf.run_settings(cpu, RUN_KEYS)["sglang"]["shared_server"] == "run"
+    job = with_defaults({"sglang": {"shared_server": "job"}})
+    assert wf.run_settings(job, RUN_KEYS)["sglang"]["shared_server"] == "job"
     assert cfg == before  # no mutation: the config stays as validated
 
 

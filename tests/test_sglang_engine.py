@@ -36,7 +36,7 @@ def test_the_engine_gets_its_section_typed_with_the_run_settings():
     s = cfg("sglang").engine
     assert isinstance(s, eng.SETTINGS)
     assert {k: settings.plain(getattr(s, k)) for k in {**SGLANG, **RUN}} == {**SGLANG, **RUN}
-    assert s.idle_timeout == 3600 and s.capture_server == "auto"  # not given: the schema's
+    assert s.idle_timeout == 3600 and s.shared_server == "auto"  # not given: the schema's
     with pytest.raises(SystemExit, match="--cfg has no 'sglang' section"):
         settings.stage_job({"regenerate": {"backend": "sglang"}}, "regenerate", absent=("target",))
 

@@ -44,7 +44,7 @@ CHANGED = {
     ("sglang", "startup_timeout"): 60,
     ("sglang", "request_timeout"): 60,
     ("sglang", "retries"): 0,
-    ("sglang", "capture_server"): "job",
+    ("sglang", "shared_server"): "job",
     ("sglang", "idle_timeout"): 60,
 }
 

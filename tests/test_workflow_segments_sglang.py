@@ -1,5 +1,5 @@
 """Segment mode through the real SGLang capture server (role sglang-cpu) with one server per run
-(`sglang.capture_server: run`, draftsmith.engines.sharedserver): 2 segments x 2 epochs = 4 capture jobs
+(`sglang.shared_server: run`, draftsmith.engines.sharedserver): 2 segments x 2 epochs = 4 capture jobs
 on the tiny target. A run killed with `kill -9` of Snakemake while the server is up leaves no
 server process; the next plain run captures what is left from one server launch, every
 re-capture bit-identical to the range's first capture, and the server is gone when the run

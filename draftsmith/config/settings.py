@@ -170,7 +170,7 @@ class SGLangSettings:
     startup_timeout: float
     request_timeout: float
     retries: int
-    capture_server: str
+    shared_server: str
     idle_timeout: float
 
 

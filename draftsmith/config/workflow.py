@@ -103,13 +103,13 @@ def gpu_layout(config: dict, roles) -> str | None:
 
 def run_settings(config: dict, run_keys: dict) -> dict:
     """The settings that change no result (the schema's x-execution keys), as jobs get them in
-    DRAFTSMITH_RUN. The capture engine's `capture_server: auto` is resolved here: `run` (one
-    server for the run's segment captures) on a CPU capture role, `job` on a GPU one."""
+    DRAFTSMITH_RUN. An engine's `shared_server: auto` is resolved here: `run` (one server per
+    stage for the range jobs of a run; a server holding GPUs is stopped before other GPU work,
+    draftsmith.runtime.serverhosts)."""
     out = {s: {k: config[s][k] for k in keys} for s, keys in run_keys.items()}
-    section = engine_needs(config, "capture")["settings"]
-    if section and out.get(section, {}).get("capture_server") == "auto":
-        gpus = role_gpus(config, role_of(config, "capture"))
-        out[section] = {**out[section], "capture_server": "job" if gpus else "run"}
+    for section, keys in out.items():
+        if keys.get("shared_server") == "auto":
+            out[section] = {**keys, "shared_server": "run"}
     return out
 
 

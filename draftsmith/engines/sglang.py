@@ -23,6 +23,7 @@ launch flags; any other role launches stock SGLang.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import time
@@ -31,8 +32,15 @@ from pathlib import Path
 from draftsmith.data.regenerate import new_stats
 from draftsmith.engines.server import Supervisor, http_json, run_requests
 from draftsmith.engines.sglang_capture import capture_range  # noqa: F401 (the capture stage)
-from draftsmith.engines.sglang_server import CPU_ROLE, SGLangSettings, server_spec
+from draftsmith.engines.sglang_server import (
+    CPU_ROLE,
+    SGLangSettings,
+    job_server,
+    role_gpus,
+    server_spec,
+)
 from draftsmith.runtime.progress import ProgressLog
+from draftsmith.runtime.serverhosts import release_gpu_hosts
 
 log = logging.getLogger("draftsmith.engines.sglang")
 # what the workflow needs from this engine (draftsmith.engines.NEEDS, read without importing
@@ -201,7 +209,8 @@ def regenerate_rows(conversations, job, *, target, threads: int, seed: int, max_
         stops.add(tokenizer.eos_token_id)
     t0 = time.perf_counter()
     spec = server_spec(job, "regenerate", target=target, threads=threads)
-    with Supervisor(spec, retries=s.retries) as sup:
+    with contextlib.ExitStack() as stack:
+        sup = job_server(job, "regenerate", spec, stack)  # the stage's shared server, or its own
         gen = SGLangGenerator(
             sup, tokenizer, stops, regen, float(s.request_timeout), max_total=max_total
         )
@@ -497,6 +506,8 @@ def bench_sets(sets: dict, job, *, target, draft, threads: int):
         extra_args=[*skip, *speculative_args(bench, draft)],
     )
     eagle.name = "sglang-eagle3"
+    if role_gpus(job, "bench"):  # the run's idle servers give back their GPUs first
+        release_gpu_hosts()
     base, base_stats = serve_sets(plain, sets_ids, sampling, bench, s, speculative=False)
     spec, spec_stats = serve_sets(eagle, sets_ids, sampling, bench, s, speculative=True)
     results = {}

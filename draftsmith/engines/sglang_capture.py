@@ -44,7 +44,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from draftsmith.engines.sglang_server import server_spec
+from draftsmith.engines.sglang_server import job_server, server_spec, shared_server
 from draftsmith.hidden.capture_base import CaptureError
 from draftsmith.hidden.writer import ShardWriter
 from draftsmith.runtime.progress import LoggedBar, ProgressLog
@@ -141,46 +141,19 @@ def capture_server_spec(job, target, threads: int, ids, dump_dir: Path, overlay:
     return spec
 
 
-def shared_server(job) -> dict | None:
-    """Where and how to lease the run's shared server (draftsmith.engines.sharedserver), or None for a
-    server of the job's own: segment mode's captures ask for it (`capture_server` in the job's
-    --cfg, set by draftsmith.stages.segcapture; a key only those jobs are given) and
-    `sglang.capture_server` is `run` (the rules resolve `auto`; a job without DRAFTSMITH_RUN has
-    the schema's `auto`); a job outside a Snakemake run (no DRAFTSMITH_JOB_PARENT: no run to
-    share with) always launches its own."""
-    from draftsmith.runtime.lifeline import ENV
-
-    asked, owner = job.given.get("capture_server"), os.environ.get(ENV, "")
-    if not asked or job.engine.capture_server != "run" or not owner.isdigit():
-        return None
-    return {**asked, "owner": int(owner)}
-
-
 def capture_server(job, target, threads: int, ids, overlay: str, stack: contextlib.ExitStack):
-    """(server, dump dir) of one capture job, entered on `stack`: a lease on the run's shared
-    server (`shared_server`) with the dump dir of its host, else a server of the job's own
-    (`draftsmith.engines.server.Supervisor`) with a dump dir of its own."""
-    from draftsmith.engines.server import Supervisor
-    from draftsmith.engines.sharedserver import SCRATCH, SharedServer
+    """(server, dump dir) of one capture job, entered on `stack`: a lease on the stage's shared
+    server (draftsmith.engines.sglang_server.shared_server) with the dump dir of its host, else a
+    server of the job's own with a dump dir of its own."""
+    from draftsmith.engines.sharedserver import SCRATCH
 
-    retries = int(job.engine.retries)
-    shared = shared_server(job)
-    if shared is None:
+    if shared_server(job) is None:
         dump_dir = Path(tempfile.mkdtemp(prefix="draftsmith-dump-", dir=dump_root()))
         stack.callback(shutil.rmtree, dump_dir, ignore_errors=True)
         spec = capture_server_spec(job, target, threads, ids, dump_dir, overlay)
-        return stack.enter_context(Supervisor(spec, retries=retries)), dump_dir
+        return job_server(job, "capture", spec, stack, share=False), dump_dir
     spec = capture_server_spec(job, target, threads, ids, SCRATCH, overlay)
-    lease = SharedServer(
-        spec,
-        Path(shared["dir"]),
-        owner=shared["owner"],
-        idle_timeout=float(job.engine.idle_timeout),
-        retries=retries,
-        last=bool(shared.get("last")),
-        scratch_root=str(dump_root()),
-    )
-    sup = stack.enter_context(lease)
+    sup = job_server(job, "capture", spec, stack, scratch=str(dump_root()))
     return sup, sup.scratch
 
 

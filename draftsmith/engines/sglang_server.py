@@ -25,6 +25,8 @@ from pathlib import Path
 from draftsmith.config.settings import SGLangSettings
 from draftsmith.engines import sglang_cpu
 from draftsmith.engines.server import ServerSpec
+from draftsmith.runtime.lifeline import ENV as RUN_ENV
+from draftsmith.runtime.serverhosts import ROOT as SERVERS
 
 CPU_ROLE = sglang_cpu.ROLE
 
@@ -81,4 +83,41 @@ def server_spec(
         port=int(s.port),
         startup_timeout=float(s.startup_timeout),
         port_key="sglang.port",
+    )
+
+
+def role_gpus(job, stage: str) -> int:
+    """The GPUs a `stage` job's SGLang server holds: none on the CPU role, tp_size otherwise."""
+    return 0 if getattr(job, stage).role == CPU_ROLE else int(job.engine.tp_size)
+
+
+def shared_server(job) -> dict | None:
+    """Where and how a range job leases its stage's shared server (draftsmith.engines.sharedserver),
+    or None for a server of the job's own: `sglang.shared_server` is `run` (the rules resolve
+    `auto`; a job without DRAFTSMITH_RUN has the schema's `auto`, so its own) and the job runs
+    under a Snakemake process (DRAFTSMITH_JOB_PARENT: no run to share with otherwise). Segment
+    mode's captures name the directory and whether they are the last (`capture_server` in the
+    job's --cfg, set by draftsmith.stages.segcapture)."""
+    owner = os.environ.get(RUN_ENV, "")
+    if job.engine.shared_server != "run" or not owner.isdigit():
+        return None
+    asked = job.given.get("capture_server") or {}
+    return {"dir": asked.get("dir", str(SERVERS)), "last": asked.get("last", False),
+            "owner": int(owner)}  # fmt: skip
+
+
+def job_server(job, stage: str, spec: ServerSpec, stack, *, share: bool = True, scratch=""):
+    """The server a `stage` job sends its requests to, entered on `stack`: its stage's shared
+    server (`shared_server`) or one of its own (`share` False: the bench's two servers)."""
+    from draftsmith.engines.sharedserver import serve
+
+    s: SGLangSettings = job.engine
+    return serve(
+        spec,
+        stack,
+        share=shared_server(job) if share else None,
+        retries=int(s.retries),
+        idle_timeout=float(s.idle_timeout),
+        gpus=role_gpus(job, stage),
+        scratch_root=scratch,
     )

@@ -1,25 +1,26 @@
-"""One server for the jobs of one run: segment mode's SGLang capture server (docs/scale.md).
-
-A capture job of segment mode with `sglang.capture_server: run` does not launch a server of its
-own: it leases the run's. The first job that needs one starts a *host*,
+"""One server per stage for the range jobs of one run: with `sglang.shared_server: run` (what
+`auto` gives), every regenerate and capture job of a run (offline or segment mode) leases its
+stage's server instead of launching one (docs/scale.md). The first job that needs it starts a
+*host*,
 
     python -m draftsmith shared-server host <dir>
 
 a small process in a session of its own (Snakemake stopping the job does not stop it) that
 launches the server with `draftsmith.engines.server.Server` (guard process, process group, health,
-log) and owns it; the jobs only send requests. Its directory, `<root>/<key>` (key: the
-server's argv, which holds every setting of the config, so a job never uses a server launched
-with other settings), holds:
+log) and owns it; the jobs only send requests. Its directory, `state/servers/<key>` (key: the
+server's argv, which holds every setting of the config: target, tp_size, extra_args, layer ids;
+so a job never uses a server launched with other settings), holds:
 
 - `spec.json`: what to launch (written by the job that starts the host);
 - `host.json`: written by the host only, atomically: its pid, its run (`owner`, the Snakemake
   process of the jobs, DRAFTSMITH_JOB_PARENT), the server's url, `state` (starting, ready,
-  failed, stopped), `generation` (one per launch) and the start-up seconds of each launch;
+  failed, stopped), `generation` (one per launch), the start-up seconds of each launch and the
+  GPUs the server holds;
 - `start.lock`: flock held by a job while it finds or starts the host and takes its lease, and
   by the host while it decides to stop, so a job never leases a host that is stopping;
 - `users.lock`: every job using the server holds a shared flock on it, which the kernel drops
   when the job ends, even by SIGKILL: the host is unused when it can lock it exclusively;
-- `last`: written by a capture of the run's last segment index when it is done;
+- `last`: written by a capture of the run's last segment index when it is done (segment mode);
 - `host.log`: the host's and the server's output.
 
 The host stops the server's process group and exits when (1) `last` exists and no job holds a
@@ -28,8 +29,13 @@ imports draftsmith, so draftsmith.runtime.lifeline sends it SIGTERM when the Sna
 even by kill -9), (4) it gets SIGTERM, SIGINT or SIGHUP, or (5) the server died more than
 `sglang.retries` times (each death is relaunched once no job's request can still be answered:
 at once). A host killed by SIGKILL takes its server with it (the guard's parent-death signal).
-On SLURM each job runs under its own Snakemake process, so each job gets its own host, which
-ends with the job: one server per allocation, never one left behind.
+
+GPUs: every job that leases a server declares the server's GPUs to Snakemake, so a host holds
+GPUs that Snakemake does not count only while it is idle between two jobs. Before a job starts a
+server of its own or leases another stage's, and before training starts, the run's idle hosts
+that hold GPUs are stopped and waited for (draftsmith.runtime.serverhosts.release_gpu_hosts).
+On SLURM each job, or each group job, runs under a Snakemake process of its own, so its hosts
+end with it: one server per stage per allocation, never one left behind.
 """
 
 from __future__ import annotations
@@ -55,9 +61,15 @@ from draftsmith.engines.server import (
     ServerError,
     ServerSpec,
     Terminated,
-    proc_stat,
 )
 from draftsmith.runtime.files import atomic_write_json
+from draftsmith.runtime.serverhosts import (
+    flocked,
+    idle,
+    pid_alive,
+    read_json,
+    release_gpu_hosts,
+)
 
 log = logging.getLogger("draftsmith.engines.server")
 
@@ -80,42 +92,15 @@ def spec_key(spec: ServerSpec) -> str:
     return hashlib.sha256(json.dumps(template(spec), sort_keys=True).encode()).hexdigest()[:16]
 
 
-def read_json(path: Path) -> dict:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-
-
-def pid_alive(pid: int, mark: str = "") -> bool:
-    """Whether `pid` is a live process (whose command line holds `mark`, against pid reuse)."""
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            cmd = f.read().decode("utf-8", "replace")
-        zombie = proc_stat(pid)[0] == b"Z"
-    except OSError:
-        return False
-    return not zombie and mark in cmd
-
-
-@contextlib.contextmanager
-def flocked(path: Path, how: int):
-    """The flock `how` on `path` (LOCK_NB: raises BlockingIOError when taken), then released."""
-    with open(path, "a+") as f:
-        fcntl.flock(f, how)
-        try:
-            yield f
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
-
-
 class SharedServer:
-    """A job's lease on the run's shared server; in `run_rows` it stands where a `Supervisor`
-    does (url, alive, restart, stats). `last`: this job is a capture of the run's last index."""
+    """A job's lease on the run's shared server; it stands where a `Supervisor` does (url,
+    alive, restart, stats). `last`: this job is a capture of the run's last segment index;
+    `gpus`: the GPUs the server holds (0 on a CPU role)."""
 
     def __init__(self, spec: ServerSpec, root: Path, *, owner: int, idle_timeout: float,
-                 retries: int, last: bool = False, scratch_root: str = ""):  # fmt: skip
-        self.spec, self.owner, self.last = spec, int(owner), last
+                 retries: int, last: bool = False, scratch_root: str = "",
+                 gpus: int = 0):  # fmt: skip
+        self.spec, self.owner, self.last, self.gpus = spec, int(owner), last, int(gpus)
         self.dir = Path(root) / spec_key(spec)
         self.settings = {"idle_timeout": float(idle_timeout), "retries": int(retries),
                          "scratch_root": scratch_root or tempfile.gettempdir()}  # fmt: skip
@@ -148,6 +133,8 @@ class SharedServer:
 
     def _attach(self) -> None:
         t0 = time.monotonic()
+        if self.gpus:  # before this job's own lock: two stages' jobs never wait on each other
+            release_gpu_hosts(self.dir.parent, self.owner, keep=self.dir.name)
         self.dir.mkdir(parents=True, exist_ok=True)
         with flocked(self.dir / "start.lock", fcntl.LOCK_EX):
             self._users = open(self.dir / "users.lock", "a+")  # noqa: SIM115 (held until exit)
@@ -178,7 +165,7 @@ class SharedServer:
             self.dir / "spec.json",
             {**template(self.spec), "full_env": self.spec.env, "owner": self.owner,
              "startup_timeout": self.spec.startup_timeout, "grace": self.spec.grace,
-             "health_path": self.spec.health_path, **self.settings},
+             "health_path": self.spec.health_path, "gpus": self.gpus, **self.settings},
         )  # fmt: skip
         (self.dir / "host.json").unlink(missing_ok=True)
         package_root = str(Path(__file__).resolve().parents[2])
@@ -260,6 +247,30 @@ class SharedServer:
         }
 
 
+def serve(spec: ServerSpec, stack: contextlib.ExitStack, *, share: dict | None, retries: int,
+          idle_timeout: float, gpus: int = 0, scratch_root: str = ""):  # fmt: skip
+    """A job's server for `spec`, entered on `stack`: a lease on its stage's shared server when
+    `share` ({"dir", "owner", "last"}) is given, else a `Supervisor` of the job's own, launched
+    once the run's idle hosts that hold GPUs are stopped (`gpus`: the GPUs it will hold)."""
+    if share is None:
+        from draftsmith.engines.server import Supervisor
+
+        if gpus:
+            release_gpu_hosts()
+        return stack.enter_context(Supervisor(spec, retries=retries))
+    lease = SharedServer(
+        spec,
+        Path(share["dir"]),
+        owner=share["owner"],
+        idle_timeout=idle_timeout,
+        retries=retries,
+        last=bool(share.get("last")),
+        scratch_root=scratch_root,
+        gpus=gpus,
+    )
+    return stack.enter_context(lease)
+
+
 def tail(path: Path, n: int = 30) -> str:
     try:
         return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
@@ -286,7 +297,8 @@ class Host:
         )
         self.server = Server(self.spec, f"{os.getpid()}-{uuid.uuid4().hex[:8]}", sys.stdout)
         self.state = {"host_pid": os.getpid(), "owner": self.cfg["owner"], "state": "starting",
-                      "generation": 0, "startup_seconds": [], "scratch": self.scratch}  # fmt: skip
+                      "generation": 0, "startup_seconds": [], "scratch": self.scratch,
+                      "gpus": int(self.cfg.get("gpus", 0))}  # fmt: skip
 
     def publish(self, **changes) -> None:
         self.state.update(changes)
@@ -306,20 +318,12 @@ class Host:
             startup_seconds=[*self.state["startup_seconds"], seconds],
         )
 
-    def idle(self) -> bool:
-        """Whether no job holds a lease (called under start.lock: none is attaching)."""
-        try:
-            with flocked(self.dir / "users.lock", fcntl.LOCK_EX | fcntl.LOCK_NB):
-                return True
-        except BlockingIOError:
-            return False
-
     def should_stop(self, idle_since: float | None) -> tuple[bool, float | None]:
         """(stop now, idle since): under start.lock, so no job attaches meanwhile; on stop the
         host is marked stopped before the lock is released."""
         try:
             with flocked(self.dir / "start.lock", fcntl.LOCK_EX | fcntl.LOCK_NB):
-                if not self.idle():
+                if not idle(self.dir):
                     return False, None
                 idle_since = idle_since or time.monotonic()
                 last = (self.dir / "last").exists()

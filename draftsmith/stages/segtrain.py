@@ -47,6 +47,7 @@ from draftsmith.runtime.files import (
 )
 from draftsmith.runtime.hardware import cpu_facts, resolve_precision
 from draftsmith.runtime.progress import ProgressLog
+from draftsmith.runtime.serverhosts import release_gpu_hosts
 from draftsmith.runtime.stopping import stop_promptly
 from draftsmith.train.checkpoint import check_space, load_checkpoint, reset_metrics, save_checkpoint
 from draftsmith.train.data import Data, check_inputs, frozen_inputs, run_key, teacher_flags
@@ -271,6 +272,7 @@ def main(argv: list[str] | None = None) -> None:
         export_last(job, args)
         return
     progress = Progress()
+    release_gpu_hosts()  # the capture server's GPUs, held while it waits for the next segment
     with stop_promptly("draftsmith.train.loop", lambda sig: log_stop(progress)):
         bound_cpu_memory()
         train_segment(job, args, progress)

@@ -21,6 +21,8 @@ import shlex
 import subprocess
 import sys
 
+from draftsmith.runtime.serverhosts import release_gpu_hosts
+
 RDZV_PORT_BASE = 29500
 
 
@@ -124,5 +126,9 @@ def main(argv: list[str] | None = None) -> None:
         cmd = command(args.nproc_per_node, args.nnodes, args.cpus_per_node, rest, dict(os.environ))
     except LaunchError as e:
         raise SystemExit(f"draftsmith train: {e}") from None
+    # every stage that feeds training is done: the run's idle engine servers (regenerate,
+    # capture) give back their memory, cores and GPUs before the first step
+    for key in release_gpu_hosts(gpus_only=False):
+        print(f"draftsmith train: stopped the run's idle server {key}", file=sys.stderr)
     print(f"draftsmith train: {shlex.join(cmd)}", file=sys.stderr, flush=True)
     os.execvp(cmd[0], cmd)
