@@ -1,4 +1,4 @@
-"""Prompt sources: the four formats, bad-row accounting, the held-out split, the bundled set."""
+"""Prompt sources: the row formats, bad-row accounting, the held-out split, the bundled set."""
 
 from __future__ import annotations
 
@@ -287,20 +287,20 @@ def test_openai_messages_rows_are_read(tmp_path):
 
 
 def test_a_source_in_another_format_is_an_error_naming_the_format(tmp_path):
-    rows = [json.dumps({"messages": [{"role": "user", "content": "hi"}]})] * 3
-    path = _write(tmp_path / "openai.jsonl", rows)
+    rows = [json.dumps({"prompt": "hi"})] * 3
+    path = _write(tmp_path / "plain.jsonl", rows)
     with pytest.raises(SourceError) as e:
         read_source({"format": "sharegpt", "path": path})
     msg = str(e.value)
-    assert "none of the 3 rows" in msg and "are format messages" in msg
-    assert "specforge, sharegpt, messages, prompt" in msg
+    assert "none of the 3 rows" in msg and "are format prompt" in msg
+    assert "line 1: key 'conversations': missing or not a list" in msg
+    assert "specforge, sharegpt, messages, prompt, auto" in msg
 
 
-def test_parquet_and_datasets_directories_are_named_not_read_as_text(tmp_path):
-    pq = tmp_path / "train.parquet"
-    pq.write_bytes(b"PAR1" + b"\x00" * 64 + b"PAR1")
-    with pytest.raises(SourceError, match="is a parquet file .* not JSONL; write it as JSONL"):
-        read_source({"format": "sharegpt", "path": str(pq)})
-    (tmp_path / "saved").mkdir()
-    with pytest.raises(SourceError, match="is a directory"):
-        read_source({"format": "sharegpt", "path": str(tmp_path / "saved")})
+def test_openai_messages_rows_are_read_whatever_format_names_them(tmp_path):
+    rows = [json.dumps({"messages": [{"role": "user", "content": f"hi {i}"}]}) for i in range(3)]
+    path = _write(tmp_path / "openai.jsonl", rows)
+    for fmt in ("sharegpt", "specforge", "prompt", "messages"):
+        got, report = read_source({"format": fmt, "path": path})
+        assert [r["conversations"][0]["content"] for r in got] == ["hi 0", "hi 1", "hi 2"]
+        assert report["shapes"] == {"messages": 3} and report["skipped"] == 0

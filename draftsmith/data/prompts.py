@@ -1,16 +1,20 @@
-"""Prompt sources: readers, validation, bad-row accounting, the merged list, the held-out split.
+"""Prompt sources: reading them in their forms, bad-row accounting, the merged list, the split.
 
-Pure standard library: the Snakefile calls `load_sources(config)` at DAG-build time to count
-rows and fix the row ranges. Every row becomes one conversation dict
+The Snakefile calls `load_sources(config)` at DAG-build time to count rows and fix the row
+ranges (standard library only, but for parquet and Arrow sources, which pyarrow reads). A source
+is a file or a datasets directory in one of the forms of draftsmith.data.forms (JSON Lines, one
+JSON array such as ShareGPT's distributed file, parquet, Arrow, a `save_to_disk` directory),
+holding rows of one of the shapes of draftsmith.data.rows; `format: auto` detects the shape from
+the first rows. Every row becomes one conversation dict
 
     {"id": str, "source": str, "conversations": [{"role": "system|user|assistant", "content": str}]}
 
 with an optional leading system turn, then user and assistant turns alternating, starting with
 user. A conversation may end with a user turn (the regenerate stage answers it). Rows that are not
 UTF-8 or not JSON, hold a lone surrogate (a JSON escape like "\\ud800" that no UTF-8 text can
-carry), have empty content or break the role order are skipped, counted and listed (file, line
-numbers and reasons) in the report and the log; they never crash the run and are never dropped
-silently.
+carry), have empty content, break the role order, or are cut by the end of the file are skipped,
+counted and listed (file, line, record or row, the key at fault and the reason) in the report and
+the log; they never crash the run and are never dropped silently.
 
 Held-out rows (`data.heldout_rows`, the benchmark's prompts) are evenly spaced over the merged
 rows: row floor((2i + 1) n / 2h) for i < h. No seed, no shuffle: the choice depends only on the
@@ -28,34 +32,28 @@ import importlib.util
 import json
 import logging
 from dataclasses import dataclass
+from itertools import chain, islice
 from pathlib import Path
 
-FORMATS = ("bundled", "specforge", "sharegpt", "messages", "prompt")
-# the top-level key each JSONL format's rows carry (how a source in another format is told)
-FORMAT_KEYS = {"conversations": "specforge or sharegpt", "messages": "messages", "prompt": "prompt"}
-ROLES = ("system", "user", "assistant")
-SHAREGPT_ROLES = {
-    "system": "system",
-    "human": "user",
-    "user": "user",
-    "gpt": "assistant",
-    "assistant": "assistant",
-    "chatgpt": "assistant",
-}
+from draftsmith.data import forms
+from draftsmith.data.rows import (
+    SHAPES,
+    BadRow,
+    SourceError,
+    detect_shape,
+    parse_row,
+    shape_of_keys,
+)
+
+FORMATS = ("bundled", *SHAPES, "auto")
 BAD_ROWS_LISTED = 5
+# format auto: the shape is the most common one among this many first rows
+DETECT_ROWS = 32
 # data.system_prompt: what a leading system turn becomes (for templates without a system role)
 SYSTEM_PROMPT = ("keep", "drop", "merge")
 BUNDLED_PATH = Path(__file__).parent / "prompts.jsonl"
 
 log = logging.getLogger("draftsmith.data.prompts")
-
-
-class SourceError(ValueError):
-    """A prompt source that cannot be read at all (missing file, unknown format)."""
-
-
-class BadRow(ValueError):
-    """One row that is skipped; the message is the reason recorded in the report."""
 
 
 @dataclass(frozen=True)
@@ -65,242 +63,153 @@ class Sources:
     report: dict
 
 
-# ---------------------------------------------------------------- row validation
-
-
-def check_conversation(turns) -> list[dict]:
-    """Validate a list of {"role", "content"} turns and return clean copies; raise BadRow."""
-    if not isinstance(turns, list) or not turns:
-        raise BadRow("no conversation turns")
-    out = []
-    for i, turn in enumerate(turns):
-        if not isinstance(turn, dict):
-            raise BadRow(f"turn {i} is not an object")
-        role, content = turn.get("role"), turn.get("content")
-        if role not in ROLES:
-            raise BadRow(f"turn {i} has unknown role {role!r}")
-        if not isinstance(content, str) or not content.strip():
-            raise BadRow(f"turn {i} ({role}) has empty content")
-        try:
-            content.encode("utf-8")
-        except UnicodeEncodeError as e:
-            bad = content[e.start]
-            raise BadRow(
-                f"turn {i} ({role}) holds a lone surrogate \\u{ord(bad):04x} at character "
-                f"{e.start} (not valid Unicode text)"
-            ) from None
-        out.append({"role": role, "content": content})
-    body = out[1:] if out[0]["role"] == "system" else out
-    if not body:
-        raise BadRow("only a system turn")
-    for i, turn in enumerate(body):
-        expected = "user" if i % 2 == 0 else "assistant"
-        if turn["role"] != expected:
-            raise BadRow(
-                f"broken role order: turn {i + len(out) - len(body)} is {turn['role']}, "
-                f"expected {expected}"
-            )
-    return out
-
-
-def _from_specforge(obj: dict) -> list[dict]:
-    return check_conversation(obj.get("conversations"))
-
-
-def _from_sharegpt(obj: dict) -> list[dict]:
-    turns = obj.get("conversations")
-    if not isinstance(turns, list):
-        raise BadRow("no 'conversations' list")
-    mapped = []
-    for i, turn in enumerate(turns):
-        if not isinstance(turn, dict):
-            raise BadRow(f"turn {i} is not an object")
-        who = turn.get("from")
-        if who not in SHAREGPT_ROLES:
-            raise BadRow(f"turn {i} has unknown 'from' {who!r}")
-        mapped.append({"role": SHAREGPT_ROLES[who], "content": turn.get("value")})
-    return check_conversation(mapped)
-
-
-def _text(content, i: int, role: str):
-    """An OpenAI message's content: a string, or a list of parts whose text parts are joined
-    (an image or audio part has no text to train on: refused)."""
-    if not isinstance(content, list):
-        return content
-    texts = []
-    for part in content:
-        kind = part.get("type") if isinstance(part, dict) else None
-        if kind != "text" or not isinstance(part.get("text"), str):
-            raise BadRow(
-                f"turn {i} ({role}) has a {kind or 'non-object'} part; only text parts are read"
-            )
-        texts.append(part["text"])
-    return "".join(texts)
-
-
-def _from_messages(obj: dict) -> list[dict]:
-    turns = obj.get("messages")
-    if not isinstance(turns, list):
-        raise BadRow("no 'messages' list")
-    out = []
-    for i, turn in enumerate(turns):
-        if not isinstance(turn, dict):
-            raise BadRow(f"turn {i} is not an object")
-        role = turn.get("role")
-        if role == "developer":
-            role = "system"  # OpenAI's newer name of the system turn
-        if role in ("tool", "function") or turn.get("tool_calls"):
-            raise BadRow(f"turn {i} is a tool call or result; tool turns are not read")
-        out.append({"role": role, "content": _text(turn.get("content"), i, role)})
-    return check_conversation(out)
-
-
-def _from_prompt(obj: dict) -> list[dict]:
-    turns = []
-    if "system" in obj:
-        turns.append({"role": "system", "content": obj["system"]})
-    turns.append({"role": "user", "content": obj.get("prompt")})
-    return check_conversation(turns)
-
-
-PARSERS = {
-    "bundled": _from_specforge,
-    "specforge": _from_specforge,
-    "sharegpt": _from_sharegpt,
-    "messages": _from_messages,
-    "prompt": _from_prompt,
-}
-
-
 # ---------------------------------------------------------------- one source
-
-
-def _open_bytes(path: Path):
-    """Lines as bytes: each line is decoded on its own, so a bad one names its line number."""
-    return gzip.open(path, "rb") if path.suffix == ".gz" else open(path, "rb")
-
-
-def _decode(raw: bytes) -> str:
-    try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise BadRow(
-            f"not UTF-8 (byte 0x{raw[e.start]:02x} at byte {e.start} of the line); "
-            f"re-encode the file as UTF-8"
-        ) from None
 
 
 def accepted() -> str:
     return ", ".join(f for f in FORMATS if f != "bundled")
 
 
-def refuse_binary(name: str, path: Path) -> None:
-    """A parquet or Arrow file (the Hugging Face datasets formats) is named as such, with how to
-    make JSONL of it, instead of being read as broken text line by line."""
-    with open(path, "rb") as f:
-        head = f.read(8)
-    kind = "parquet" if head[:4] == b"PAR1" else "Arrow" if head[:6] == b"ARROW1" else None
-    if kind:
-        raise SourceError(
-            f"data.sources: {name}: {path} is a {kind} file (a Hugging Face datasets format), "
-            f"not JSONL; write it as JSONL first (datasets: `Dataset.from_parquet(path)"
-            f".to_json(out)`; pandas: `read_parquet(path).to_json(out, orient='records', "
-            f"lines=True)`), in one of the formats {accepted()}"
-        )
+def where(entry: dict) -> str:
+    """A bad row's place in its file: "line 5", "record 3 (line 40)" or "row 7"."""
+    if "record" in entry:
+        return f"record {entry['record']} (line {entry['line']})"
+    key = "line" if "line" in entry else "row"
+    return f"{key} {entry[key]}"
 
 
-def no_valid_rows(name, path, fmt, n_lines, bad, keys) -> str:
+def no_valid_rows(name, path, fmt, n_rows, bad, keys) -> str:
     """The error for a source none of whose rows is valid: the first reasons, the keys its rows
     carry and the format they suggest."""
-    guess = next((FORMAT_KEYS[k] for k in (keys or ()) if k in FORMAT_KEYS), None)
+    guess = shape_of_keys(keys)
     hint = f"; rows with keys {keys} are format {guess}" if guess and fmt not in guess else ""
-    reasons = ", ".join(f"line {b['line']}: {b['reason']}" for b in bad[:3])
+    reasons = ", ".join(f"{where(b)}: {b['reason']}" for b in bad[:3])
     return (
-        f"data.sources: {name}: none of the {n_lines} rows of {path} is a valid {fmt} row "
-        f"({reasons}){hint}; the formats are {accepted()} (docs/data.md)"
+        f"data.sources: {name}: none of the {n_rows} rows of {path} is a valid {fmt} row "
+        f"({reasons}){hint}; the formats are {accepted()} (auto detects the shape; "
+        f"docs/data.md)"
     )
 
 
 def source_files(config: dict) -> list[str]:
-    """The files the configured sources read (the bundled set's package file included)."""
+    """The files the configured sources read (the bundled set's package file included; a
+    datasets directory's metadata and data files)."""
     specs = config["data"].get("sources") or [{"format": "bundled"}]
-    return [str(BUNDLED_PATH) if s["format"] == "bundled" else s["path"] for s in specs]
+    return [
+        f
+        for s in specs
+        for f in ([str(BUNDLED_PATH)] if s["format"] == "bundled" else forms.input_files(s["path"]))
+    ]
 
 
 def source_name(spec: dict) -> str:
     return "bundled" if spec["format"] == "bundled" else f"{spec['format']}:{spec['path']}"
 
 
-def read_source(spec: dict) -> tuple[list[dict], dict]:
-    """Read one configured source -> (valid conversations, its report entry).
-
-    `spec` is one item of `data.sources`: {"format", "path", "max_rows"}. Line numbers in the
-    report are 1-based line numbers of the file.
-    """
+def source_path(spec: dict) -> Path:
     fmt = spec.get("format")
     if fmt not in FORMATS:
         raise SourceError(f"data.sources: unknown format {fmt!r} (expected one of {FORMATS})")
     if fmt == "bundled":
-        path = BUNDLED_PATH
-    else:
-        if not spec.get("path"):
-            raise SourceError(f"data.sources: format {fmt!r} needs a 'path'")
-        path = Path(spec["path"])
-    if path.is_dir():
-        raise SourceError(
-            f"data.sources: {source_name(spec)}: {path} is a directory (a Hugging Face datasets "
-            f"save_to_disk?); give one JSONL file in one of the formats {accepted()}"
-        )
-    if not path.is_file():
+        return BUNDLED_PATH
+    if not spec.get("path"):
+        raise SourceError(f"data.sources: format {fmt!r} needs a 'path'")
+    path = Path(spec["path"])
+    if not path.exists():
         raise SourceError(f"data.sources: {source_name(spec)}: file not found: {path}")
-    name = source_name(spec)
-    refuse_binary(name, path)
-    max_rows = int(spec.get("max_rows", 0) or 0)
-    parse = PARSERS[fmt]
-    rows, bad, n_lines, first_keys = [], [], 0, None
-    with _open_bytes(path) as f:
-        for lineno, raw in enumerate(f, start=1):
-            if not raw.strip():
-                continue
-            n_lines += 1
-            try:
-                line = _decode(raw)
-                try:
-                    obj = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise BadRow(f"not JSON ({e.msg})") from None
-                if not isinstance(obj, dict):
-                    raise BadRow("not a JSON object")
-                first_keys = sorted(obj) if first_keys is None else first_keys
-                turns = parse(obj)
-            except BadRow as e:
-                bad.append({"line": lineno, "reason": str(e)})
-                continue
-            row_id = obj.get("id")
-            row_id = str(row_id) if row_id not in (None, "") else f"{name}#{lineno}"
-            rows.append({"id": row_id, "source": name, "conversations": turns})
-            if max_rows and len(rows) >= max_rows:
-                break
+    return path
+
+
+def first_shape(name: str, path: Path, fmt: str, head: list) -> tuple[str, dict]:
+    """The shape rows are read in: the configured one, or (auto) the first rows' most common."""
+    if fmt != "auto":
+        return ("specforge" if fmt == "bundled" else fmt), {}
+    objs = [obj for _, obj, reason in head if reason is None]
+    shape, counts = detect_shape(objs)
+    if shape is None:
+        keys = sorted({k for o in objs if isinstance(o, dict) for k in o})
+        raise SourceError(
+            f"format auto found no row shape in the first {len(head)} "
+            f"rows of {path} (their keys: {keys or 'none'}); the shapes are "
+            f"{', '.join(SHAPES)} (docs/data.md)"
+        )
+    log.info(
+        "%s: format auto detected %s from the first %d rows %s", name, shape, len(objs), counts
+    )
+    return shape, {"detected": shape, "detected_from": counts}
+
+
+def read_rows(name: str, path: Path, fmt: str, max_rows: int):
+    """(rows, bad rows, rows read, first row's keys, report extras) of one source."""
+    status: dict = {}
+    form = "jsonl" if path == BUNDLED_PATH else forms.sniff(path)
+    records = forms.records(path, form, status)
+    head = list(islice(records, DETECT_ROWS))
+    shape, extra = first_shape(name, path, fmt, head) if head else ("specforge", {})
+    rows, bad, n_rows, first_keys, shapes = [], [], 0, None, {}
+    for place, obj, reason in chain(head, records):
+        n_rows += 1
+        try:
+            if reason:
+                raise BadRow(reason)
+            if first_keys is None and isinstance(obj, dict):
+                first_keys = sorted(obj)
+            turns, read_as = parse_row(obj, shape)
+        except BadRow as e:
+            bad.append({**place, "reason": str(e)})
+            continue
+        shapes[read_as] = shapes.get(read_as, 0) + 1
+        row_id = obj.get("id")
+        number = next(iter(place.values()))
+        row_id = str(row_id) if row_id not in (None, "") else f"{name}#{number}"
+        rows.append({"id": row_id, "source": name, "conversations": turns})
+        if max_rows and len(rows) >= max_rows:
+            break
+    return rows, bad, n_rows, first_keys, {"form": form, **extra, "shapes": shapes, **status}
+
+
+def warn_bad(name: str, path: Path, bad: list[dict], extra: dict) -> None:
     if bad:
-        shown = ", ".join(f"line {b['line']}: {b['reason']}" for b in bad[:BAD_ROWS_LISTED])
+        shown = ", ".join(f"{where(b)}: {b['reason']}" for b in bad[:BAD_ROWS_LISTED])
+        more = ", ..." if len(bad) > BAD_ROWS_LISTED else ""
+        log.warning("%s (%s): skipped %d bad rows (%s%s)", name, path, len(bad), shown, more)
+    cut = extra.get("truncated")
+    if cut:
         log.warning(
-            "%s (%s): skipped %d bad rows (%s%s)",
+            "%s (%s): the file is cut: %s at %s; the rows before it are read",
             name,
             path,
-            len(bad),
-            shown,
-            ", ..." if len(bad) > BAD_ROWS_LISTED else "",
+            cut["reason"],
+            where(cut),
         )
-    if n_lines == 0:
-        log.warning("%s: %s is empty (no non-blank line): it adds no rows", name, path)
+
+
+def read_source(spec: dict) -> tuple[list[dict], dict]:
+    """Read one configured source -> (valid conversations, its report entry).
+
+    `spec` is one item of `data.sources`: {"format", "path", "max_rows"}. A bad row's place in
+    the report: the 1-based line of a JSON Lines file, the 0-based record index (and the line it
+    starts on) of a JSON array, the 0-based row of a parquet or Arrow table.
+    """
+    path = source_path(spec)
+    name, fmt = source_name(spec), spec["format"]
+    max_rows = int(spec.get("max_rows", 0) or 0)
+    try:
+        rows, bad, n_rows, first_keys, extra = read_rows(name, path, fmt, max_rows)
+    except SourceError as e:
+        raise SourceError(f"data.sources: {name}: {e}") from None
+    warn_bad(name, path, bad, extra)
+    if n_rows == 0:
+        log.warning("%s: %s is empty (no row): it adds no rows", name, path)
     elif not rows:
-        raise SourceError(no_valid_rows(name, path, fmt, n_lines, bad, first_keys))
+        raise SourceError(no_valid_rows(name, path, fmt, n_rows, bad, first_keys))
     report = {
         "name": name,
         "format": fmt,
         "path": str(path),
-        "empty": n_lines == 0,
-        "rows_read": n_lines,
+        **extra,
+        "empty": n_rows == 0,
+        "rows_read": n_rows,
         "valid": len(rows),
         "skipped": len(bad),
         "first_bad_rows": bad[:BAD_ROWS_LISTED],
