@@ -208,3 +208,75 @@ def test_one_key_for_the_jobs_of_a_run_another_for_other_settings(tmp_path):
     a.env = {**a.env, "OMP_WAIT_POLICY": "PASSIVE"}
     c.command = lambda port: [sys.executable, "-c", "pass", str(port)]
     assert spec_key(a) == spec_key(b) != spec_key(c)
+
+
+def other_spec(tmp_path: Path) -> ServerSpec:
+    """The same program under another argv: another key, as another stage's server is."""
+    s = spec(tmp_path)
+    base = s.command
+    s.command = lambda port: [*base(port), "other-stage"]
+    return s
+
+
+def test_an_idle_server_holding_gpus_is_stopped_before_other_gpu_work(tmp_path, owner):
+    """A host whose server holds GPUs is stopped (and waited for) when another stage's job with
+    GPUs attaches, or when training starts (release_gpu_hosts); never while a job leases it;
+    a CPU host only when training starts (gpus_only False)."""
+    from draftsmith.runtime.serverhosts import release_gpu_hosts
+
+    root = tmp_path / "servers"
+    with lease(tmp_path, owner, gpus=2) as a:
+        host = a.info["host_pid"]
+        try:
+            assert json.loads((a.dir / "host.json").read_text())["gpus"] == 2
+            assert release_gpu_hosts(root, owner.pid) == []  # leased: its GPUs are counted
+        except BaseException:
+            cleanup(host)
+            raise
+    assert pid_alive(host)  # idle, holding GPUs Snakemake no longer counts
+    other = SharedServer(other_spec(tmp_path), root, owner=owner.pid, idle_timeout=60,
+                         retries=1, gpus=2)  # fmt: skip
+    with other as b:
+        assert gone(host, 5), "an idle GPU server must be gone before another one starts"
+        assert json.loads((a.dir / "host.json").read_text())["state"] == "stopped"
+        second = b.info["host_pid"]
+    try:
+        with lease(tmp_path, owner) as c:  # a CPU server of the first key: started again
+            cpu_host = c.info["host_pid"]
+        assert release_gpu_hosts(root, owner.pid) == [b.dir.name]  # training with GPUs
+        assert gone(second, 5) and pid_alive(cpu_host)
+        assert release_gpu_hosts(root, owner.pid, gpus_only=False) == [c.dir.name]
+        assert gone(cpu_host, 5)
+    finally:
+        cleanup(second)
+
+
+SERVICE_TOY = """
+rule all:
+    input: expand("out/{i}.txt", i=range(4))
+rule serve:
+    output: service("server.ready")
+    threads: 1
+    shell: "touch {output}; exec sleep 60"
+rule consume:
+    input: "server.ready"
+    output: "out/{i}.txt"
+    threads: 1
+    shell: "echo {wildcards.i} > {output}"
+"""
+
+
+def test_snakemake_service_runs_every_range_job_of_a_stage_at_once(tmp_path):
+    """Why the range jobs share a host of ours rather than a service() rule: Snakemake runs a
+    service and all its consumers as one group, at once, with their threads summed, so a stage
+    of more range jobs than the machine has cores cannot run locally at all (here 4 one-thread
+    consumers and the server on 2 cores; a real stage has hundreds; docs/scale.md)."""
+    (tmp_path / "Snakefile").write_text(SERVICE_TOY)
+    run = subprocess.run(
+        [sys.executable, "-m", "snakemake", "--cores", "2"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    out = run.stdout + run.stderr
+    assert run.returncode != 0, out[-2000:]
+    assert "Not enough resources were provided" in out, out[-2000:]
+    assert not list(tmp_path.glob("out/*.txt"))  # no range job ran

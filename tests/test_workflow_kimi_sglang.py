@@ -31,7 +31,11 @@ project that regenerates and captures with it:
   (passes, accepted-length histogram, tau) equal to our engine's on the same prompts and draft
   (trained.assert_same_acceptance), for both drafts.
 
-.ci/run's SGLang step runs it (marked sglang, not extended): 6-7 minutes on 2 cores.
+The 8 prompts are two row ranges, so each stage's two range jobs show the sharing: one server
+launch per stage (draftsmith.engines.sharedserver), and a targeted rebuild of one shard starts
+one server and rebuilds only that shard.
+
+.ci/run's SGLang step runs it (marked sglang, not extended): 6-8 minutes on 2 cores.
 """
 
 from __future__ import annotations
@@ -86,7 +90,7 @@ def config(src: Path, prompts: Path, python: str, engine: str) -> dict:
         data={
             "sources": [{"format": "prompt", "path": str(prompts)}],
             "heldout_rows": 0,
-            "rows_per_shard": len(PROMPTS),
+            "rows_per_shard": len(PROMPTS) // 2,  # two ranges: one server per stage for both
             "max_length": 192,
         },
         regenerate={
@@ -143,6 +147,26 @@ def hf_capture(projects) -> Path:
     return projects["hf"]
 
 
+def server_records(work: Path, stage: str) -> list[dict]:
+    """The server figures each range job of `stage` recorded (regeneration's range reports,
+    the shards' manifests)."""
+    if stage == "regenerate":
+        files = sorted((work / "results" / "data").glob("rows_*.report.json"))
+        return [json.loads(f.read_text()) for f in files]
+    files = sorted((work / "results" / "hidden").glob("rows_*.json"))
+    return [json.loads(f.read_text())["server"] for f in files]
+
+
+def launches(records: list[dict]) -> int:
+    """Server launches behind the jobs' records: a shared server's once (by its host), a job's
+    own server each time."""
+    hosts = {
+        r["server_host_pid"]: r["server_launches"] for r in records if r.get("server_host_pid")
+    }
+    own = sum(r["server_launches"] for r in records if not r.get("server_host_pid"))
+    return own + sum(hosts.values())
+
+
 def check_served(run: dict, draft_class: str) -> None:
     """SGLang served the wrapper with the draft, every output equal to plain greedy, with our
     engine's acceptance; the draft drafts."""
@@ -174,9 +198,12 @@ def test_sglang_regenerates_and_captures_the_kimi_checkpoint_as_our_engine(
     assert meta["text_model"]["architectures"] == ["KimiK25ForConditionalGeneration"]
     assert meta["served_config"] == {"language_model_only": True}
     assert meta["tokenizer"], meta  # the tiktoken tokenizer made fast
-    for log in ("regenerate", "capture"):  # SGLang built Kimi-K2.5's own wrapper class
-        for f in (work / "logs" / log).glob("rows_*.log"):
-            assert "type=KimiK25ForConditionalGeneration" in f.read_text(), f
+    for stage in ("regenerate", "capture"):  # one server per stage for its two range jobs
+        records = server_records(work, stage)
+        assert len(records) == 2 and launches(records) == 1, (stage, records)
+        assert sum(r["server_started_by_this_job"] for r in records) == 1, records
+        host_logs = list((work / "state" / "servers").glob("*/host.log"))
+        assert any("type=KimiK25ForConditionalGeneration" in f.read_text() for f in host_logs)
     rows = sorted((work / "results" / "data").glob("rows_*.jsonl"))
     assert rows
     for f in rows:
@@ -266,3 +293,22 @@ def test_sglang_serves_the_checkpoint_as_shipped_through_its_processor(projects,
     assert "type=KimiK25ForConditionalGeneration" in text, text[-3000:]
     assert "Multimodal processor" in text, text[-3000:]  # the processor was built
     assert got == want
+
+
+def test_a_targeted_rebuild_of_one_shard_starts_one_server(projects, mla):
+    """`snakemake results/hidden/<range>.safetensors` after the shard is deleted: one server
+    launch, that shard captured again (equal states), the other range untouched."""
+    from draftsmith.hidden.shards import open_shard
+
+    work = projects["sglang"]
+    shards = sorted((work / "results" / "hidden").glob("rows_*.safetensors"))
+    assert len(shards) == 2
+    gone, kept = shards
+    before = open_shard(gone).aux_hidden_states.clone()
+    kept_mtime = kept.stat().st_mtime_ns
+    gone.unlink()
+    snakemake(work, "--cores", "all", f"results/hidden/{gone.name}", timeout=1200)
+    record = json.loads(gone.with_suffix(".json").read_text())["server"]
+    assert record["server_started_by_this_job"] and record["server_launches"] == 1, record
+    assert kept.stat().st_mtime_ns == kept_mtime
+    assert torch.equal(open_shard(gone).aux_hidden_states, before)
