@@ -7,9 +7,9 @@ prompts in ranges of 16, train.segment_rows 16: 2 segments) up to its token file
 and patched SGLang, then runs segment mode (`capture.keep` false, `capture.backend` sglang on
 the sglang-cpu role) to the draft twice from that point, each in its own copy:
 
-- job: `sglang.capture_server: job`, a server launched by every capture job (epochs x
+- job: `sglang.shared_server: job`, a server launched by every capture job (epochs x
   segments of them);
-- run: `sglang.capture_server: run`, one server for all of them (draftsmith.engines.sharedserver).
+- run: `sglang.shared_server: run`, one server for all of them (draftsmith.engines.sharedserver).
 
 For each it records the wall time, the seconds of each job (Snakemake's benchmark files) per
 stage, the server launches and the start-up seconds of each (the capture manifests' `server`
@@ -49,7 +49,7 @@ def bench_config(target: Path, python: str, mode: str, epochs: int, rows: int) -
         envs={"sglang-cpu": {"python": python}},
         capture={"dtype": "float32", "batch_tokens": 1024, "keep": False, "backend": "sglang",
                  "role": "sglang-cpu", "aux_layer_ids": [1, 2, 4]},
-        sglang={"extra_args": CPU_SERVER_ARGS, "capture_server": mode},
+        sglang={"extra_args": CPU_SERVER_ARGS, "shared_server": mode},
         train={"epochs": epochs, "segment_rows": 16, "precision": "fp32"},
     )  # fmt: skip
 
@@ -165,7 +165,7 @@ def render(record: dict) -> str:
         "through the patched SGLang 0.5.23 CPU server (role sglang-cpu). Job seconds: Snakemake's "
         "benchmark files summed per stage; start-up: launch to /health, per server.",
         "",
-        "| capture_server | server launches | start-up s each | capture jobs s | train jobs s "
+        "| shared_server | server launches | start-up s each | capture jobs s | train jobs s "
         "| run wall s | server CPU s with no capture running | processes left | load |",
         "|---|---:|---|---:|---:|---:|---:|---:|---|",
     ]
