@@ -83,6 +83,7 @@ from draftsmith.runtime.stopping import stop_promptly
 from draftsmith.targets.layerids import resolve_setting
 from draftsmith.targets.layout import text_config
 from draftsmith.train.checkpoint import (
+    append_metrics,
     check_space,
     latest_checkpoint,
     load_checkpoint,
@@ -341,8 +342,7 @@ def train(
         record = train_step(s, tcfg, inputs, data, pos, rank, world)
         pos.step, pos.batch = pos.step + 1, pos.batch + 1
         if rank == 0:
-            with open(run_dir / "metrics.jsonl", "a") as f:
-                f.write(json.dumps(record) + "\n")
+            append_metrics(run_dir / "metrics.jsonl", record)
             progress_log.update(
                 pos.step, loss=f"{record['loss']:.3f}", acc0=f"{record['acc_per_pos'][0]:.2f}",
                 tokens_per_s=f"{record['tokens_per_s']:.0f}",
