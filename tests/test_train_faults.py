@@ -124,3 +124,25 @@ def test_a_real_safetensors_disk_full_keeps_the_last_checkpoint(tmp_path):
     assert f"MiB under {run}" in got["message"] and "(no space left on device)" in got["message"]
     assert "the rerun resumes from it" in got["message"]
     assert got["left"] == ["step-000001"] and got["latest"] == "step-000001"
+
+
+def test_a_flipped_byte_with_its_mtime_put_back_is_refused_and_only_its_range_deleted(tmp_path):
+    """Size and mtime prove nothing: training checks the bytes it reads (crc32 in the manifest),
+    refuses the shard by name and deletes it with its manifest, so the rerun rebuilds that range
+    only; the other shard stays."""
+    import os
+
+    from wf import flip_byte
+
+    inputs = make_inputs(tmp_path / "in", rows=4)
+    run_train(inputs, tmp_path / "out", cfg_json(max_steps=1))
+    good, bad = inputs["shards"]
+    st = bad.stat()
+    flip_byte(bad)
+    os.utime(bad, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert bad.stat().st_mtime_ns == st.st_mtime_ns and bad.stat().st_size == st.st_size
+    with pytest.raises(SystemExit, match=f"{bad}: checksum mismatch") as e:
+        run_train(inputs, tmp_path / "out", cfg_json(max_steps=1))
+    assert f"deleted the refused shard(s) {bad.name}" in str(e.value)
+    assert not bad.exists() and not bad.with_suffix(".json").exists()
+    assert good.exists() and good.with_suffix(".json").exists()
