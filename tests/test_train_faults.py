@@ -146,3 +146,15 @@ def test_a_flipped_byte_with_its_mtime_put_back_is_refused_and_only_its_range_de
     assert f"deleted the refused shard(s) {bad.name}" in str(e.value)
     assert not bad.exists() and not bad.with_suffix(".json").exists()
     assert good.exists() and good.with_suffix(".json").exists()
+
+
+def test_the_run_key_holds_the_resolved_precision_not_its_spelling(tmp_path):
+    """train.precision bf16 written out resumes the run `auto` resolved to bf16; another
+    resolved precision is another run."""
+    from draftsmith.train.loop import run_key
+
+    inputs = make_inputs(tmp_path / "in", rows=4)
+    args = (inputs["shards"], inputs["vocab"], inputs["target"])
+    auto, bf16 = json.loads(cfg_json(precision="auto")), json.loads(cfg_json(precision="bf16"))
+    assert run_key(bf16, *args, "bf16") == run_key(auto, *args, "bf16")
+    assert run_key(auto, *args, "fp32") != run_key(auto, *args, "bf16")

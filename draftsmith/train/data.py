@@ -62,6 +62,8 @@ def run_key(
     cfg: dict, shard_paths: list[Path], vocab: Path, target_dir: Path, precision: str
 ) -> str:
     train = {k: v for k, v in cfg["train"].items() if k not in NON_SEMANTIC}
+    if "precision" in train:  # as configured; the resolved one is hashed below, and only it
+        train["precision"] = "auto"  # changes the result: bf16 written out resumes auto's run
     h = hashlib.sha256()
     h.update(json.dumps([train, cfg["draft"], cfg["capture"]], sort_keys=True).encode())
     h.update(precision.encode())  # resolved: a run never resumes in another precision
