@@ -18,6 +18,7 @@ from draftsmith.config.engines import engine_inputs  # noqa: E402
 from draftsmith.algorithms import refusals as algorithm_refusals  # noqa: E402
 from draftsmith.config.checks import (
     ConfigError,
+    check_aux_layer_ids,
     check_config,
     check_finite,
     check_range,
@@ -27,14 +28,22 @@ from draftsmith.config.checks import (
     row_ranges,
     sections_json,
 )  # noqa: E402
-from draftsmith.targets.layerids import first_is_one, setting_problems  # noqa: E402
+from draftsmith.targets.layerids import (
+    first_is_one,
+    setting_problems,
+    target_view,
+)  # noqa: E402
 from draftsmith.data.prompts import (
     BUNDLED_PATH,
     load_sources,
     source_files,
 )  # noqa: E402
 from draftsmith.runtime.stopping import forward_stop_signals  # noqa: E402
-from draftsmith.targets.model import TargetError, source_signature  # noqa: E402
+from draftsmith.targets.model import (
+    EMBEDDED_LAYERS,
+    TargetError,
+    source_signature,
+)  # noqa: E402
 
 # --config passes nested values as strings: coerce them by the schema's types, then validate
 # (which fills every default: the schema is the one source of defaults), then cross-key checks.
@@ -84,6 +93,12 @@ if config["target"]["source"] == "path":
     TARGET_CONFIG = json.loads(
         (Path(config["target"]["path"]).expanduser() / "config.json").read_text()
     )
+    check_aux_layer_ids(
+        config["capture"]["aux_layer_ids"],
+        target_view(TARGET_CONFIG)["num_hidden_layers"],
+        first_is_one(TARGET_CONFIG),
+        f"target.path {config['target']['path']}: config.json",
+    )
     # ids a serving engine would read as other layers than training uses (draftsmith.targets.layerids)
     bad = setting_problems(TARGET_CONFIG, config["capture"]["aux_layer_ids"])
     if bad:
@@ -96,6 +111,12 @@ if config["target"]["source"] == "path":
         )
 else:
     TARGET_SIGNATURE, TARGET_CONFIG = "", None
+    check_aux_layer_ids(
+        config["capture"]["aux_layer_ids"],
+        EMBEDDED_LAYERS,
+        False,
+        f"the embedded target, {EMBEDDED_LAYERS} layers",
+    )
 # params see a setting spelled out as what its auto resolves to as auto (no rerun for it)
 PARAMS_CONFIG = wf.params_config(
     config, TARGET_CONFIG, TARGET_CONFIG is not None and first_is_one(TARGET_CONFIG)

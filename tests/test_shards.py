@@ -183,22 +183,34 @@ def test_rebuilt_shard_with_the_same_tensors_has_the_same_sha256(tmp_path, monke
     assert m1["sha256"] == m2["sha256"] and first.read_bytes() == second.read_bytes()
 
 
-def test_verified_stamp_skips_unchanged_shards_only(tmp_path):
-    from draftsmith.hidden.shards import verify_cached
+def test_verify_read_checks_the_bytes_not_the_mtime(tmp_path):
+    """crc32 of the mapped bytes against the manifest: a flipped byte with its mtime put back is
+    found; a manifest without crc32 (older) is checked by sha256 instead."""
+    import os
+    import zlib
+
+    from draftsmith.hidden.shards import verify_read
 
     path = tmp_path / "rows_000000-000004.safetensors"
     make_shard(path)
     manifest = json.loads(manifest_path(path).read_text())
-    stamps = tmp_path / "verified"
-    assert verify_cached(path, manifest, stamps) is True  # hashed, stamp written
-    assert verify_cached(path, manifest, stamps) is False  # proven before, file unchanged
-    with open(path, "r+b") as f:  # a flipped byte (the write moves the mtime)
-        f.seek(path.stat().st_size // 2)
+    assert manifest["crc32"] == f"{zlib.crc32(path.read_bytes()):08x}"
+    assert verify_read(open_shard(path)) == "crc32"
+    old = {k: v for k, v in manifest.items() if k != "crc32"}
+    manifest_path(path).write_text(json.dumps(old))
+    assert verify_read(open_shard(path)) == "sha256"
+    st = path.stat()
+    with open(path, "r+b") as f:  # a flipped byte inside the states, the mtime then put back
+        f.seek(st.st_size // 2)
         byte = f.read(1)
         f.seek(-1, 1)
         f.write(bytes([byte[0] ^ 0xFF]))
-    with pytest.raises(ShardError, match="checksum mismatch"):
-        verify_cached(path, manifest, stamps)
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    with pytest.raises(ShardError, match=f"{path}: checksum mismatch .*sha256"):
+        verify_read(open_shard(path))
+    manifest_path(path).write_text(json.dumps(manifest))
+    with pytest.raises(ShardError, match=f"{path}: checksum mismatch .*crc32"):
+        verify_read(open_shard(path))
 
 
 def test_killed_writer_leaves_no_temp_after_the_next_start(tmp_path):

@@ -87,6 +87,15 @@ def aux_layer_ids(setting, num_layers: int, first_is_one: bool = False) -> list[
     return ids
 
 
+def check_aux_layer_ids(setting, num_layers: int, first_is_one: bool, where: str) -> None:
+    """Refuse capture.aux_layer_ids `setting` at parse time for a target of `num_layers` layers
+    (`where` says whose count it is): ConfigError naming the key and the value."""
+    try:
+        aux_layer_ids(setting, num_layers, first_is_one)
+    except ValueError as e:
+        raise ConfigError(f"config: {e} ({where})") from None
+
+
 def check_range(name: str, ranges: list[str], n_rows: int, rows_per_shard: int) -> None:
     """Raise ValueError unless `name` is one of the configured `ranges`; the message lists them."""
     if name in ranges:
@@ -241,6 +250,12 @@ def check_config(config: dict) -> None:
             f"config: regenerate.dtype = {regen['dtype']} is the "
             f"{engines_text('regenerate.dtype', ' and ')} engine's; the {regen['backend']} "
             "engine serves target.dtype: leave regenerate.dtype auto"
+        )
+    ids = config["capture"]["aux_layer_ids"]
+    if ids != "auto" and len(set(ids)) != len(ids):
+        raise ConfigError(
+            f"config: capture.aux_layer_ids = {list(ids)}: the ids must be distinct (each names "
+            "one layer whose output is an aux state)"
         )
     capture = config["capture"]["storage"]
     if config["train"]["loss_positions"] == "all" and capture["final"] != "states":

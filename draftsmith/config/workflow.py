@@ -138,22 +138,40 @@ def set_away(config: dict, neutral: dict, section: str, *keys: str) -> tuple[str
 
 
 def params_config(config: dict, target_cfg: dict | None, first_is_one: bool = False) -> dict:
-    """The config as params see it: a setting written out as what its `auto` resolves to on
-    this target is `auto` there, so spelling out the default plans nothing new (today:
-    capture.aux_layer_ids). `target_cfg`: the target's config.json, None where it is not
-    readable at parse time (the embedded target before conversion); `first_is_one`: its class
-    needs ids starting at 1 (draftsmith.targets.layerids.first_is_one, which the Snakefile
-    passes). The config is not changed; a changed copy is returned."""
+    """The config as params see it: a setting written out as what its `auto` resolves to is
+    `auto` there, so spelling out the chosen value plans nothing new (capture.aux_layer_ids on
+    a target whose config.json is readable; train.precision bf16 on a GPU train role).
+    `target_cfg`: the target's config.json, None where it is not readable at parse time (the
+    embedded target before conversion); `first_is_one`: its class needs ids starting at 1
+    (draftsmith.targets.layerids.first_is_one, which the Snakefile passes). The config is not
+    changed; a changed copy is returned (the config itself when nothing is spelled out)."""
+    out = config
+    if aux_ids_are_auto(config, target_cfg, first_is_one):
+        out = {**out, "capture": {**out["capture"], "aux_layer_ids": "auto"}}
+    if precision_is_auto(config):
+        out = {**out, "train": {**out["train"], "precision": "auto"}}
+    return out
+
+
+def aux_ids_are_auto(config: dict, target_cfg: dict | None, first_is_one: bool) -> bool:
+    """Whether capture.aux_layer_ids is a list equal to what `auto` resolves to on the target."""
     from draftsmith.config.checks import aux_layer_ids
 
     ids = config["capture"]["aux_layer_ids"]
     if target_cfg is None or ids == "auto":
-        return config
+        return False
     cfg = target_cfg.get("text_config", target_cfg)
     try:
         auto = aux_layer_ids("auto", int(cfg["num_hidden_layers"]), first_is_one)
     except (KeyError, ValueError):
-        return config
-    if [int(i) for i in ids] != auto:
-        return config
-    return {**config, "capture": {**config["capture"], "aux_layer_ids": "auto"}}
+        return False
+    return [int(i) for i in ids] == auto
+
+
+def precision_is_auto(config: dict) -> bool:
+    """Whether train.precision is what `auto` is certain to resolve to at parse time: bf16 on a
+    GPU train role (draftsmith.runtime.hardware.resolve_precision). On a CPU role auto is the
+    training machine's timed probe, unknown here; the run key then holds the resolved precision
+    only (draftsmith.train.data.run_key), so the rerun resumes the finished run."""
+    train = config["train"]
+    return train["precision"] == "bf16" and role_gpus(config, role_of(config, "train")) > 0

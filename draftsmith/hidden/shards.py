@@ -21,8 +21,11 @@ the checksum and the volatile keys (creation time, capture seconds) sits in the 
 `__metadata__`, so a shard is self-describing, `open_shard` can check the `.json` against it, and
 a rebuilt shard with the same tensors has the same bytes and sha256.
 
-`verify_cached` proves a shard's sha256 once per file state (size, mtime, sha256 in a stamp), so
-training checks every shard before its first use without re-reading terabytes on each rerun.
+`verify_read` is training's check: the crc32 of the bytes of the shard's own memory map (the
+bytes training then reads, from the page cache) against the manifest's `crc32`, at every start
+of a run; about 3.5 GB/s on one core, where sha256 runs at 1.5 and blake2b at 0.7. A manifest
+written before `crc32` existed falls back to the full sha256. Neither trusts size or mtime: a
+flipped byte with its mtime put back is found.
 
 `open_shard` memory-maps the file (copy-on-write, never read into memory) and serves rows as
 views. Readers check every tensor's dtype and shape against the layout the manifest's storage
@@ -42,7 +45,7 @@ import numpy as np
 import torch
 
 from draftsmith.hidden.storage import StorageError, StoredStates, check_layout
-from draftsmith.runtime.files import atomic_write_json, sha256_file
+from draftsmith.runtime.files import crc32_buffer, sha256_file
 
 CONVENTION = "sglang:output_of_layer"
 NORM = "post"
@@ -102,6 +105,7 @@ class Shard(StoredStates):
         super().__init__(manifest, tensors)
         self.path = path
         self._offsets = self.row_offsets.tolist()
+        self.mapped = None  # the file's memory map (open_shard): what verify_read hashes
 
     def __len__(self) -> int:
         return len(self._offsets) - 1
@@ -225,7 +229,9 @@ def open_shard(path, expect: dict | None = None, verify_sha: bool = False) -> Sh
             f"{path}: {tensors['row_offsets'].numel() - 1} rows in the file, "
             f"{manifest['rows']} in the manifest"
         )
-    return Shard(path, manifest, tensors)
+    shard = Shard(path, manifest, tensors)
+    shard.mapped = mm
+    return shard
 
 
 def check_embedded_manifest(path: Path, manifest: dict, embedded: str) -> None:
@@ -258,25 +264,25 @@ def verify(path, manifest: dict | None = None) -> None:
         )
 
 
-def verify_cached(path, manifest: dict, stamp_dir: Path) -> bool:
-    """Prove the shard's sha256 unless a stamp shows it proven for this exact file state.
-
-    The stamp `<stamp_dir>/<name>.json` holds the file's size, mtime (ns) and the sha256 it was
-    proven against; any difference (a rewritten or rebuilt shard, a new manifest) re-reads the
-    file. Returns True when the file was hashed. Raises ShardError on a mismatch.
-    """
-    path = Path(path)
-    st = path.stat()
-    state = {"sha256": manifest.get("sha256"), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
-    stamp = Path(stamp_dir) / f"{path.stem}.json"
-    try:
-        if json.loads(stamp.read_text()) == state:
-            return False
-    except (OSError, json.JSONDecodeError):
-        pass
-    verify(path, manifest)
-    atomic_write_json(stamp, state)
-    return True
+def verify_read(shard: Shard) -> str:
+    """Check the bytes training reads against the manifest: the crc32 of the shard's memory map
+    (every byte of the file, through the map its tensors are views of); a manifest without
+    `crc32` (written before it existed) gets the full sha256 instead. Returns the check made
+    ("crc32" or "sha256"); raises ShardError naming the file on a mismatch."""
+    want = shard.manifest.get("crc32")
+    if want is None:
+        verify(shard.path, shard.manifest)
+        return "sha256"
+    mm = shard.mapped
+    if mm is None:
+        mm = np.memmap(shard.path, dtype=np.uint8, mode="r")
+    have = crc32_buffer(mm)
+    if have != want:
+        raise ShardError(
+            f"{shard.path}: checksum mismatch (crc32 of the bytes read {have}, manifest "
+            f"{manifest_path(shard.path).name} {want}): the shard is corrupt"
+        )
+    return "crc32"
 
 
 def verify_dir(directory, delete: bool = False) -> list[str]:

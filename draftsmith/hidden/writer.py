@@ -3,7 +3,7 @@
 All sizes are known from the token file before capture, so `ShardWriter` writes the header and
 the token tensors first and then puts each batch of hidden states at its final offset
 (`os.pwrite`): memory stays bounded by one batch however large the shard. On success it writes
-the manifest (with the file's sha256) beside the shard; its copy without the checksum and the
+the manifest (with the file's sha256 and crc32, computed in one read) beside the shard; its copy without the checksum and the
 volatile keys goes into the safetensors `__metadata__`. `estimate_bytes` is the size of a shard
 before it exists (the storage mode's layout, `draftsmith/hidden/storage.py`).
 
@@ -44,7 +44,12 @@ from draftsmith.hidden.storage import (
 )
 from draftsmith.hidden.storage import layout as mode_layout
 from draftsmith.hidden.storage import nbytes as tensor_bytes
-from draftsmith.runtime.files import atomic_path, atomic_write_json, remove_stale_temps, sha256_file
+from draftsmith.runtime.files import (
+    atomic_path,
+    atomic_write_json,
+    file_digests,
+    remove_stale_temps,
+)
 
 
 def shard_layout(
@@ -228,7 +233,7 @@ class ShardWriter:
         self._shapes = {name: shape for name, _, shape, _ in layout}
         self._tags = {name: tag for name, tag, _, _ in layout}
         # the header copy is fixed here; keys added later (creation time, capture seconds,
-        # sha256) are in the .json only, so they never change the shard's bytes
+        # sha256, crc32) are in the .json only, so they never change the shard's bytes
         header, offsets = shard_header(layout, {"draftsmith_manifest": json.dumps(self.manifest)})
         self.manifest["created"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
         self._base = len(header)
@@ -352,7 +357,7 @@ class ShardWriter:
             if not self._written.all():
                 missing = int((~self._written).sum())
                 raise ShardError(f"{self.path}: {missing} of {self.n_tokens} tokens never written")
-            self.manifest["sha256"] = sha256_file(self._tmp)
+            self.manifest["sha256"], self.manifest["crc32"] = file_digests(self._tmp)
         except BaseException as e:
             self._ctx.__exit__(type(e), e, e.__traceback__)
             raise

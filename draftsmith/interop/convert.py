@@ -193,7 +193,7 @@ def recode(
         d2t, _ = load_vocab(vocab)
         draft_ids = d2t + torch.arange(d2t.shape[0])
     m = src.manifest
-    drop = ("tensors", "storage", "sha256", "created", "capture_seconds", "batches")
+    drop = ("tensors", "storage", "sha256", "crc32", "created", "capture_seconds", "batches")
     keep = {k: v for k, v in m.items() if k not in drop}
     keep["recoded_from"] = {
         "shard": str(shard_path),

@@ -16,6 +16,7 @@ import platform
 import shutil
 import sys
 import tempfile
+import zlib
 from pathlib import Path
 
 
@@ -112,6 +113,24 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
 
 def atomic_write_json(path: str | os.PathLike, obj) -> None:
     atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=False) + "\n")
+
+
+def file_digests(path: str | os.PathLike, chunk: int = 1 << 22) -> tuple[str, str]:
+    """(sha256, crc32 as 8 hex digits) of a file, in one read."""
+    h, crc = hashlib.sha256(), 0
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+            crc = zlib.crc32(block, crc)
+    return h.hexdigest(), f"{crc:08x}"
+
+
+def crc32_buffer(buf, chunk: int = 1 << 26) -> str:
+    """crc32 (8 hex digits) of a bytes-like object, e.g. a memory map, read in chunks."""
+    view, crc = memoryview(buf).cast("B"), 0
+    for a in range(0, len(view), chunk):
+        crc = zlib.crc32(view[a : a + chunk], crc)
+    return f"{crc:08x}"
 
 
 def sha256_file(path: str | os.PathLike, chunk: int = 1 << 22) -> str:

@@ -158,7 +158,7 @@ def train_segment(job: JobSettings, args, progress: Progress) -> None:
         job.train.precision, device.type, facts, precision_probe(job, args.target, facts)
     )
     shard_paths = sorted(args.shards)
-    inputs = check_inputs(job, shard_paths, args.vocab, args.target, args.state, 0)
+    inputs = check_inputs(job, shard_paths, args.vocab, args.target, 0)
     key = segment_key(
         job.given, shard_paths, args.vocab, args.target, precision, args.segment, args.prev
     )

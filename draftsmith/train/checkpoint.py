@@ -7,7 +7,9 @@ place; a process killed at any point leaves only a staging directory that the ne
 removes (train.prepare_run), never a checkpoint that loads. The newest two are kept.
 
 The metrics log beside them (`metrics.jsonl`, one JSON line per step, appended) is cut back to
-the resumed step on resume; a line torn by a kill (the last one) is dropped there too.
+the resumed step on resume; a line torn by a kill (the last one) is dropped there too. A disk that
+fills during an append (`append_metrics`) ends the job naming the file and the checkpoint the
+rerun resumes from; the torn line is cut off first, so the log ends at a whole step.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import tempfile
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from draftsmith.runtime.files import atomic_write_text, fsync_dir
@@ -30,6 +33,11 @@ STEP_DIR = re.compile(r"^step-(\d{6})$")
 
 class CheckpointSpaceError(SystemExit):
     """A checkpoint that does not fit on the disk: the path, the bytes it needs and the free."""
+
+
+class MetricsSpaceError(SystemExit):
+    """The disk filled while a step's metrics line was appended: the file, the free space and the
+    checkpoint a rerun resumes from."""
 
 
 def checkpoint_bytes(draft) -> int:
@@ -66,7 +74,7 @@ def save_checkpoint(run_dir: Path, step: int, draft, opt, meta: dict) -> None:
         if e.errno != errno.ENOSPC:
             raise
         raise space_error(run_dir, checkpoint_bytes(draft), f" ({e.strerror})") from None
-    except Exception as e:  # safetensors reports a full disk as its own error type
+    except SafetensorError as e:  # safetensors reports a full disk as its own error type
         if "No space left on device" not in str(e):
             raise
         raise space_error(run_dir, checkpoint_bytes(draft), " (no space left on device)") from None
@@ -141,6 +149,32 @@ def metrics_upto(path: Path, step: int) -> list[str]:
         if record["step"] <= step:
             kept.append(line)
     return kept
+
+
+def append_metrics(path: Path, record: dict) -> None:
+    """Append one step's metrics line to `path` (in the run directory). A full disk ends the job
+    with MetricsSpaceError naming the file, the free space and the newest checkpoint beside it
+    (the rerun resumes there and rewrites the later lines); the part of the line that reached
+    the disk is cut off first, so the log never ends in a torn line."""
+    size = path.stat().st_size if path.exists() else 0
+    try:
+        with open(path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+    except OSError as e:
+        if e.errno != errno.ENOSPC:
+            raise
+        try:
+            os.truncate(path, size)
+        except OSError:
+            pass  # the resume drops a torn last line anyway (metrics_upto)
+        saved = sorted(d.name for d in path.parent.iterdir() if STEP_DIR.match(d.name))
+        resume = f"its last checkpoint {saved[-1]}" if saved else "step 0 (no checkpoint yet)"
+        free = shutil.disk_usage(path.parent).free
+        raise MetricsSpaceError(
+            f"error: disk full appending step {record.get('step')}'s metrics to {path} "
+            f"({e.strerror}; {free / 2**20:.1f} MiB free): free space on that file system and "
+            f"rerun; training resumes from {resume}, which is complete, and gives the same draft"
+        ) from None
 
 
 def reset_metrics(path: Path, step: int) -> None:

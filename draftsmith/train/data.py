@@ -2,7 +2,8 @@
 
 `check_inputs` reads the target's frozen pieces (embedding, lm_head, final norm), the draft
 vocabulary and the shards, checks the shards' layer ids and target against the config and
-proves each shard's sha256 against its manifest (cached per file). `prepare_run` computes the
+checks each shard's bytes against its manifest's crc32 at every start (sha256 for an older
+manifest without one). `prepare_run` computes the
 teacher flags once per run directory and the data plan: every row of every shard, shuffled per
 epoch with a seeded generator, packed first-fit into `batch_tokens // longest_row` packs of
 `longest_row` tokens; one batch is one optimizer step (rows held out by `train.eval_rows`,
@@ -29,7 +30,7 @@ from draftsmith.algorithms.offline import split_rows
 from draftsmith.algorithms.spec import AlgorithmSpec
 from draftsmith.data.vocab import load_vocab
 from draftsmith.hidden.segments import pack_order, packs_per_batch, plan_segmented, segment_of
-from draftsmith.hidden.shards import ShardError, open_shard, verify_cached
+from draftsmith.hidden.shards import ShardError, open_shard, verify_read
 from draftsmith.hidden.storage import StorageError, check_draft_vocab
 from draftsmith.runtime.files import atomic_path, remove_stale_temps, sha256_file
 from draftsmith.runtime.repair import discard_refused_shards
@@ -61,6 +62,8 @@ def run_key(
     cfg: dict, shard_paths: list[Path], vocab: Path, target_dir: Path, precision: str
 ) -> str:
     train = {k: v for k, v in cfg["train"].items() if k not in NON_SEMANTIC}
+    if "precision" in train:  # as configured; the resolved one is hashed below, and only it
+        train["precision"] = "auto"  # changes the result: bf16 written out resumes auto's run
     h = hashlib.sha256()
     h.update(json.dumps([train, cfg["draft"], cfg["capture"]], sort_keys=True).encode())
     h.update(precision.encode())  # resolved: a run never resumes in another precision
@@ -74,16 +77,18 @@ def run_key(
     return h.hexdigest()[:16]
 
 
-def prove_shards(shards, stamp_dir: Path) -> None:
-    """Check each shard's sha256 against its manifest, skipping files proven before unchanged."""
-    hashed = 0
-    for s in tqdm(shards, desc="verify shards", unit="shard", disable=None):
-        hashed += verify_cached(s.path, s.manifest, stamp_dir)
+def prove_shards(shards) -> None:
+    """Check every shard's bytes against its manifest at each start (draftsmith.hidden.shards
+    `verify_read`: crc32 of what training reads; sha256 for a manifest without crc32)."""
+    checks = [
+        verify_read(s) for s in tqdm(shards, desc="verify shards", unit="shard", disable=None)
+    ]
     log.info(
-        "sha256 of %d shard(s) proven: %d hashed now, %d unchanged since proven",
+        "%d shard(s) checked against their manifests: %d by crc32, %d by sha256 (manifests "
+        "older than crc32)",
         len(shards),
-        hashed,
-        len(shards) - hashed,
+        checks.count("crc32"),
+        checks.count("sha256"),
     )
 
 
@@ -159,10 +164,10 @@ class Data:
 
 
 def check_inputs(
-    job: JobSettings, shard_paths: list[Path], vocab_path: Path, target_dir: Path, state_root, rank
+    job: JobSettings, shard_paths: list[Path], vocab_path: Path, target_dir: Path, rank
 ) -> Inputs:
     """Target pieces, vocabulary and shards, with layer ids and target checked against the
-    manifests and each shard's sha256 proven (rank 0)."""
+    manifests and each shard's bytes checked against its checksum (rank 0, `prove_shards`)."""
     frozen = frozen_inputs(job, vocab_path, target_dir)
     d2t = frozen.d2t
     expect = {"aux_layer_ids": frozen.aux_ids, "hidden_size": int(frozen.target_cfg["hidden_size"])}
@@ -176,7 +181,7 @@ def check_inputs(
             except StorageError as e:
                 raise ShardError(f"{s.path}: {e}") from None
         if rank == 0:
-            prove_shards(shards, state_root / "verified")
+            prove_shards(shards)
     except ShardError as e:
         raise discard_refused_shards(e, shard_paths) from None  # the next run rebuilds them
     frozen.shards = shards

@@ -15,9 +15,9 @@ into `batch_tokens // longest_row` packs of `longest_row` tokens (attention stay
 row); one batch is one optimizer step, its packs split over the processes. The data position
 (epoch, batch) is part of every checkpoint.
 
-Shards: before its first use each shard's sha256 is proven against its manifest (the result is
-cached in `<state>/verified/<range>.json`, keyed by the file's size, mtime and sha256, so a rerun
-does not re-read unchanged shards).
+Shards: at every start each shard's bytes are checked against its manifest, the crc32 of the
+memory map training reads (sha256 for a manifest older than crc32); never by size or mtime, so a
+byte flipped with its mtime put back is refused, and the shard deleted for the rerun to rebuild.
 
 Precision: `train.precision` auto is resolved here, per process, from the device
 (draftsmith.runtime.hardware): bf16 autocast on a GPU or a CPU with native bf16, fp32 elsewhere. The
@@ -83,6 +83,7 @@ from draftsmith.runtime.stopping import stop_promptly
 from draftsmith.targets.layerids import resolve_setting
 from draftsmith.targets.layout import text_config
 from draftsmith.train.checkpoint import (
+    append_metrics,
     check_space,
     latest_checkpoint,
     load_checkpoint,
@@ -314,7 +315,7 @@ def train(
         serve_gate(target_dir, job.draft.serve_check, layer_ids(job, target_dir))
     except (ExportError, ValueError) as e:
         raise SystemExit(str(e)) from None
-    inputs = check_inputs(job, shard_paths, vocab_path, target_dir, state_root, rank)
+    inputs = check_inputs(job, shard_paths, vocab_path, target_dir, rank)
     if world > 1:
         torch.distributed.barrier()
     key = run_key(job.given, shard_paths, vocab_path, target_dir, precision)
@@ -341,8 +342,7 @@ def train(
         record = train_step(s, tcfg, inputs, data, pos, rank, world)
         pos.step, pos.batch = pos.step + 1, pos.batch + 1
         if rank == 0:
-            with open(run_dir / "metrics.jsonl", "a") as f:
-                f.write(json.dumps(record) + "\n")
+            append_metrics(run_dir / "metrics.jsonl", record)
             progress_log.update(
                 pos.step, loss=f"{record['loss']:.3f}", acc0=f"{record['acc_per_pos'][0]:.2f}",
                 tokens_per_s=f"{record['tokens_per_s']:.0f}",
