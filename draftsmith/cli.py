@@ -61,6 +61,14 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(f"draftsmith: unknown command {name!r}\n\n{usage()}")
     module = importlib.import_module(f"draftsmith.{COMMANDS[name][0]}")
     sys.argv = [f"draftsmith {name}", *rest]
-    result = module.main()
+    try:
+        result = module.main()
+    except Exception as e:
+        # an error that knows its one-line form (a server that could not start or kept dying,
+        # draftsmith.engines.server.ServerError): its details, then that line, last in the log
+        if not callable(getattr(e, "one_line", None)):
+            raise
+        print(f"draftsmith {name}: {e}", file=sys.stderr)
+        sys.exit(f"draftsmith {name}: error: {e.one_line()}")
     if isinstance(result, int) and result:
         sys.exit(result)

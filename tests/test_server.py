@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -245,3 +246,70 @@ def test_a_server_killed_a_moment_ago_is_down_not_a_row_failure(tmp_path):
         assert not server_down(sup) and time.monotonic() - t0 < 2
         os.killpg(sup.server.proc.pid, signal.SIGKILL)
         assert server_down(sup)
+
+
+def flaky_spec(tmp_path) -> ServerSpec:
+    """PROGRAM behind a start that exits with code 3 the first time (as an out-of-memory kill
+    while loading would), and serves from the second launch on."""
+    prog = tmp_path / "program.py"
+    prog.write_text(PROGRAM)
+    first = tmp_path / "started-once"
+    start = (
+        "import os, sys\n"
+        f"if not os.path.exists({str(first)!r}):\n"
+        f"    open({str(first)!r}, 'w').close(); print('dying while loading'); sys.exit(3)\n"
+        "os.execv(sys.executable, [sys.executable, *sys.argv[1:]])\n"
+    )
+    return ServerSpec(
+        name="prog",
+        command=lambda port: [sys.executable, "-c", start, str(prog), str(port), "0", "never"],
+        startup_timeout=30,
+        grace=3,
+    )
+
+
+def test_a_server_that_exits_during_start_up_is_launched_again(tmp_path):
+    log = Log()
+    with Supervisor(flaky_spec(tmp_path), retries=1, log_stream=log) as sup:
+        assert send(sup.url, 4) == 8
+        stats = sup.stats()
+    assert stats["server_launches"] == 2 and stats["server_restarts"] == 1, stats
+    assert len(stats["server_startup_seconds"]) == 1  # the healthy launch's
+    assert "[prog] dying while loading" in "\n".join(log.lines)
+
+
+def test_start_up_failures_end_in_one_line_naming_the_server_and_its_log(tmp_path):
+    with pytest.raises(ServerError) as err, Supervisor(flaky_spec(tmp_path), retries=0):
+        pass
+    line = err.value.one_line()
+    assert err.value.kind == "exited" and "\n" not in line, line
+    assert "prog server exited during start-up (exit code 3)" in line
+    assert "[prog]" in line and "sglang.extra_args" in line  # where its output is, what to do
+    assert "dying while loading" in str(err.value)  # the details keep the log's tail
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        fixed = spec(tmp_path, port=port, port_key="sglang.port")
+        with pytest.raises(ServerError) as err, Supervisor(fixed, retries=2):
+            pass
+    line = err.value.one_line()
+    assert err.value.kind == "port" and "\n" not in line and "sglang.port" in line, line
+
+
+def test_the_command_line_ends_a_server_error_with_its_one_line_form(monkeypatch, capsys):
+    import types
+
+    from draftsmith import cli
+
+    def main():
+        raise ServerError("details\nmore lines", "sglang server exited; its log: x; do y")
+
+    monkeypatch.setattr(
+        cli.importlib, "import_module", lambda name: types.SimpleNamespace(main=main)
+    )
+    with pytest.raises(SystemExit) as done:
+        cli.main(["regenerate"])
+    assert done.value.code == "draftsmith regenerate: error: sglang server exited; its log: x; do y"
+    assert "details\nmore lines" in capsys.readouterr().err

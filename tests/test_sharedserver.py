@@ -280,3 +280,22 @@ def test_snakemake_service_runs_every_range_job_of_a_stage_at_once(tmp_path):
     assert run.returncode != 0, out[-2000:]
     assert "Not enough resources were provided" in out, out[-2000:]
     assert not list(tmp_path.glob("out/*.txt"))  # no range job ran
+
+
+def test_a_shared_server_that_exits_during_start_up_is_launched_again(tmp_path, owner):
+    from test_server import flaky_spec
+
+    shared = SharedServer(flaky_spec(tmp_path), tmp_path / "servers", owner=owner.pid,
+                          idle_timeout=1, retries=1)  # fmt: skip
+    with shared as a:
+        assert double(a.url, 5) == 10
+        host = a.info["host_pid"]
+    assert "exited during start-up; relaunch 1" in (a.dir / "host.log").read_text()
+    assert gone(host, 15)
+    (tmp_path / "again").mkdir()
+    retries0 = SharedServer(flaky_spec(tmp_path / "again"), tmp_path / "servers2",
+                            owner=owner.pid, idle_timeout=1, retries=0)  # fmt: skip
+    with pytest.raises(ServerError) as err, retries0:
+        pass
+    line = err.value.one_line()
+    assert "\n" not in line and str(retries0.dir / "host.log") in line, line

@@ -59,7 +59,18 @@ TRANSPORT_ERRORS = (urllib.error.URLError, ConnectionError, TimeoutError, OSErro
 
 
 class ServerError(RuntimeError):
-    """The server could not be started, or kept failing; the message carries its log tail."""
+    """The server could not be started, or kept failing; the message carries its log tail.
+    `summary`: the same in one line, naming the server, where its log is and what to do (the
+    command line prints it last, draftsmith.cli); `kind`: "exited" (during start-up),
+    "timeout", "port" or "died"."""
+
+    def __init__(self, message: str, summary: str = "", kind: str = "died"):
+        super().__init__(message)
+        self.summary = summary or message.splitlines()[0]
+        self.kind = kind
+
+    def one_line(self) -> str:
+        return self.summary
 
 
 class RequestRejected(RuntimeError):
@@ -175,6 +186,8 @@ class Server:
         self.proc: subprocess.Popen | None = None
         self.port = 0
         self._reader: threading.Thread | None = None
+        # where a reader finds the server's output (its lines go to `log_stream`)
+        self.log_where = f"the lines marked [{spec.name}] in this job's log"
 
     @property
     def url(self) -> str:
@@ -185,7 +198,11 @@ class Server:
             try:
                 check_free(self.spec.port, key=self.spec.port_key)
             except PortTaken as e:
-                raise ServerError(f"{self.spec.name}: {e}") from None
+                raise ServerError(
+                    f"{self.spec.name}: {e}",
+                    f"{self.spec.name} server not launched: {e}".replace("\n", " "),
+                    kind="port",
+                ) from None
         self.port = self.spec.port or free_port()
         argv = self.spec.command(self.port)
         env = {**os.environ, **self.spec.env, MARKER: self.tag}
@@ -223,11 +240,18 @@ class Server:
             self._reader.join(timeout=2)  # the last lines of a process that just exited
         return "\n".join(list(self.tail)[-n:])
 
-    def died(self, what: str) -> ServerError:
+    def died(self, what: str, kind: str = "died") -> ServerError:
         code = self.proc.returncode if self.proc else None
+        todo = {
+            "exited": "check the launch flags (sglang.extra_args), the target and the role's "
+            "environment, then rerun",
+        }.get(kind, "rerun; if it keeps dying, look for an out-of-memory kill or a crash there")
         return ServerError(
             f"{self.spec.name} server {what} (exit code {code}); last lines of its log:\n"
-            f"{self.log_tail()}"
+            f"{self.log_tail()}",
+            f"{self.spec.name} server {what} (exit code {code}); its output: {self.log_where}; "
+            f"{todo}",
+            kind=kind,
         )
 
     def wait_ready(self) -> None:
@@ -236,7 +260,7 @@ class Server:
         t0 = time.monotonic()
         while True:
             if not self.alive():
-                raise self.died("exited during start-up")
+                raise self.died("exited during start-up", kind="exited")
             if answers_health(self.url + self.spec.health_path, 5) and self.answered_by_ours():
                 log.info(
                     "%s: healthy after %.1f s (pid %d, port %d)",
@@ -248,10 +272,16 @@ class Server:
                 return
             if time.monotonic() > deadline:
                 self.stop()
-                raise ServerError(
+                what = (
                     f"{self.spec.name} server not healthy at {self.url}{self.spec.health_path} "
-                    f"after {self.spec.startup_timeout:.0f} s (raise the startup timeout if it "
-                    f"is only slow); last lines of its log:\n{self.log_tail()}"
+                    f"after {self.spec.startup_timeout:.0f} s"
+                )
+                raise ServerError(
+                    f"{what} (raise the startup timeout if it is only slow); last lines of its "
+                    f"log:\n{self.log_tail()}",
+                    f"{what}; its output: {self.log_where}; raise sglang.startup_timeout if it "
+                    "is only slow",
+                    kind="timeout",
                 )
             time.sleep(0.5)
 
@@ -267,11 +297,12 @@ class Server:
         if not pids and not listening(self.port):
             return False  # the answer came before the socket showed up: ask again
         self.stop()
-        raise ServerError(
+        message = (
             f"{self.spec.name}: port {self.port} answered, but from {holder(self.port)}, not "
             f"from the server this job launched (pid {self.proc.pid}); nothing was sent to it. "
             f"Another job with the same port? Use {self.spec.port_key}: 0 (a free port per launch)"
         )
+        raise ServerError(message, message, kind="port")
 
     def stop(self) -> None:
         """SIGTERM to the process group, SIGKILL after the grace period; idempotent."""
@@ -383,11 +414,27 @@ class Supervisor:
             self._old_handlers.clear()
 
     def _launch(self) -> None:
-        t0 = time.monotonic()
-        self.launches += 1
-        self.server.start()
-        self.server.wait_ready()
-        self.startup_seconds.append(round(time.monotonic() - t0, 2))
+        """Start the server and wait until it is healthy; a server that exits during start-up
+        (an out-of-memory kill, a crash while loading) is launched again while the job's
+        retries last. A timeout or a taken port is not: another try cannot help."""
+        while True:
+            t0 = time.monotonic()
+            self.launches += 1
+            self.server.start()
+            try:
+                self.server.wait_ready()
+            except ServerError as e:
+                if e.kind != "exited" or self.restarts >= self.retries:
+                    raise
+                self.restarts += 1
+                log.warning(
+                    "%s: exited during start-up; launch %d of %d. Last lines:\n%s",
+                    self.spec.name, self.restarts + 1, self.retries + 1, self.server.log_tail(10),
+                )  # fmt: skip
+                self.server.stop()
+                continue
+            self.startup_seconds.append(round(time.monotonic() - t0, 2))
+            return
 
     def alive(self) -> bool:
         return self.server.alive()

@@ -192,16 +192,26 @@ class SharedServer:
                 or (info and not pid_alive(info["host_pid"], str(self.dir)))
                 or (not info and self._host is not None and self._host.poll() is not None)
             ):
-                raise ServerError(
+                what = (
                     f"{self.spec.name}: the run's shared server is {info.get('state', 'gone')}"
-                    f": {info.get('error', '')}; last lines of {self.dir / 'host.log'}:\n"
-                    f"{tail(self.dir / 'host.log')}"
+                    f": {info.get('error', '')}"
+                )
+                raise ServerError(
+                    f"{what}; last lines of {self.dir / 'host.log'}:\n"
+                    f"{tail(self.dir / 'host.log')}",
+                    f"{what}; its log: {self.dir / 'host.log'}; fix what it shows (launch flags "
+                    "in sglang.extra_args, the target, memory), then rerun",
                 )
             if time.monotonic() > deadline:
-                raise ServerError(
+                what = (
                     f"{self.spec.name}: the run's shared server not ready after "
-                    f"{self.spec.startup_timeout:.0f} s; last lines of its log:\n"
-                    f"{tail(self.dir / 'host.log')}"
+                    f"{self.spec.startup_timeout:.0f} s"
+                )
+                raise ServerError(
+                    f"{what}; last lines of its log:\n{tail(self.dir / 'host.log')}",
+                    f"{what}; its log: {self.dir / 'host.log'}; raise sglang.startup_timeout "
+                    "if it is only slow",
+                    kind="timeout",
                 )
             time.sleep(POLL)
 
@@ -296,6 +306,7 @@ class Host:
             health_path=self.cfg["health_path"],
         )
         self.server = Server(self.spec, f"{os.getpid()}-{uuid.uuid4().hex[:8]}", sys.stdout)
+        self.server.log_where = str(d / "host.log")
         self.state = {"host_pid": os.getpid(), "owner": self.cfg["owner"], "state": "starting",
                       "generation": 0, "startup_seconds": [], "scratch": self.scratch,
                       "gpus": int(self.cfg.get("gpus", 0))}  # fmt: skip
@@ -317,6 +328,21 @@ class Host:
             generation=self.state["generation"] + 1,
             startup_seconds=[*self.state["startup_seconds"], seconds],
         )
+
+    def first_launch(self) -> int:
+        """Launch until healthy; a server that exits during start-up is launched again while
+        `sglang.retries` last (those deaths count against them); the deaths."""
+        deaths = 0
+        while True:
+            try:
+                self.launch()
+                return deaths
+            except ServerError as e:
+                if e.kind != "exited" or deaths >= int(self.cfg["retries"]):
+                    raise
+                deaths += 1
+                print(f"[host] server exited during start-up; relaunch {deaths}", flush=True)
+                self.server.stop()
 
     def should_stop(self, idle_since: float | None) -> tuple[bool, float | None]:
         """(stop now, idle since): under start.lock, so no job attaches meanwhile; on stop the
@@ -342,7 +368,7 @@ class Host:
         (self.dir / "last").unlink(missing_ok=True)
         deaths, idle_since = 0, None
         try:
-            self.launch()
+            deaths = self.first_launch()
             while True:
                 time.sleep(POLL)
                 if not self.server.alive():
