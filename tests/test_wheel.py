@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import site
 import subprocess
 import sys
 import venv
@@ -22,7 +23,8 @@ def run(cmd, **kw):
 
 @pytest.fixture(scope="module")
 def installed(tmp_path_factory) -> Path:
-    """A venv (seeing this interpreter's packages: torch and the cpu pins) with the wheel."""
+    """A venv (seeing the packages of the interpreter running the tests: torch and the cpu pins)
+    with the wheel."""
     base = tmp_path_factory.mktemp("wheel")
     dist, src = base / "dist", base / "src"
     # from a copy of the tracked files: setuptools builds in the source tree (build/, egg-info)
@@ -35,9 +37,23 @@ def installed(tmp_path_factory) -> Path:
          "-w", str(dist), str(src)])  # fmt: skip
     (wheel,) = dist.glob("draftsmith-*.whl")
     env_dir = base / "venv"
-    venv.create(env_dir, system_site_packages=True, with_pip=True)
-    run([str(env_dir / "bin" / "python"), "-m", "pip", "install", "-q", "--no-deps", str(wheel)])
+    venv.create(env_dir, with_pip=True)
+    see_this_interpreters_packages(env_dir)
+    run([str(env_dir / "bin" / "python"), "-m", "pip", "install", "-q", "--no-deps",
+         "--ignore-installed", str(wheel)])  # fmt: skip
     return env_dir
+
+
+def see_this_interpreters_packages(env_dir: Path) -> None:
+    """Put the site directories of the interpreter running the tests (a venv's own, or the
+    system's) on `env_dir`'s path, after its own: `system_site_packages` would give it those of
+    the base interpreter instead, which in a venv are not where torch and the pins are."""
+    dirs = [*site.getsitepackages()]
+    if site.ENABLE_USER_SITE and Path(site.getusersitepackages()).is_dir():
+        dirs.append(site.getusersitepackages())
+    code = "import sysconfig; print(sysconfig.get_paths()['purelib'])"
+    own = run([str(env_dir / "bin" / "python"), "-c", code]).stdout.strip()
+    (Path(own) / "running-interpreter.pth").write_text("".join(f"{d}\n" for d in dirs))
 
 
 def test_the_wheel_holds_every_subpackage_and_its_data(installed):

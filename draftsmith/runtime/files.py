@@ -7,6 +7,7 @@ DAG-build time with only the standard library and pyyaml.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import glob
 import hashlib
 import json
@@ -86,6 +87,23 @@ def atomic_dir(final_path: str | os.PathLike):
     except BaseException:
         shutil.rmtree(stage, ignore_errors=True)
         raise
+
+
+@contextlib.contextmanager
+def exclusive_lock(path: str | os.PathLike, waiting: str = ""):
+    """Hold an exclusive flock on `path` (created if absent) for the block. A process that finds
+    it held prints `waiting` to stderr and waits; the kernel drops the lock of a process that
+    dies, so no lock outlives its holder."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            if waiting:
+                print(waiting, file=sys.stderr, flush=True)
+            fcntl.flock(f, fcntl.LOCK_EX)
+        yield
 
 
 def remove_stale_temps(directory: Path, prefix: str) -> None:

@@ -1,8 +1,11 @@
 """Pin files (`envs/<role>.txt`): exact `name==version` lines and `# draftsmith: <word>`
-directives, read without pip; the environment checks and the SGLang patch read them here."""
+directives, read without pip; the environment checks and the SGLang patch read them here, and
+the key of a check or a cached venv is taken from their text (`stamp_key`)."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import re
 from pathlib import Path
 
@@ -50,3 +53,14 @@ def canonical(name: str) -> str:
 def same_version(installed: str, pinned: str) -> bool:
     """Equal up to the local label (torch 2.13.0+cpu satisfies ==2.13.0, as pip decides)."""
     return installed == pinned or installed.split("+", 1)[0] == pinned
+
+
+def stamp_key(pins_text: str, python: str, gpus: int) -> str:
+    """What a role's check depends on (pin file text, interpreter, GPUs), as 12 hex digits.
+
+    validate_env writes `results/env/<role>/<key>.json`; rule env_stamp copies it to
+    `results/env/<role>.json`, the input of every job of the role. A failed check (a wrong
+    interpreter) fails under another key, so the published stamp is never deleted by it, and
+    putting the config back plans nothing at all (docs/troubleshooting.md)."""
+    text = json.dumps([pins_text, python, int(gpus)])
+    return hashlib.sha256(text.encode()).hexdigest()[:12]

@@ -137,7 +137,9 @@ def probe_key(shapes: dict, cpu_model: str) -> str:
 
 def cached_probe(shapes: dict, cpu_model: str, root: Path | None = None, timer=step_seconds):
     """The probe's result for this machine and shapes: read from the cache, else measured (under
-    a lock, so processes starting together measure once and agree) and written there."""
+    a lock, so processes starting together measure once and agree) and written there. The lock
+    is one for the whole cache, not one per entry, on purpose: two probes of different shapes
+    timed side by side would slow each other down and could choose wrongly."""
     root = cache_root() if root is None else root
     root.mkdir(parents=True, exist_ok=True)
     path = root / f"{probe_key(shapes, cpu_model)}.json"

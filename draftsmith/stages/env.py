@@ -12,7 +12,8 @@ input of every rule of that role: a changed pin or interpreter makes their outpu
 `venv --cache` builds the venv once per pin file text and interpreter, under
 `$DRAFTSMITH_VENV_CACHE` (default `~/.cache/draftsmith/venvs/<pins stem>-<key>`), and makes `--out`
 a symlink to it: the next build with the same pins and interpreter reuses it, a changed pin file
-builds a new one. Only a build that finished is ever reused (its marker file is written last).
+builds a new one. Builds of one entry at once are serialised by a lock, and an entry is reused
+only after it is checked (draftsmith/stages/venvs.py).
 
 Pin files may carry directive lines, `# draftsmith: <word>` (a comment to pip):
 - `no-deps`: `venv` installs the file with `pip install --no-deps`, so the file must pin the
@@ -28,24 +29,22 @@ compatibility layer on, here and in the server launcher `draftsmith.engines.sgla
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
-import shutil
 import subprocess
-import sys
-import venv
 from pathlib import Path
 
 from draftsmith.engines.sglang_cpu import ROLE as SGLANG_CPU_ROLE
 from draftsmith.runtime.files import atomic_write_bytes, atomic_write_json
-from draftsmith.runtime.pins import (  # noqa: F401  (EnvError, read_pins: this command's API)
+from draftsmith.runtime.pins import (  # noqa: F401  (EnvError, read_pins, stamp_key: this command's API)
     EnvError,
     canonical,
     read_directives,
     read_pins,
     same_version,
+    stamp_key,
 )
+from draftsmith.stages.venvs import build_venv, cached_venv, pip_install_args  # noqa: F401
 
 # Runs inside the role's interpreter: standard library only, prints one JSON object.
 PROBE = r"""
@@ -175,75 +174,6 @@ def sglang_cpu_check(role: str, python: str) -> dict:
     return result
 
 
-def pip_install_args(pins_file: Path) -> list[str]:
-    """`pip install` arguments for a pin file, honouring its `no-deps` directive."""
-    args = ["--no-input"]
-    if "no-deps" in read_directives(pins_file):
-        read_pins(pins_file)  # the file is the whole closure: every line must be an exact pin
-        args.append("--no-deps")
-    return [*args, "-r", str(pins_file)]
-
-
-def build_venv(pins_file: Path, out: Path) -> None:
-    """A venv for a role from its pin file (`envs.<role>.python: venv`)."""
-    tmp = out.with_name(f".tmp-{out.name}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    venv.EnvBuilder(with_pip=True, symlinks=True).create(tmp)
-    pip = [str(tmp / "bin" / "python"), "-m", "pip", "install", *pip_install_args(pins_file)]
-    subprocess.run(pip, check=True, stdout=sys.stderr)
-    if out.exists():
-        shutil.rmtree(out)
-    tmp.rename(out)
-    # venvs are not relocatable: rewrite the interpreter path baked into scripts and pyvenv.cfg
-    for f in [out / "pyvenv.cfg", *sorted((out / "bin").iterdir())]:
-        if f.is_file() and not f.is_symlink():
-            data = f.read_bytes()
-            if str(tmp).encode() in data:
-                f.write_bytes(data.replace(str(tmp).encode(), str(out).encode()))
-
-
-COMPLETE = ".draftsmith-venv"  # written last into a cached venv: its key, once pip succeeded
-
-
-def venv_cache_root() -> Path:
-    default = Path.home() / ".cache" / "draftsmith" / "venvs"
-    return Path(os.environ.get("DRAFTSMITH_VENV_CACHE") or default).expanduser()
-
-
-def cached_venv(pins_file: Path, out: Path, root: Path | None = None) -> Path:
-    """`out` as a symlink to the cached venv of this pin file's text and this interpreter,
-    built first when the cache has no finished one (docstring above)."""
-    python = f"{sys.executable} {sys.version}"
-    key = stamp_key(pins_file.read_text(), python, 0)
-    cached = (root or venv_cache_root()) / f"{pins_file.stem}-{key}"
-    marker = cached / COMPLETE
-    if not (marker.is_file() and marker.read_text().strip() == key):
-        cached.parent.mkdir(parents=True, exist_ok=True)
-        build_venv(pins_file, cached)
-        atomic_write_bytes(marker, (key + "\n").encode())
-        print(f"built {cached} for {pins_file}", file=sys.stderr)
-    else:
-        print(f"reused {cached} for {pins_file} (same pins and interpreter)", file=sys.stderr)
-    if out.is_symlink() or out.is_file():
-        out.unlink()
-    elif out.exists():
-        shutil.rmtree(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.symlink_to(cached, target_is_directory=True)
-    return cached
-
-
-def stamp_key(pins_text: str, python: str, gpus: int) -> str:
-    """What a role's check depends on (pin file text, interpreter, GPUs), as 12 hex digits.
-
-    validate_env writes `results/env/<role>/<key>.json`; rule env_stamp copies it to
-    `results/env/<role>.json`, the input of every job of the role. A failed check (a wrong
-    interpreter) fails under another key, so the published stamp is never deleted by it, and
-    putting the config back plans nothing at all (docs/troubleshooting.md)."""
-    text = json.dumps([pins_text, python, int(gpus)])
-    return hashlib.sha256(text.encode()).hexdigest()[:12]
-
-
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(
         prog="python -m draftsmith env",
@@ -275,10 +205,13 @@ def main(argv: list[str] | None = None) -> None:
         atomic_write_bytes(args.dest, args.src.read_bytes())
         return
     if args.cmd == "venv":
-        if args.cache:
-            cached_venv(args.pins, Path(os.path.abspath(args.out)))
-        else:
-            build_venv(args.pins, args.out.resolve())
+        try:
+            if args.cache:
+                cached_venv(args.pins, Path(os.path.abspath(args.out)))
+            else:
+                build_venv(args.pins, args.out.resolve())
+        except EnvError as e:
+            raise SystemExit(f"env venv failed: {e}") from None
         return
     try:
         stamp = check(args.role, args.pins, args.python, args.gpus)
