@@ -51,8 +51,9 @@ op schemas) defines `tokenizer(target, job, stage)`; the others get transformers
 
 An engine that computes in the job's own process says so (`IN_PROCESS = True`): its stages then
 run under `draftsmith.runtime.stopping.stop_promptly`, so SIGINT/SIGTERM end the job within a second even
-inside a long torch op. A server engine keeps Python's KeyboardInterrupt, whose cleanup stops
-the server it started (draftsmith.engines.server).
+inside a long torch op, and the run's idle shared servers that hold GPUs are stopped first
+(draftsmith.runtime.serverhosts). A server engine keeps Python's KeyboardInterrupt, whose
+cleanup stops the server it started (draftsmith.engines.server).
 
 May import: every subpackage but stages (engines sit below the stage commands that call them).
 """
@@ -137,7 +138,11 @@ def stop_guard(stage: str, backend: str):
     starts threads. A backend that is not an engine gets no guard (engine() names the error)."""
     module = ENGINES.get(backend)
     if module is not None and getattr(importlib.import_module(module), "IN_PROCESS", False):
+        from draftsmith.runtime.serverhosts import release_gpu_hosts
         from draftsmith.runtime.stopping import stop_promptly
+
+        # work in this process may use GPUs: the run's idle servers give theirs back first
+        release_gpu_hosts()
 
         return stop_promptly(f"draftsmith.{stage}")
     return contextlib.nullcontext()

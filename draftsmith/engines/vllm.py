@@ -47,6 +47,7 @@ import time
 from pathlib import Path
 
 from draftsmith import algorithms
+from draftsmith.runtime.serverhosts import release_gpu_hosts
 
 log = logging.getLogger("draftsmith.engines.vllm")
 # what the workflow needs from this engine (draftsmith.engines.NEEDS, read without importing
@@ -311,6 +312,7 @@ def bench_sets(sets: dict, job, *, target, draft, threads: int):
     bench = job.bench
     if bench.topk != 1:
         raise SystemExit(f"bench.topk {bench.topk}: the vllm engine benchmarks chains")
+    release_gpu_hosts()  # vLLM runs in this process: the run's idle servers give back GPUs
     if threads:
         os.environ.setdefault("OMP_NUM_THREADS", str(threads))
     os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
