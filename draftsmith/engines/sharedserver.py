@@ -7,9 +7,10 @@ stage's server instead of launching one (docs/scale.md). The first job that need
 
 a small process in a session of its own (Snakemake stopping the job does not stop it) that
 launches the server with `draftsmith.engines.server.Server` (guard process, process group, health,
-log) and owns it; the jobs only send requests. Its directory, `state/servers/<key>` (key: the
-server's argv, which holds every setting of the config: target, tp_size, extra_args, layer ids;
-so a job never uses a server launched with other settings), holds:
+log) and owns it; the jobs only send requests. Its directory,
+`state/servers/<key>-<node>-<run>` (key: the server's argv, which holds every setting of the
+config: target, tp_size, extra_args, layer ids; so a job never uses a server launched with other
+settings, nor one of another run), holds:
 
 - `spec.json`: what to launch (written by the job that starts the host);
 - `host.json`: written by the host only, atomically: its pid, its run (`owner`, the Snakemake
@@ -48,6 +49,7 @@ import logging
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -92,6 +94,13 @@ def spec_key(spec: ServerSpec) -> str:
     return hashlib.sha256(json.dumps(template(spec), sort_keys=True).encode()).hexdigest()[:16]
 
 
+def run_dir_name(spec: ServerSpec, owner: int) -> str:
+    """`<key>-<node>-<run pid>`: one directory per server settings and run, so two runs (two
+    SLURM group jobs on two nodes sharing the project's filesystem among them) never meet in
+    one host's files."""
+    return f"{spec_key(spec)}-{socket.gethostname().split('.')[0]}-{owner}"
+
+
 class SharedServer:
     """A job's lease on the run's shared server; it stands where a `Supervisor` does (url,
     alive, restart, stats). `last`: this job is a capture of the run's last segment index;
@@ -101,7 +110,7 @@ class SharedServer:
                  retries: int, last: bool = False, scratch_root: str = "",
                  gpus: int = 0):  # fmt: skip
         self.spec, self.owner, self.last, self.gpus = spec, int(owner), last, int(gpus)
-        self.dir = Path(root) / spec_key(spec)
+        self.dir = Path(root) / run_dir_name(spec, self.owner)
         self.settings = {"idle_timeout": float(idle_timeout), "retries": int(retries),
                          "scratch_root": scratch_root or tempfile.gettempdir()}  # fmt: skip
         self.info: dict = {}
@@ -309,7 +318,8 @@ class Host:
         self.server.log_where = str(d / "host.log")
         self.state = {"host_pid": os.getpid(), "owner": self.cfg["owner"], "state": "starting",
                       "generation": 0, "startup_seconds": [], "scratch": self.scratch,
-                      "gpus": int(self.cfg.get("gpus", 0))}  # fmt: skip
+                      "gpus": int(self.cfg.get("gpus", 0)),
+                      "node": socket.gethostname()}  # fmt: skip
 
     def publish(self, **changes) -> None:
         self.state.update(changes)

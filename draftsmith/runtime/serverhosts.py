@@ -1,7 +1,8 @@
 """The run's shared engine servers as the files their hosts keep (draftsmith.engines.sharedserver).
 
-A host lives in `<root>/<key>/` (root: `state/servers` of the project, where every job runs) and
-publishes `host.json` (its pid, the run that owns it, its state, the GPUs its server holds).
+A host lives in `<root>/<key>-<node>-<run>/` (root: `state/servers` of the project, where every
+job runs) and publishes `host.json` (its pid and node, the run that owns it, its state, the GPUs
+its server holds).
 Jobs lease it with a shared flock on `users.lock`; `start.lock` is held while a job attaches and
 while a host decides to stop. This module reads those files and does the one thing a job of any
 stage may need before it touches GPUs: stop the run's idle hosts whose servers hold GPUs
@@ -19,6 +20,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import time
 from pathlib import Path
 
@@ -79,6 +81,7 @@ def live_hosts(root: Path, owner: int) -> list[tuple[Path, dict]]:
         info = read_json(d / "host.json")
         if (
             info.get("owner") == owner
+            and info.get("node") == socket.gethostname()  # a pid means nothing elsewhere
             and info.get("state") in LIVE
             and pid_alive(info.get("host_pid", 0), str(d))
         ):
