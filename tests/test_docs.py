@@ -281,3 +281,174 @@ def test_every_test_the_readme_cites_as_proof_runs_in_ci():
         ]
         for node in module_marks:
             assert not list(extended_marks(node)), f"README cites {name}, which CI leaves out"
+
+
+# ---------------------------------------------------------------- tests the pages cite
+
+CITED = re.compile(r"\b(?:tests/)?(test_\w+\.py)(?:::(\w+))?")
+MARKER_EXPR = re.compile(r'pytest -m "([^"]+)"')
+ENGINES = ("sglang", "vllm")  # markers of the engine a case runs; a sentence naming one cites those
+
+
+def ci_marker_expressions() -> list[str]:
+    """The marker expressions .ci/run selects tests by, with `extended` left out as .ci/run
+    leaves it out (its `$(not_extended)`)."""
+    text = (ROOT / ".ci" / "run").read_text()
+    found = [e.replace("$(not_extended)", " and not extended") for e in MARKER_EXPR.findall(text)]
+    assert found, ".ci/run selects no tests by marker"
+    return found
+
+
+def selected(expression: str, marks: set[str]) -> bool:
+    """Whether a pytest `-m` expression (names, and, or, not, parentheses) selects `marks`."""
+    names = set(re.findall(r"[A-Za-z_]\w*", expression)) - {"and", "or", "not"}
+    return eval(expression, {"__builtins__": {}}, {n: n in marks for n in names})
+
+
+def mark_names(node) -> set[str]:
+    """The `pytest.mark.<name>` names in an expression (a decorator, a pytestmark value, a
+    pytest.param's marks), `parametrize` and the like included."""
+    import ast
+
+    out = set()
+    for sub in ast.walk(node):
+        if isinstance(sub, ast.Attribute) and isinstance(sub.value, ast.Attribute):
+            if sub.value.attr == "mark":
+                out.add(sub.attr)
+    return out
+
+
+def case_marks(path) -> dict[str, list[set[str]]]:
+    """{test function: the mark sets of its cases} of a test file, read from the source: the
+    module's and its class's `pytestmark`, the decorators, and each `pytest.param`'s marks
+    (a function with no marked case has one case)."""
+    import ast
+
+    tree = ast.parse(path.read_text())
+
+    def assigned(body) -> set[str]:
+        return {
+            m
+            for node in body
+            if isinstance(node, ast.Assign)
+            and any(getattr(t, "id", "") == "pytestmark" for t in node.targets)
+            for m in mark_names(node.value)
+        }
+
+    out: dict[str, list[set[str]]] = {}
+
+    def visit(body, inherited: set[str]) -> None:
+        for node in body:
+            if isinstance(node, ast.ClassDef):
+                own = {m for d in node.decorator_list for m in mark_names(d)}
+                visit(node.body, inherited | own | assigned(node.body))
+            elif isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                if not node.name.startswith("test"):
+                    continue
+                marks = set(inherited)
+                cases = []
+                for d in node.decorator_list:
+                    params = [
+                        c
+                        for c in ast.walk(d)
+                        if isinstance(c, ast.Call) and getattr(c.func, "attr", "") == "param"
+                    ]
+                    for p in params:
+                        given = [k.value for k in p.keywords if k.arg == "marks"]
+                        cases.append(set().union(*(mark_names(v) for v in given)))
+                    outside = mark_names(d) - {
+                        m for p in params for k in p.keywords for m in mark_names(k.value)
+                    }
+                    marks |= outside
+                out[node.name] = [marks | c for c in cases] or [marks]
+
+    visit(tree.body, assigned(tree.body))
+    return out
+
+
+def citation_units(text: str) -> list[str]:
+    """A page cut where a citation's context ends: each table cell, each line of a code block,
+    each sentence of a paragraph or list item."""
+    units, paragraph, in_code = [], [], False
+
+    def flush() -> None:
+        joined = " ".join(paragraph)
+        units.extend(re.split(r"(?<=[.!?])\s+(?=[A-Z(`*])", joined))
+        paragraph.clear()
+
+    for line in text.splitlines():
+        if line.startswith("```"):
+            flush()
+            in_code = not in_code
+        elif in_code:
+            units.append(line)
+        elif line.startswith("|"):
+            flush()
+            units.extend(line.strip().strip("|").split("|"))
+        elif not line.strip() or line.startswith("#") or re.match(r"\s*(?:[-*]|\d+\.)\s", line):
+            flush()
+            paragraph.append(line) if line.strip() and not line.startswith("#") else None
+        else:
+            paragraph.append(line.strip())
+    flush()
+    return units
+
+
+def citation_problems(text: str, name: str, tests=ROOT / "tests") -> list[str]:
+    """Each test a page cites (`tests/test_x.py`, `test_x.py`, `...::test_name`) exists and is
+    run by CI (.ci/run's marker expressions, `extended` left out); a cited test that is
+    entirely marked extended is cited with the word "extended" in the same sentence or cell."""
+    exprs, marks, bad = ci_marker_expressions(), {}, []
+    for unit in citation_units(text):
+        for file, func in CITED.findall(unit):
+            path = tests / file
+            if not path.is_file():
+                bad.append(f"{name}: cites {file}, which does not exist")
+                continue
+            if file not in marks:
+                marks[file] = case_marks(path)
+            if func and func not in marks[file]:
+                bad.append(f"{name}: cites {file}::{func}, which does not exist")
+                continue
+            cases = [c for f, cs in marks[file].items() if not func or f == func for c in cs]
+            if not cases:
+                continue  # a file with no test function
+            # a sentence about one engine cites the file's cases of that engine, where it has some
+            engines = {e for e in ENGINES if e in unit.lower()}
+            if len(engines) == 1:
+                cases = [c for c in cases if engines <= c] or cases
+            if all("extended" in c for c in cases):
+                if "extended" not in unit.lower():
+                    bad.append(f"{name}: cites {file}{'::' + func if func else ''}, marked "
+                               f"extended (not run by CI), without saying so: {unit.strip()!r}")  # fmt: skip
+            elif not any(selected(e, c) for e in exprs for c in cases):
+                bad.append(f"{name}: cites {file}{'::' + func if func else ''}, which no "
+                           f".ci/run step selects: {unit.strip()!r}")  # fmt: skip
+    return bad
+
+
+def test_every_test_a_page_cites_exists_and_runs_in_ci_or_is_called_extended():
+    """The docs and the README cite tests as proof: each cited file (and `::test`) exists, and
+    CI runs it, but for a test marked `extended` in full, whose citation says "extended" in the
+    same sentence or table cell (CI leaves those out, `DRAFTSMITH_CI_EXTENDED=1` runs them)."""
+    bad = []
+    for page in PAGES:
+        bad += citation_problems(page.read_text(), str(page.relative_to(ROOT)))
+    assert not bad, "\n".join(bad)
+
+
+def test_the_citation_check_catches_a_missing_and_an_unsaid_extended_test():
+    missing = "Proved by `tests/test_no_such_file.py`."
+    gone = "Proved by `tests/test_docs.py::test_no_such_test`."
+    unsaid = "CI proves it (`tests/test_vllm.py::test_vllm_sampling_matches_ours`)."
+    said = "An extended test proves it (`tests/test_vllm.py::test_vllm_sampling_matches_ours`)."
+    cell = "| a | `test_sglang.py` (CI) |\n| b | `test_sglang.py` (extended) |\n"
+    ci = "CI runs `tests/test_docs.py` and `test_vllm.py`."
+    # test_end_to_end.py's SGLang case is extended, its vLLM case is not
+    sglang = "SGLang's counters equal ours (`tests/test_end_to_end.py`)."
+    vllm = "vLLM's counters equal ours (`tests/test_end_to_end.py`)."
+    assert citation_problems(sglang, "p") and not citation_problems(vllm, "p")
+    assert citation_problems(missing, "p") and citation_problems(gone, "p")
+    assert citation_problems(unsaid, "p") and not citation_problems(said, "p")
+    assert len(citation_problems(cell, "p")) == 1
+    assert citation_problems(ci, "p") == []

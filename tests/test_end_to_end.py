@@ -73,7 +73,7 @@ def test_embedded_default_builds_a_draft_that_speculates(default_run):
     "engine",
     [
         pytest.param("vllm", marks=pytest.mark.vllm),
-        # SGLang's acceptance on a trained draft is CI's in tests/test_interop_sglang.py; this
+        # SGLang's acceptance on a trained draft is CI's in tests/test_served_matrix.py; this
         # case (a second server start on the default's draft) is beyond CI's time budget
         pytest.param(
             "sglang",

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import logging
+import re
 from types import SimpleNamespace
+
+import pytest
 
 from draftsmith.runtime.progress import LoggedBar, ProgressLog, seconds_text
 
@@ -116,3 +119,101 @@ def test_sglang_capture_counts_rows_through_the_logged_bar(caplog):
                  retries=0, bar=LoggedBar(Bar(), p))  # fmt: skip
     assert p.done == 6
     assert caplog.records[-1].getMessage().startswith("capture rows_000000-000006: 6/6 rows")
+
+
+# ---------------------------------------------------------------- the stages write them
+
+# `<what>: <done>/<total> <unit> (<pct>%), <figures>, <rate> <unit>/s, <elapsed> elapsed, ~<left> left`
+LINE = re.compile(
+    r"^(?P<what>[^:]+): (?P<done>\d+)/(?P<total>\d+) (?P<unit>\w+) \((?P<pct>\d+)%\)"
+    r"(?P<figures>(?:, [\w ]+ [\w.-]+)*), [\d.]+ (?P=unit)/s, \d+(?:\.\d)? (?:s|min|h) elapsed, "
+    r"~(?:\d+(?:\.\d)? (?:s|min|h)|unknown) left$"
+)
+
+
+def progress_lines(caplog, logger: str, what: str) -> list[re.Match]:
+    """The progress lines `logger` wrote for `what`, parsed (LINE)."""
+    found = []
+    for record in caplog.records:
+        if record.name == logger and record.levelno == logging.INFO:
+            m = LINE.match(record.getMessage())
+            if m and m["what"] == what:
+                found.append(m)
+    return found
+
+
+def assert_counts_to_the_end(lines: list[re.Match], total: int, unit: str, figures: list[str]):
+    """Lines were written, count up to `total` `unit`s and end at 100%, with `figures`."""
+    assert lines, "no progress line"
+    done = [int(m["done"]) for m in lines]
+    assert done == sorted(done) and done[-1] == total, done
+    assert {int(m["total"]) for m in lines} == {total} and {m["unit"] for m in lines} == {unit}
+    assert lines[-1]["pct"] == "100"
+    for name in figures:
+        assert f", {name} " in lines[-1]["figures"], lines[-1].group(0)
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def test_training_logs_its_progress(tmp_path, caplog, one_thread):
+    """train/loop.py: `train: <step>/<total> steps (...)` up to the last step."""
+    from test_train import cfg_json, make_inputs, read_metrics, train_args
+
+    from draftsmith.train.loop import main
+
+    inputs = make_inputs(tmp_path / "in", n_shards=1, rows=8)
+    cfg = cfg_json(epochs=1, checkpoint_every=0)
+    with caplog.at_level(logging.INFO):
+        main(train_args(inputs, tmp_path / "run", cfg))
+    steps = len(read_metrics(tmp_path / "run" / "metrics.jsonl"))
+    lines = progress_lines(caplog, "draftsmith.train.loop", "train")
+    assert_counts_to_the_end(lines, steps, "steps", ["loss", "acc0", "tokens per s"])
+
+
+def test_hf_regeneration_logs_its_progress(tiny_target, caplog, one_thread):
+    """engines/hf.py: `regenerate: <done>/<prompts> prompts (...)` after each batch."""
+    import torch
+    from test_regenerate import PROMPTS
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from draftsmith.engines.hf import HFGenerator
+
+    tok = AutoTokenizer.from_pretrained(tiny_target)
+    model = AutoModelForCausalLM.from_pretrained(tiny_target, dtype=torch.float32).eval()
+    gen = HFGenerator(model, tok, max_new_tokens=4, batch_size=2, progress=False)
+    with caplog.at_level(logging.INFO):
+        gen(PROMPTS)
+    lines = progress_lines(caplog, "draftsmith.engines.hf", "regenerate")
+    assert_counts_to_the_end(lines, len(PROMPTS), "prompts", ["new tokens", "tokens per s"])
+    # each batch of 2 is more than 5% of the prompts: a line per batch
+    assert [int(m["done"]) for m in lines] == list(range(2, len(PROMPTS) + 1, 2)) + (
+        [len(PROMPTS)] if len(PROMPTS) % 2 else []
+    )
+
+
+def test_hf_capture_logs_its_progress(tiny_target, tmp_path, caplog, one_thread):
+    """engines/hf.py: `capture <range>: <done>/<rows> rows (...)` as the batches finish."""
+    from test_capture import load, random_tokens
+
+    from draftsmith.engines.hf import capture_shard
+
+    model = load(tiny_target)
+    tokens = random_tokens(model.config.vocab_size, [7, 19, 4, 11, 16], seed=3)
+    out = tmp_path / "rows_000010-000015.safetensors"
+    with caplog.at_level(logging.INFO):
+        manifest = capture_shard(
+            model, tokens, out, [1, 2, 4], "float32", batch_tokens=40,
+            manifest={"row_range": [10, 15], "target_fingerprint": "fp"}, progress=False,
+        )  # fmt: skip
+    assert manifest["batches"] > 1
+    lines = progress_lines(caplog, "draftsmith.engines.hf", "capture rows_000010-000015")
+    assert_counts_to_the_end(lines, 5, "rows", ["tokens", "tokens per s"])
+    assert len(lines) == manifest["batches"]  # every batch is over 5% of 5 rows

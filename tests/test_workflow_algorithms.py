@@ -1,8 +1,10 @@
 """Every `draft.algorithm` builds from the real Snakefile: the tiny config (tests/wf.py) with
 `snakemake --cores all --config 'draft={"algorithm": "eagle3.1"}'` (then `"dflash"`), the
 command docs/algorithms.md gives, through to the bench report. The exported draft is the algorithm's (its config.json keys, its tensors,
-the export check accepts it), the bench report holds a measured tau for the held-out set and
-plain greedy equals speculative decoding on every prompt. EAGLE-3 (the default) is built the
+the export check accepts it), the bench report's held-out acceptance figures are consistent
+counts of a real run (check_acceptance) and plain greedy equals speculative decoding on every
+prompt. The tiny draft may accept nothing, so acceptance above 1 is not asserted here: the
+README's "served at our tau" for these algorithms rests on tests/test_served_matrix.py. EAGLE-3 (the default) is built the
 same way by the other workflow tests."""
 
 from __future__ import annotations
@@ -43,6 +45,21 @@ def check_dflash(draft: Path) -> None:
     assert not (draft / "speculators").exists()
 
 
+def check_acceptance(held: dict, num_steps: int) -> None:
+    """The held-out set's acceptance figures are the counts of a real benchmark: passes were
+    made, the accepted-length histogram (0..num_steps) holds every pass, and tau (tokens the
+    passes emitted per pass) lies between 1 (the verified token of each pass) and 1 + the mean
+    accepted length (a pass emits at most its accepted tokens and the verified one; the last may
+    emit fewer, at max_new_tokens). A tiny draft trained for one epoch may accept nothing (tau
+    1.0), so no margin above 1 is asserted here: that the hf engine drafts with these
+    algorithms (tau above 1.05) and that the engines equal it is tests/test_served_matrix.py."""
+    hist, passes, tau = held["accept_len_hist"], held["verify_passes"], held["tau"]
+    assert passes > 0 and len(hist) == num_steps + 1 and sum(hist) == passes, held
+    mean = sum(a * n for a, n in enumerate(hist)) / passes
+    assert held["mean_accepted"] == pytest.approx(mean), held
+    assert 1.0 <= tau <= 1.0 + mean + 1e-9, held
+
+
 CHECKS = {"eagle3.1": check_eagle31, "dflash": check_dflash}
 METHOD = {"eagle3.1": "(EAGLE-3.1)", "dflash": "(DFlash: one draft forward"}
 
@@ -72,7 +89,7 @@ def build(workdir: Path, algorithm: str) -> dict:
     assert METHOD[algorithm] in report["method"], report["method"]
     held = report["sets"]["heldout"]
     assert held["identical_outputs"] == held["prompts"] == 2, held
-    assert held["tau"] >= 1.0 and held["verify_passes"] > 0, held
+    check_acceptance(held, report["config"]["bench"]["num_steps"])
     assert (workdir / "results" / "bench" / "summary.html").is_file()
     return report
 
