@@ -209,7 +209,7 @@ def test_sglang_regenerates_and_captures_the_kimi_checkpoint_as_our_engine(
     for f in rows:
         ours = (hf_capture / "results" / "data" / f.name).read_text().splitlines()
         theirs = f.read_text().splitlines()
-        assert len(theirs) == len(PROMPTS) and theirs == ours, f.name
+        assert len(theirs) == len(PROMPTS) // 2 and theirs == ours, f.name
     for f in sorted((work / "results" / "hidden").glob("rows_*.safetensors")):
         hf, sg = open_shard(hf_capture / "results" / "hidden" / f.name), open_shard(f)
         for name in ("input_ids", "loss_mask", "row_offsets"):
