@@ -28,7 +28,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.slurm, pytest.mark.workflow]
 
 PROFILE = ("--profile", str(ROOT / "profiles" / "local-slurm"))
 SUBMITTED = {
-    "target_model", "regenerate_ranges", "tokenize", "capture_ranges", "vocab", "train", "bench",
+    "target_model", "regenerate_ranges_regenerate", "tokenize", "capture_ranges_capture", "vocab",
+    "train", "bench",
 }  # fmt: skip
 LOCAL = {"validate_env", "env_stamp", "data_report", "hidden_plan", "all"}
 
@@ -125,7 +126,8 @@ def test_workflow_on_slurm_records_reruns_and_retries(slurm, tmp_path: Path, tin
     counts = Counter(j["rule"] for j in record)
     # the profile's groups: the 2 regenerate and the 2 capture jobs each one submission
     assert counts == {
-        "target_model": 1, "regenerate_ranges": 1, "tokenize": 2, "capture_ranges": 1,
+        "target_model": 1, "regenerate_ranges_regenerate": 1, "tokenize": 2,
+        "capture_ranges_capture": 1,
         "vocab": 1, "train": 1, "bench": 2,
     }, record  # fmt: skip
     assert not LOCAL & set(counts)  # local rules ran in the snakemake process, not in SLURM
@@ -157,7 +159,7 @@ def test_workflow_on_slurm_records_reruns_and_retries(slurm, tmp_path: Path, tin
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     record = squeue_since(first)
     assert sorted((j["rule"], j["wildcards"], j["state"]) for j in record) == [
-        ("capture_ranges", "", "COMPLETED"),  # a group of the one range
+        ("capture_ranges_capture", "", "COMPLETED"),  # a group of the one range
         ("train", "", "COMPLETED"),
     ], record
     assert (tmp_path / f"results/hidden/{shard}.safetensors").is_file()

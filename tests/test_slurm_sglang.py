@@ -46,7 +46,7 @@ def test_each_group_of_range_jobs_starts_one_server(slurm, tmp_path: Path, tiny_
     proc = run(tmp_path, python, "data")
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
 
-    groups = [j for j in squeue_since(first) if j["rule"] == "regenerate_ranges"]
+    groups = [j for j in squeue_since(first) if j["rule"] == "regenerate_ranges_regenerate"]
     assert len(groups) == 2 and {j["state"] for j in groups} == {"COMPLETED"}, groups
     reports = [
         json.loads(f.read_text()) for f in sorted(tmp_path.glob("results/data/rows_*.report.json"))
