@@ -182,7 +182,8 @@ class SharedServer:
         with open(self.dir / "host.log", "ab") as out:
             proc = subprocess.Popen(
                 [sys.executable, "-m", "draftsmith", "shared-server", "host", str(self.dir)],
-                env={**os.environ, "PYTHONPATH": path},
+                # the host follows the run (draftsmith.runtime.lifeline), not this job
+                env={**os.environ, "PYTHONPATH": path, "DRAFTSMITH_JOB_PARENT": str(self.owner)},
                 stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
                 start_new_session=True,  # outlives this job; the run's end stops it
             )  # fmt: skip
