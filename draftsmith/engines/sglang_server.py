@@ -52,7 +52,9 @@ def server_spec(
         args.append("--trust-remote-code")
     server_env: dict[str, str] = {}
     if role == CPU_ROLE:
-        server_env = sglang_cpu.server_env(threads=max(1, int(threads or 1)))
+        server_env = sglang_cpu.server_env(
+            threads=max(1, int(threads or 1)), tp_size=int(s.tp_size)
+        )
         args += [*sglang_cpu.LAUNCH_ARGS, "--dtype", job.target.dtype]
     server_env.update(env or {})
     path = [*map(str, pythonpath)]

@@ -34,6 +34,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from draftsmith.config.engines import EngineError
+
 OVERLAY = Path(__file__).resolve().parent / "overlay"
 ROLE = "sglang-cpu"
 
@@ -49,15 +51,57 @@ LAUNCH_ARGS = (
 )
 
 
-def server_env(base: dict[str, str] | None = None, threads: int = 1) -> dict[str, str]:
+BIND_ENV = "SGLANG_CPU_OMP_THREADS_BIND"
+
+
+def cpu_groups(cpus: list[int]) -> str:
+    """One SGLANG_CPU_OMP_THREADS_BIND group: "4-7" for consecutive cores, else "1,3,5"."""
+    if cpus == list(range(cpus[0], cpus[0] + len(cpus))):
+        return f"{cpus[0]}-{cpus[-1]}" if len(cpus) > 1 else str(cpus[0])
+    return ",".join(map(str, cpus))
+
+
+def rank_threads(threads: int, tp_size: int, cpus: list[int] | None = None) -> tuple[int, str]:
+    """(OMP threads per rank, SGLANG_CPU_OMP_THREADS_BIND) for `tp_size` CPU ranks that share a
+    job's `threads`: each rank gets threads // tp_size threads and its own consecutive share of
+    the cores this process may run on (`cpus`, default its affinity). SGLang asserts one NUMA node
+    per rank unless the binding names each rank's cores, so a CPU server of more than one rank
+    always gets it. EngineError (a ValueError, which every SGLang stage reports as its error)
+    when a rank would have no thread or no core of its own."""
+    cpus = sorted(os.sched_getaffinity(0) if cpus is None else cpus)
+    if tp_size > len(cpus):
+        raise EngineError(
+            f"config: sglang.tp_size {tp_size} on role {ROLE}: every rank needs a core of its "
+            f"own, but this process may run on {len(cpus)} core(s) ({cpu_groups(cpus)}); "
+            f"lower sglang.tp_size to at most {len(cpus)}"
+        )
+    if tp_size > threads:
+        raise EngineError(
+            f"config: sglang.tp_size {tp_size} on role {ROLE}: the job's {threads} thread(s) "
+            f"are shared between the ranks, one at least each; give the job {tp_size} threads "
+            "(snakemake --set-threads, or the profile's set-threads) or lower sglang.tp_size"
+        )
+    share = len(cpus) // tp_size
+    groups = [cpu_groups(cpus[r * share : (r + 1) * share]) for r in range(tp_size)]
+    return threads // tp_size, "|".join(groups)
+
+
+def server_env(
+    base: dict[str, str] | None = None, threads: int = 1, tp_size: int = 1
+) -> dict[str, str]:
     """Environment for an SGLang process of the CPU role: CPU engine on, overlay first on path.
 
-    `threads` sets OMP_NUM_THREADS (1 per server is steadier on shared cores).
+    `threads` sets OMP_NUM_THREADS (1 per server is steadier on shared cores); with `tp_size` > 1
+    the threads are split between the ranks and each rank is bound to its share of the cores
+    (`rank_threads`), unless `base` already sets SGLANG_CPU_OMP_THREADS_BIND.
     """
     env = dict(os.environ if base is None else base)
     path = [str(OVERLAY), str(OVERLAY.parents[3])]
     if env.get("PYTHONPATH"):
         path.append(env["PYTHONPATH"])
+    if tp_size > 1:
+        threads, bind = rank_threads(threads, tp_size)
+        env.setdefault(BIND_ENV, bind)
     env.update(
         SGLANG_USE_CPU_ENGINE="1",
         PYTHONPATH=os.pathsep.join(path),
