@@ -151,6 +151,11 @@ def roles_regex(roles):
     return "|".join(roles) if roles else "(?!)"
 
 
+def range_threads(stage):
+    """Threads of a regenerate or capture range job (draftsmith.config.workflow.range_threads)."""
+    return wf.range_threads(config, stage)
+
+
 def gpu_resources(stage):
     """The GPU part of a rule's resources (draftsmith.config.workflow.gpu_resources)."""
     return wf.gpu_resources(config, stage)

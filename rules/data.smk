@@ -46,8 +46,9 @@ rule regenerate:
     conda:
         role_env("regenerate")
     # one thread: on a 2-core CPU two range jobs side by side finish sooner than two-thread
-    # jobs one after another (benchmarks/bench_job_threads.py); site profiles set their own
-    threads: 1
+    # jobs one after another (benchmarks/bench_job_threads.py); a CPU SGLang server at tp_size
+    # N gets N, a core per rank; site profiles set their own
+    threads: range_threads("regenerate")
     resources:
         **gpu_resources("regenerate"),
         mem_mb=6000,

@@ -55,7 +55,7 @@ if KEEP_SHARDS:
         conda:
             role_env("capture")
         # one thread, as regenerate (rules/data.smk; benchmarks/bench_job_threads.py)
-        threads: 1
+        threads: range_threads("capture")
         resources:
             **gpu_resources("capture"),
             mem_mb=6000,

@@ -102,3 +102,15 @@ def test_the_dry_run_plans_the_same_commands_for_auto_and_its_ids(tmp_path, tiny
         out = snakemake(work, "-n", "-p").stdout
         plans.append(sorted(line.strip() for line in out.splitlines() if "--cfg" in line))
     assert plans[0] and plans[0] == plans[1]
+
+
+def test_a_cpu_sglang_server_at_tensor_parallel_size_n_gets_n_threads_per_range_job():
+    cpu = with_defaults(
+        {
+            "capture": {"backend": "sglang", "role": "sglang-cpu"},
+            "sglang": {"tp_size": 2},
+        }
+    )
+    assert wf.range_threads(cpu, "capture") == 2  # a core per rank (sglang_cpu.rank_threads)
+    assert wf.range_threads(cpu, "regenerate") == 1  # hf: one thread per range job
+    assert wf.range_threads(gpu_config(), "capture") == 1  # GPUs: the ranks are on the GPUs

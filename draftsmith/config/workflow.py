@@ -64,6 +64,15 @@ def stage_gpus(config: dict, stage: str) -> int:
     return engine_gpus(config, stage)
 
 
+def range_threads(config: dict, stage: str) -> int:
+    """Threads of one range job of `stage` (regenerate, capture): 1 (two jobs side by side on
+    2 cores measured faster than one of 2 threads, benchmarks/bench_job_threads.py), or on a CPU
+    role the engine's tensor-parallel size, one core per rank of its server."""
+    if role_gpus(config, role_of(config, stage)) > 0:
+        return 1
+    return max(1, engine_gpus(config, stage))
+
+
 def gpu_resources(config: dict, stage: str) -> dict:
     """The GPU part of a rule's resources: {} on CPU, else gpu=N (train: gres, per node)."""
     n = stage_gpus(config, stage)
