@@ -156,6 +156,11 @@ def range_threads(stage):
     return wf.range_threads(config, stage)
 
 
+def range_priority(stage):
+    """Priority of a regenerate job (draftsmith.config.workflow.range_priority)."""
+    return wf.range_priority(config, stage)
+
+
 def gpu_resources(stage):
     """The GPU part of a rule's resources (draftsmith.config.workflow.gpu_resources)."""
     return wf.gpu_resources(config, stage)

@@ -49,6 +49,8 @@ rule regenerate:
     # jobs one after another (benchmarks/bench_job_threads.py); a CPU SGLang server at tp_size
     # N gets N, a core per rank; site profiles set their own
     threads: range_threads("regenerate")
+    # a GPU role's server: the stage's jobs first, one load for all of them
+    priority: range_priority("regenerate")
     resources:
         **gpu_resources("regenerate"),
         mem_mb=6000,

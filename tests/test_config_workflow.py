@@ -114,3 +114,12 @@ def test_a_cpu_sglang_server_at_tensor_parallel_size_n_gets_n_threads_per_range_
     assert wf.range_threads(cpu, "capture") == 2  # a core per rank (sglang_cpu.rank_threads)
     assert wf.range_threads(cpu, "regenerate") == 1  # hf: one thread per range job
     assert wf.range_threads(gpu_config(), "capture") == 1  # GPUs: the ranks are on the GPUs
+
+
+def test_regeneration_goes_first_where_its_server_holds_gpus():
+    """Its jobs run before captures that would stop its idle server (one load per stage)."""
+    assert wf.range_priority(gpu_config(), "regenerate") == 0  # a CPU role
+    cfg = gpu_config()
+    cfg["regenerate"] = {**cfg["regenerate"], "backend": "sglang", "role": "sglang"}
+    assert wf.range_priority(cfg, "regenerate") == 1
+    assert wf.range_priority(cfg, "capture") == 0

@@ -73,6 +73,15 @@ def range_threads(config: dict, stage: str) -> int:
     return max(1, engine_gpus(config, stage))
 
 
+def range_priority(config: dict, stage: str) -> int:
+    """Snakemake priority of a range job: regeneration's first (1) where its engine's server
+    holds GPUs, so that the stage's jobs run before the capture jobs that would stop its idle
+    server (draftsmith.runtime.serverhosts) and one load serves the stage; else 0."""
+    if stage != "regenerate" or role_gpus(config, role_of(config, stage)) == 0:
+        return 0
+    return int(engine_needs(config, stage)["settings"] is not None)
+
+
 def gpu_resources(config: dict, stage: str) -> dict:
     """The GPU part of a rule's resources: {} on CPU, else gpu=N (train: gres, per node)."""
     n = stage_gpus(config, stage)

@@ -458,10 +458,15 @@ class Supervisor:
         self._launch()
 
     def stats(self) -> dict:
+        """The same keys as a shared server's lease (draftsmith.engines.sharedserver), so that
+        reports read alike whichever served the job."""
         return {
+            "server_mode": "job",
+            "server_started_by_this_job": True,
             "server_launches": self.launches,
             "server_restarts": self.restarts,
             "server_startup_seconds": self.startup_seconds,
+            "server_wait_seconds": round(sum(self.startup_seconds), 2),
         }
 
 
