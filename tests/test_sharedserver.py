@@ -299,28 +299,3 @@ def test_a_shared_server_that_exits_during_start_up_is_launched_again(tmp_path, 
         pass
     line = err.value.one_line()
     assert "\n" not in line and str(retries0.dir / "host.log") in line, line
-
-
-def test_inside_a_slurm_job_the_run_is_the_allocations_snakemake(monkeypatch):
-    """The jobstep executor runs each job of an allocation under a Snakemake of its own (through
-    srun): the run a job's servers belong to is the allocation's first Snakemake process, so
-    the range jobs of one group submission share one server."""
-    from draftsmith.runtime.serverhosts import run_owner
-
-    job_id = f"test-{os.getpid()}"
-    env = {**os.environ, "SLURM_JOB_ID": job_id}
-    sleeper = [sys.executable, "-c", "import time; time.sleep(60)", "snakemake"]
-    first = subprocess.Popen(sleeper, env=env)  # stand-ins: the batch step's, then a job's own
-    time.sleep(0.05)
-    second = subprocess.Popen(sleeper, env=env)
-    try:
-        assert run_owner({"DRAFTSMITH_JOB_PARENT": str(second.pid), "SLURM_JOB_ID": job_id}) == (
-            first.pid
-        )
-        assert run_owner({"DRAFTSMITH_JOB_PARENT": "1234"}) == 1234  # a local run
-        assert run_owner({"DRAFTSMITH_JOB_PARENT": "7", "SLURM_JOB_ID": "no-such-job"}) == 7
-        assert run_owner({}) is None  # outside Snakemake: a server of the job's own
-    finally:
-        for p in (first, second):
-            p.kill()
-            p.wait()

@@ -25,8 +25,8 @@ from pathlib import Path
 from draftsmith.config.settings import SGLangSettings
 from draftsmith.engines import sglang_cpu
 from draftsmith.engines.server import ServerSpec
+from draftsmith.runtime.lifeline import ENV as RUN_ENV
 from draftsmith.runtime.serverhosts import ROOT as SERVERS
-from draftsmith.runtime.serverhosts import run_owner
 
 CPU_ROLE = sglang_cpu.ROLE
 
@@ -97,16 +97,15 @@ def shared_server(job) -> dict | None:
     """Where and how a range job leases its stage's shared server (draftsmith.engines.sharedserver),
     or None for a server of the job's own: `sglang.shared_server` is `run` (the rules resolve
     `auto`; a job without DRAFTSMITH_RUN has the schema's `auto`, so its own) and the job runs
-    under a Snakemake process (draftsmith.runtime.serverhosts.run_owner: the run's, or the SLURM
-    allocation's; no run to share with otherwise). Segment
+    under a Snakemake process (DRAFTSMITH_JOB_PARENT: no run to share with otherwise). Segment
     mode's captures name the directory and whether they are the last (`capture_server` in the
     job's --cfg, set by draftsmith.stages.segcapture)."""
-    owner = run_owner()
-    if job.engine.shared_server != "run" or owner is None:
+    owner = os.environ.get(RUN_ENV, "")
+    if job.engine.shared_server != "run" or not owner.isdigit():
         return None
     asked = job.given.get("capture_server") or {}
     return {"dir": asked.get("dir", str(SERVERS)), "last": asked.get("last", False),
-            "owner": owner}  # fmt: skip
+            "owner": int(owner)}  # fmt: skip
 
 
 def job_server(job, stage: str, spec: ServerSpec, stack, *, share: bool = True, scratch=""):

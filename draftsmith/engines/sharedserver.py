@@ -182,8 +182,7 @@ class SharedServer:
         with open(self.dir / "host.log", "ab") as out:
             proc = subprocess.Popen(
                 [sys.executable, "-m", "draftsmith", "shared-server", "host", str(self.dir)],
-                # the host follows the run (draftsmith.runtime.lifeline), not this job
-                env={**os.environ, "PYTHONPATH": path, "DRAFTSMITH_JOB_PARENT": str(self.owner)},
+                env={**os.environ, "PYTHONPATH": path},
                 stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
                 start_new_session=True,  # outlives this job; the run's end stops it
             )  # fmt: skip

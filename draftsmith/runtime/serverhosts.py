@@ -102,41 +102,6 @@ def stop_host(d: Path, pid: int, wait_s: float) -> bool:
     return True
 
 
-def allocation_snakemake(job_id: str) -> int | None:
-    """The Snakemake process of SLURM job `job_id` on this node that started first: the one
-    the batch step runs. The jobstep executor starts each job of the allocation (each job of a
-    group job too) through `srun` under a Snakemake process of its own, whose parent is
-    slurmstepd, not the allocation's Snakemake; this one outlives them all."""
-    mark = f"SLURM_JOB_ID={job_id}".encode()
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            if mark not in (entry / "environ").read_bytes().split(b"\0"):
-                continue
-            if b"snakemake" not in (entry / "cmdline").read_bytes():
-                continue
-            start = int((entry / "stat").read_bytes().rsplit(b")", 1)[1].split()[19])
-        except (OSError, ValueError, IndexError):
-            continue
-        found.append((start, int(entry.name)))
-    return min(found)[1] if found else None
-
-
-def run_owner(env=None) -> int | None:
-    """The process a job's shared servers belong to and end with: the Snakemake process running
-    the job (DRAFTSMITH_JOB_PARENT, one per local run), or inside a SLURM job the allocation's
-    own Snakemake (`allocation_snakemake`), so that the jobs of one submission (a group job's
-    range jobs) share one server; None outside a Snakemake run."""
-    env = os.environ if env is None else env
-    value = env.get("DRAFTSMITH_JOB_PARENT", "")
-    if not value.isdigit():
-        return None
-    job = env.get("SLURM_JOB_ID", "")
-    return (allocation_snakemake(job) if job else None) or int(value)
-
-
 def release_gpu_hosts(
     root: Path = ROOT,
     owner: int | None = None,
@@ -145,14 +110,15 @@ def release_gpu_hosts(
     wait_s: float = 120.0,
     gpus_only: bool = True,
 ) -> list[str]:
-    """Stop every idle host of run `owner` (default: this job's run, `run_owner`)
+    """Stop every idle host of run `owner` (default: this job's run, DRAFTSMITH_JOB_PARENT)
     whose server holds GPUs (every idle host: `gpus_only` False), but the one in
     `<root>/<keep>`, and wait until each is gone; the keys stopped. A host some job leases is
     left: that job's GPUs are Snakemake's to count."""
     if owner is None:
-        owner = run_owner()
-        if owner is None:
+        value = os.environ.get("DRAFTSMITH_JOB_PARENT", "")
+        if not value.isdigit():
             return []
+        owner = int(value)
     stopped = []
     for d, info in live_hosts(Path(root), owner):
         gpus = int(info.get("gpus") or 0)
