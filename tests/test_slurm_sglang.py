@@ -1,18 +1,25 @@
-"""Past one node: on the real one-node SLURM of scripts/slurm_up.sh, the range jobs of an SGLang
-stage go to SLURM in groups (profiles/local-slurm: 2 range jobs per submission), and each group
-starts one server for its ranges (sglang.shared_server run: the group's jobs run under one
-Snakemake process in the allocation, draftsmith.engines.sharedserver).
+"""Past one node, on the real one-node SLURM of scripts/slurm_up.sh: the range jobs of an SGLang
+stage go to SLURM in groups (profiles/local-slurm: 2 range jobs per submission), and within a
+group each range job still starts a server of its own.
+
+Why: the SLURM executor's jobstep plugin runs every job of an allocation, each job of a group
+job too, as a job step of its own (`srun`, under a Snakemake process of its own), and SLURM ends
+every process a step started when the step ends: the server a range job's host launched gets
+SIGTERM as that job finishes, so no server outlives its job (a host that followed the
+allocation's Snakemake instead of the job's was tried: SLURM stopped its server at each step's
+end, benchmarks/results/slurm_group_servers.md). One server per stage holds within a
+Snakemake process (a local run: tests/test_workflow_kimi_sglang.py), not across SLURM job steps
+(docs/scale.md). This test keeps that statement true: should a later executor run a group's jobs
+in one step, it fails and the docs must change.
 
 4 row ranges of the tiny random target, regenerated through SGLang's CPU server (role
-sglang-cpu): two group submissions, two server launches, each serving two ranges. .ci/run's
-SLURM step runs it once the engine venvs are built (2-5 minutes: two server start-ups).
+sglang-cpu): two group submissions, four server launches, one per range job.
 """
 
 from __future__ import annotations
 
 import json
 import sys
-from collections import defaultdict
 from pathlib import Path
 
 import pytest
@@ -22,10 +29,26 @@ from test_sglang_capture import CPU_SERVER_ARGS
 from test_slurm import next_job_id, run, slurm, squeue_since  # noqa: F401 (the fixture)
 from wf import tiny_config, write_config
 
-pytestmark = [pytest.mark.slow, pytest.mark.slurm, pytest.mark.sglang, pytest.mark.workflow]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.slurm,
+    pytest.mark.sglang,
+    pytest.mark.workflow,
+    pytest.mark.extended(
+        reason="proves that on SLURM a server does not outlive its range job's job step, even "
+        "within a group submission (why docs/scale.md says one server per job there); no "
+        "CI-sized version: four SGLang server starts under SLURM, 6-10 minutes on 2 cores; in "
+        "CI test_slurm.py runs the grouped submissions and test_workflow_kimi_sglang.py one "
+        "server per stage in a local run"
+    ),
+]
 
 
-def test_each_group_of_range_jobs_starts_one_server(slurm, tmp_path: Path, tiny_target: Path):  # noqa: F811
+def test_each_range_job_of_a_group_submission_starts_its_own_server(
+    slurm,  # noqa: F811
+    tmp_path: Path,
+    tiny_target: Path,
+):
     sglang = role_python("sglang-cpu")
     python = slurm_python()
     cfg = tiny_config(
@@ -52,12 +75,6 @@ def test_each_group_of_range_jobs_starts_one_server(slurm, tmp_path: Path, tiny_
         json.loads(f.read_text()) for f in sorted(tmp_path.glob("results/data/rows_*.report.json"))
     ]
     assert len(reports) == 4
-    by_host = defaultdict(list)
-    for r in reports:
-        assert r["backend"] == "sglang" and r.get("server_host_pid"), r
-        by_host[r["server_host_pid"]].append(r)
-    # two servers (one per group job), each launched once and serving two ranges
-    assert sorted(len(rs) for rs in by_host.values()) == [2, 2], by_host
-    for rs in by_host.values():
-        assert all(r["server_launches"] == 1 for r in rs), rs
-        assert sum(r["server_started_by_this_job"] for r in rs) == 1, rs
+    # every range job started the server it used: none outlived the step of the job before
+    assert all(r["server_started_by_this_job"] for r in reports), reports
+    assert len({r["server_host_pid"] for r in reports}) == 4, reports

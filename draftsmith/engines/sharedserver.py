@@ -35,8 +35,9 @@ GPUs: every job that leases a server declares the server's GPUs to Snakemake, so
 GPUs that Snakemake does not count only while it is idle between two jobs. Before a job starts a
 server of its own or leases another stage's, and before training starts, the run's idle hosts
 that hold GPUs are stopped and waited for (draftsmith.runtime.serverhosts.release_gpu_hosts).
-On SLURM each job, or each group job, runs under a Snakemake process of its own, so its hosts
-end with it: one server per stage per allocation, never one left behind.
+On SLURM each job, each job of a group submission too, is a job step of its own under a
+Snakemake process of its own, and SLURM ends a step's processes with it: there a host serves one
+range job and ends with it, never left behind (docs/scale.md).
 """
 
 from __future__ import annotations
@@ -96,7 +97,7 @@ def spec_key(spec: ServerSpec) -> str:
 
 def run_dir_name(spec: ServerSpec, owner: int) -> str:
     """`<key>-<node>-<run pid>`: one directory per server settings and run, so two runs (two
-    SLURM group jobs on two nodes sharing the project's filesystem among them) never meet in
+    SLURM jobs on two nodes sharing the project's filesystem) never meet in
     one host's files."""
     return f"{spec_key(spec)}-{socket.gethostname().split('.')[0]}-{owner}"
 
