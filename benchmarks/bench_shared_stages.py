@@ -234,7 +234,7 @@ def render(record: dict) -> str:
         f"# One SGLang server per stage against one per range job ({cpu['kind']})",
         "",
         f"Produced by `benchmarks/bench_shared_stages.py`. CPU: {cpu['describe']}; 2 cores "
-        "shared with other engineers' test runs, so the figures are from a shared machine "
+        "shared with other work, so the figures are upper bounds "
         "(1-min load average at the start and end of each run in the table). The tiny "
         "Kimi-K2.5-shaped checkpoint of the CI workflow (tests/test_workflow_kimi_sglang.py) "
         f"on {record['rows']} bundled prompt rows in {record['ranges']} row ranges, regenerated "

@@ -43,14 +43,14 @@ rule regenerate:
         "logs/regenerate/{rows}.log",
     benchmark:
         "benchmarks/jobs/regenerate/{rows}.tsv"
+    # a GPU role's server: the stage's jobs first, one load for all of them
+    priority: range_priority("regenerate")
     conda:
         role_env("regenerate")
     # one thread: on a 2-core CPU two range jobs side by side finish sooner than two-thread
     # jobs one after another (benchmarks/bench_job_threads.py); a CPU SGLang server at tp_size
     # N gets N, a core per rank; site profiles set their own
     threads: range_threads("regenerate")
-    # a GPU role's server: the stage's jobs first, one load for all of them
-    priority: range_priority("regenerate")
     resources:
         **gpu_resources("regenerate"),
         mem_mb=6000,

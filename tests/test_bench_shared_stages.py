@@ -121,7 +121,7 @@ def test_stage_order_follows_the_newest_log_in_start_order(tmp_path: Path):
 def test_render_tables_both_modes_per_stage_and_states_the_checks():
     md = bss.render(record())
     assert md.startswith("# One SGLang server per stage against one per range job (AVX2)")
-    assert "shared machine" in md and "64 bundled prompt rows in 8 row ranges" in md
+    assert "shared with other work" in md and "64 bundled prompt rows in 8 row ranges" in md
     assert "| job | regenerate | 8 | 8 | 40, 40, 40, 40, 40, 40, 40, 40 | 400 | 210 | 900 |" in md
     assert "| run | capture | 8 | 1 | 36 | 60 | 45 | 300 | 2.0-2.2 |" in md
     assert "- capture: 8 launches (280 s of start-up) with one server per job, 1 (36 s)" in md

@@ -284,7 +284,7 @@ def test_start_up_failures_end_in_one_line_naming_the_server_and_its_log(tmp_pat
     line = err.value.one_line()
     assert err.value.kind == "exited" and "\n" not in line, line
     assert "prog server exited during start-up (exit code 3)" in line
-    assert "[prog]" in line and "sglang.extra_args" in line  # where its output is, what to do
+    assert "[prog]" in line and "extra_args" in line  # where its output is, what to do
     assert "dying while loading" in str(err.value)  # the details keep the log's tail
 
     with socket.socket() as taken:

@@ -67,7 +67,7 @@ def test_pythonpath_entries_go_first(tmp_path, monkeypatch):
 
 
 def test_cpu_role_gets_the_compatibility_layer(tmp_path):
-    spec = server_spec(cfg("sglang-cpu"), "regenerate", target=tmp_path, threads=1)
+    spec = server_spec(cfg("sglang-cpu"), "regenerate", target=tmp_path, threads=2)  # tp 2
     argv = spec.command(1)
     assert spec.env["SGLANG_USE_CPU_ENGINE"] == "1"
     assert spec.env["PYTHONPATH"].split(":")[0].endswith("draftsmith/engines/sglang_cpu/overlay")

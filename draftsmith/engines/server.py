@@ -94,6 +94,12 @@ class ServerSpec:
     grace: float = 15.0  # seconds between SIGTERM and SIGKILL at shutdown
     port_key: str = "the server's port setting"  # the config key `port` came from (messages)
 
+    def key(self, name: str) -> str:
+        """The config key `name` of this server's engine section (the section `port_key`
+        names), for messages that say what to change."""
+        section = self.port_key.split(".")[0] if "." in self.port_key else ""
+        return f"{section}.{name}" if section else f"the engine's {name}"
+
 
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that nothing listens on right now."""
@@ -243,8 +249,8 @@ class Server:
     def died(self, what: str, kind: str = "died") -> ServerError:
         code = self.proc.returncode if self.proc else None
         todo = {
-            "exited": "check the launch flags (sglang.extra_args), the target and the role's "
-            "environment, then rerun",
+            "exited": f"check the launch flags ({self.spec.key('extra_args')}), the target and "
+            "the role's environment, then rerun",
         }.get(kind, "rerun; if it keeps dying, look for an out-of-memory kill or a crash there")
         return ServerError(
             f"{self.spec.name} server {what} (exit code {code}); last lines of its log:\n"
@@ -279,8 +285,8 @@ class Server:
                 raise ServerError(
                     f"{what} (raise the startup timeout if it is only slow); last lines of its "
                     f"log:\n{self.log_tail()}",
-                    f"{what}; its output: {self.log_where}; raise sglang.startup_timeout if it "
-                    "is only slow",
+                    f"{what}; its output: {self.log_where}; raise "
+                    f"{self.spec.key('startup_timeout')} if it is only slow",
                     kind="timeout",
                 )
             time.sleep(0.5)

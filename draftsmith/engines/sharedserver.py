@@ -210,7 +210,7 @@ class SharedServer:
                     f"{what}; last lines of {self.dir / 'host.log'}:\n"
                     f"{tail(self.dir / 'host.log')}",
                     f"{what}; its log: {self.dir / 'host.log'}; fix what it shows (launch flags "
-                    "in sglang.extra_args, the target, memory), then rerun",
+                    f"in {self.spec.key('extra_args')}, the target, memory), then rerun",
                 )
             if time.monotonic() > deadline:
                 what = (
@@ -219,8 +219,8 @@ class SharedServer:
                 )
                 raise ServerError(
                     f"{what}; last lines of its log:\n{tail(self.dir / 'host.log')}",
-                    f"{what}; its log: {self.dir / 'host.log'}; raise sglang.startup_timeout "
-                    "if it is only slow",
+                    f"{what}; its log: {self.dir / 'host.log'}; raise "
+                    f"{self.spec.key('startup_timeout')} if it is only slow",
                     kind="timeout",
                 )
             time.sleep(POLL)
@@ -319,7 +319,7 @@ class Host:
         self.server.log_where = str(d / "host.log")
         self.state = {"host_pid": os.getpid(), "owner": self.cfg["owner"], "state": "starting",
                       "generation": 0, "startup_seconds": [], "scratch": self.scratch,
-                      "gpus": int(self.cfg.get("gpus", 0)),
+                      "gpus": int(self.cfg["gpus"]),
                       "node": socket.gethostname()}  # fmt: skip
 
     def publish(self, **changes) -> None:
