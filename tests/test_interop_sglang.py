@@ -10,6 +10,7 @@ outputs): had SGLang taken the top-level ids, its states would be one layer late
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -183,11 +184,12 @@ def sglang_bench(root, bench: dict) -> dict:
     return run_bench(root, "sglang", "results/draft", cfg, python, texts=CI_PROMPTS)
 
 
-def server_args(log: str, name: str) -> str:
-    """The ServerArgs line server `name` (the Supervisor's prefix) printed at start-up."""
-    lines = [ln for ln in log.splitlines() if f"[{name}]" in ln and "server_args=ServerArgs(" in ln]
-    assert lines, f"{name} printed no server_args:\n{log[-3000:]}"
-    return lines[0]
+def server_args(log: str, name: str) -> dict[str, str]:
+    """The speculative settings server `name` (the Supervisor's prefix) logged at start-up as
+    resolved: SGLang 0.5.23 logs `server_args={...}`, the dict of its ServerArgs."""
+    lines = [ln for ln in log.splitlines() if ln.startswith(f"[{name}] ") and "server_args={" in ln]
+    assert lines, f"{name} logged no server_args:\n{log[-3000:]}"
+    return dict(re.findall(r"'(speculative_\w+)': ([^,}]+)", lines[0]))
 
 
 def test_sglang_sampling_counters_consistent(trained):
@@ -213,17 +215,18 @@ def test_sglang_sampling_counters_consistent(trained):
 
 def test_sglang_tree_drafting_equals_greedy(trained):
     """bench.topk 2 (a tree of 6 draft tokens over 3 steps) through SGLang's bench stage on the
-    trained draft at temperature 0: the speculative server was started with the tree (its own
-    start-up line: speculative_eagle_topk=2, speculative_num_draft_tokens=6; SGLang turns a
-    topk-1 launch into a chain of num_steps + 1 tokens), its outputs equal the plain server's
-    greedy outputs, and its counters are consistent with a tau over 1.05."""
+    trained draft at temperature 0: the speculative server ran a tree (its own resolved
+    arguments, as it logs them: speculative_eagle_topk 2, speculative_num_draft_tokens 6;
+    SGLang resolves a topk-1 launch to a chain of num_steps + 1 tokens), its outputs equal the
+    plain server's greedy outputs, and its counters are consistent with a tau over 1.05."""
     tree = {**CI_BENCH, "topk": 2, "num_draft_tokens": 6}
     run = sglang_bench(trained, tree)
     res = run["res"]["s"]
     args = run["info"]["speculative_args"]
     assert args[args.index("--speculative-eagle-topk") + 1] == "2", args
-    line = server_args(run["log"], "sglang-eagle3")
-    assert "speculative_eagle_topk=2," in line and "speculative_num_draft_tokens=6," in line, line
+    logged = server_args(run["log"], "sglang-eagle3")
+    assert logged["speculative_eagle_topk"] == "2", logged
+    assert logged["speculative_num_draft_tokens"] == "6", logged
     assert res["identical_outputs"] == len(CI_PROMPTS), res
     k = BENCH["num_steps"]
     assert_sound_counters(res, k, len(CI_PROMPTS), tree["max_new_tokens"], "sglang tree")
