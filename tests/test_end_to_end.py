@@ -80,10 +80,11 @@ def test_embedded_default_builds_a_draft_that_speculates(default_run):
             marks=[
                 pytest.mark.sglang,
                 pytest.mark.extended(
-                    reason="the embedded default's own draft through a second SGLang server "
-                    "pair on the 135M target, about 10 minutes more on 2 cores; in CI the "
-                    "served-equality matrix (test_served_matrix.py) proves SGLang serves our "
-                    "drafts at our acceptance"
+                    reason="proves: the embedded default's own draft served by SGLang at "
+                    "our acceptance on the 135M target; no CI-sized version: a second SGLang "
+                    "server pair on the 135M target after the default run, about 10 minutes "
+                    "more on 2 cores; CI covers the rest: test_served_matrix.py (SGLang "
+                    "serves drafts our pipeline trained at our acceptance)"
                 ),
             ],
         ),

@@ -267,9 +267,12 @@ def test_sglang_shard_equals_hf_despite_bad_dump_and_killed_server(capture_setup
 @pytest.mark.slow
 @pytest.mark.sglang
 @pytest.mark.extended(
-    reason="a dump wrong on every retry until the job gives up: its own capture server and "
-    "retries, about 3 minutes on 2 cores; the bad-dump path itself (a torn dump retried, a "
-    "killed server relaunched) is CI's test_sglang_shard_equals_hf_despite_bad_dump_and_killed_server"
+    reason="proves: a dump wrong on every retry makes the capture job give up, naming the "
+    "row, leaving no partial shard; no CI-sized version: it needs its own capture server "
+    "driven through every retry until the job gives up, about 3 minutes on 2 cores; "
+    "CI covers the rest: "
+    "test_sglang_capture.py::test_sglang_shard_equals_hf_despite_bad_dump_and_killed_server "
+    "(a torn dump retried, a killed server relaunched)"
 )
 def test_persistently_wrong_dump_fails_naming_the_row(capture_setup):
     out = capture_setup["work"] / "bad" / "rows_000010-000016.safetensors"
@@ -342,9 +345,12 @@ make_tiny_target({str(model)!r}, "deepseek_v3", num_layers=6, engine_shapes=True
 @pytest.mark.slow
 @pytest.mark.sglang
 @pytest.mark.extended(
-    reason="SGLang's scheduler refusing a dump server with radix cache or chunked prefill on: "
-    "two more server start-ups, about 3 minutes on 2 cores; the launch never sets either (the "
-    "capture arguments: test_capture_launch_never_lets_a_prompt_be_prefilled_in_part), so no CI run meets the refusal"
+    reason="proves: SGLang's scheduler refuses a dump server with radix cache or chunked "
+    "prefill on, and the supervisor reports its reasons; no CI-sized version: two more "
+    "server start-ups, about 3 minutes on 2 cores, for a refusal no CI run can meet, since "
+    "the launch never sets either; CI covers the rest: "
+    "test_sglang_capture.py::test_capture_launch_never_lets_a_prompt_be_prefilled_in_part "
+    "(the capture arguments)"
 )
 def test_dump_server_refuses_radix_cache_and_chunked_prefill(capture_setup, tmp_path):
     """A dump server that could prefill a prompt in part (radix cache on, chunked prefill on)

@@ -157,8 +157,12 @@ def test_validate_env_proves_the_compatibility_layer_is_active(python):
 
 
 @pytest.mark.extended(
-    reason="tree drafting (top-k 2 and 4) through SGLang's CPU server: four server starts, "
-    "about 6 minutes on 2 cores; CI's served-equality matrix covers chain drafting (top-k 1)"
+    reason="proves: SGLang's CPU trees stay lossless at top-k 4 with wide rejected trees of a "
+    "random draft and through the accept paths of a constant draft, 6 prompts at once; "
+    "no CI-sized version: four server starts, about 6 minutes on 2 cores, each draft's "
+    "case needing its own; CI covers the rest: "
+    "test_interop_sglang.py::test_sglang_tree_drafting_equals_greedy (top-k 2 on a trained "
+    "draft), test_served_matrix.py (chains)"
 )
 def test_eagle3_output_equals_plain_greedy_topk_1_2_4(python, target, tmp_path):
     plain = serve(python, target)

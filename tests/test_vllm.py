@@ -20,7 +20,15 @@ from pathlib import Path
 import pytest
 import torch
 from roles import role_python
-from trained import IDS, PROMPTS, assert_same_acceptance, rows, run_bench, train_tiny_project
+from trained import (
+    IDS,
+    PROMPTS,
+    assert_same_acceptance,
+    assert_sound_counters,
+    rows,
+    run_bench,
+    train_tiny_project,
+)
 from wf import with_defaults
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
@@ -218,8 +226,12 @@ def test_vllm_cpu_expand_stand_in():
 
 
 @pytest.mark.extended(
-    reason="sampled acceptance through vLLM against ours, two sampled bench runs compared "
-    "within a statistical bound, about 8 minutes on 2 cores; greedy equality is CI's matrix"
+    reason="proves: vLLM's sampled acceptance equals ours within a statistical bound (a "
+    "two-proportion z-test on first proposals accepted); no CI-sized version: the bound "
+    "needs 24 prompts sampled by both engines, about 8 minutes on 2 cores, and fewer "
+    "passes no longer separate vLLM as shipped from ours; CI covers the rest: "
+    "test_vllm.py::test_vllm_sampling_counters_consistent (sampled counters, tau), "
+    "test_served_matrix.py (greedy equality)"
 )
 def test_vllm_sampling_matches_ours(trained):
     """Temperature 0.7 through vLLM (with the expand stand-in of draftsmith.engines.vllm_cpu and
@@ -251,3 +263,27 @@ def test_vllm_sampling_matches_ours(trained):
     z = two_proportion_z(a, b)
     assert abs(z) <= 3.5, (a, b, z)
     print(f"first proposal accepted: vLLM {a[0]}/{a[1]}, ours {b[0]}/{b[1]}, z {z:.2f}")
+
+
+def test_vllm_sampling_counters_consistent(trained):
+    """Temperature 0.7 through vLLM's bench stage on the trained draft (PROMPTS, seeded, one
+    request at a time): the outputs are not compared (sampled), the sampled path's CPU stand-in
+    is applied, vLLM's two counters agree (its accepted tokens equal the accepted lengths of
+    the histogram its per-position counters give), the figures are consistent
+    (trained.assert_sound_counters) and tau is over 1.05: the draft's proposals, drawn from
+    its distribution, are accepted (vLLM's default argmax drafting accepts almost none on this
+    draft at 0.7: test_vllm_sampling_matches_ours, extended, compares the rate with ours)."""
+    python = role_python("vllm-cpu")
+    sampled = {**BENCH, "temperature": 0.7, "top_p": 1.0, "seed": 0, "role": "vllm-cpu"}
+    cfg = {"bench": sampled, "target": {"dtype": "float32"}}
+    run = run_bench(trained, "vllm", "results/draft", cfg, python)
+    res = run["res"]["s"]
+    assert res["identical_outputs"] is None, res  # sampled: equal in distribution only
+    assert run["info"]["sampling"] == {"temperature": 0.7, "top_p": 1.0, "seed": 0}
+    assert run["info"]["vllm_cpu_stand_ins"] == ["expand_any_dtype"], run["info"]
+    hist = res["accept_len_hist"]
+    assert res["accepted_tokens"] == sum(a * n for a, n in enumerate(hist)), res
+    k = BENCH["num_steps"]
+    assert_sound_counters(res, k, len(PROMPTS), sampled["max_new_tokens"], "vllm sampled")
+    assert res["tau"] > 1.05, res
+    print(f"vLLM sampled: tau {res['tau']:.4f}, passes {res['verify_passes']}, histogram {hist}")

@@ -27,10 +27,12 @@ pytestmark = [
     pytest.mark.workflow,
     pytest.mark.sglang,
     pytest.mark.extended(
-        reason="segment mode with one shared SGLang capture server for the run, killed and "
-        "resumed: two server start-ups and a run to the draft, about 7 minutes on 2 cores; in "
-        "CI segment mode runs with hf (test_workflow_segments.py) and SGLang capture in "
-        "test_sglang_capture.py"
+        reason="proves: segment mode's one shared SGLang capture server per run survives a "
+        "killed run and is reused on resume, the draft built to the end; no CI-sized version: "
+        "the kill and resume need a workflow run to the draft around two server start-ups, "
+        "about 7 minutes on 2 cores, and no shorter run reaches a resumed segment; "
+        "CI covers the rest: test_workflow_segments.py (segment mode with hf), "
+        "test_sglang_capture.py (SGLang capture)"
     ),
 ]
 PATIENCE = 3600

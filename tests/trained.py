@@ -211,3 +211,23 @@ def assert_same_acceptance(theirs: dict, ours: dict, label: str = "") -> None:
     hist = [abs(x - y) for x, y in zip(a, b, strict=True)]
     assert sum(hist) <= 2 * slack, (label, theirs, ours)
     assert abs(theirs["tau"] - ours["tau"]) <= 0.01 * ours["tau"], (label, theirs, ours)
+
+
+def assert_sound_counters(res: dict, k: int, prompts: int, max_new: int, label: str = "") -> None:
+    """What a sampled run's figures must satisfy (its outputs cannot be compared with another
+    engine's token for token): the accepted-length histogram has K + 1 bins and counts every
+    verification pass, accepted proposals are at most K per pass, and the tokens those passes
+    emitted are one per pass plus at most its accepted proposals (a prompt's last pass may be
+    cut by max_new_tokens or a stop token, by at most K); each output, where the engine reports
+    outputs per prompt, has 1 to max_new tokens and its own histogram counts its passes."""
+    hist, passes = res["accept_len_hist"], res["verify_passes"]
+    assert len(hist) == k + 1 and sum(hist) == passes > 0, (label, res)
+    accepted = sum(a * n for a, n in enumerate(hist))
+    assert accepted <= k * passes, (label, res)
+    emitted = round(res["tau"] * passes)
+    assert passes <= emitted <= passes + accepted, (label, res)
+    assert emitted >= passes + accepted - k * prompts, (label, res)
+    assert prompts <= res["generated_tokens"] <= prompts * max_new, (label, res)
+    for p in res.get("per_prompt", []):
+        assert 1 <= len(p["output_ids"]) <= max_new, (label, p)
+        assert sum(p["accept_len_hist"]) == p["verify_passes"], (label, p)
