@@ -12,8 +12,7 @@ of it exists, and names the CI tests that prove the rest.
 A bare `pytest.mark.extended`, a reason without the parts, a part too short to say anything, or
 a cited CI test that does not exist or that no .ci/run step runs (missing, or itself extended)
 is refused here. Where an extended test proves something a CI-sized test could, the CI-sized
-test belongs in CI (issue 51): the sampling and tree-drafting tests of test_interop_sglang.py
-and test_vllm.py are such.
+test belongs in CI where the budget allows: test_vllm.py's sampling counters test is such.
 """
 
 from __future__ import annotations

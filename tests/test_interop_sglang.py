@@ -130,8 +130,8 @@ def test_gemma3_served_losslessly_with_sglangs_own_states(tmp_path, monkeypatch)
     "no CI-sized version: the pin needs greedy references from our engine and the sampled "
     "server at two concurrency levels, about 5 minutes on 2 cores, and with fewer prompts "
     "too few sampled starts equal greedy's to pin anything; CI covers the rest: "
-    "test_interop_sglang.py::test_sglang_sampling_counters_consistent (sampled counters and "
-    "tau at concurrency 1), test_served_matrix.py (greedy at concurrency 1 and 4)"
+    "test_vllm.py::test_vllm_sampling_counters_consistent (sampled counters and tau through "
+    "vLLM's bench stage), test_served_matrix.py (greedy at concurrency 1 and 4)"
 )
 def test_sglang_sampling_on_cpu_verifies_greedily(trained):
     """Temperature 1.0 completes at concurrency 1 and 4 with a tau in (1, K + 1], and pins what
@@ -192,6 +192,14 @@ def server_args(log: str, name: str) -> dict[str, str]:
     return dict(re.findall(r"'(speculative_\w+)': ([^,}]+)", lines[0]))
 
 
+@pytest.mark.extended(
+    reason="proves: SGLang's bench stage sampled at temperature 0.2 on a trained draft keeps "
+    "its per-request counters consistent and accepts proposals (tau over 1); no CI-sized "
+    "version: a draft trained for it and two server starts, 5-7 minutes on 2 cores, beyond "
+    "CI's budget beside the SGLang step's other servers; CI covers the rest: "
+    "test_vllm.py::test_vllm_sampling_counters_consistent (the same checks through vLLM), "
+    "test_served_matrix.py (SGLang's bench stage at temperature 0)"
+)
 def test_sglang_sampling_counters_consistent(trained):
     """Temperature 0.2 through SGLang's bench stage on the trained draft (PROMPTS, 32 tokens,
     one request at a time): the outputs are not compared (sampled), the run says it sampled
@@ -217,6 +225,14 @@ def test_sglang_sampling_counters_consistent(trained):
           f"{res['accept_len_hist']}")  # fmt: skip
 
 
+@pytest.mark.extended(
+    reason="proves: SGLang runs a tree (bench.topk 2, 6 draft tokens) from our draft with "
+    "outputs equal to greedy, its own logged arguments showing the tree; no CI-sized "
+    "version: a draft trained for it and two server starts, 4-6 minutes on 2 cores, beyond "
+    "CI's budget beside the SGLang step's other servers; CI covers the rest: "
+    "test_sglang_engine.py::test_speculative_args (the tree flags from bench.topk), "
+    "test_served_matrix.py (chains served at our acceptance)"
+)
 def test_sglang_tree_drafting_equals_greedy(trained):
     """bench.topk 2 (a tree of 6 draft tokens over 3 steps) through SGLang's bench stage on the
     trained draft at temperature 0: the speculative server ran a tree (its own resolved

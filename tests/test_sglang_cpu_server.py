@@ -161,8 +161,8 @@ def test_validate_env_proves_the_compatibility_layer_is_active(python):
     "random draft and through the accept paths of a constant draft, 6 prompts at once; "
     "no CI-sized version: four server starts, about 6 minutes on 2 cores, each draft's "
     "case needing its own; CI covers the rest: "
-    "test_interop_sglang.py::test_sglang_tree_drafting_equals_greedy (top-k 2 on a trained "
-    "draft), test_served_matrix.py (chains)"
+    "test_sglang_engine.py::test_speculative_args (the tree flags from bench.topk), "
+    "test_served_matrix.py (chains)"
 )
 def test_eagle3_output_equals_plain_greedy_topk_1_2_4(python, target, tmp_path):
     plain = serve(python, target)

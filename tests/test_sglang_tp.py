@@ -196,9 +196,10 @@ def assert_written_once(writes: list[dict], tp_size: int) -> None:
 @pytest.mark.slow
 @pytest.mark.sglang
 @pytest.mark.extended(
-    reason="tensor parallelism on sharded MLA and MoE layers (DeepSeek-V3's, Kimi-K2.5's): one "
-    "more hf capture and a two-rank server start-up, about 5 minutes on 2 cores; the dump path "
-    "at tp 2 itself is CI's test_tp2_capture_equals_tp1_and_hf_written_once_by_rank_0"
+    reason="proves: tensor parallelism on sharded MLA and MoE layers (DeepSeek-V3's, "
+    "Kimi-K2.5's) captures what hf does; no CI-sized version: one more hf capture and a "
+    "two-rank server start-up of its own, about 5 minutes on 2 cores; CI covers the rest: "
+    "test_sglang_tp.py::test_tp2_capture_equals_tp1_and_hf_written_once_by_rank_0"
 )
 def test_tiny_deepseek_v3_at_tp2_equals_hf(tmp_path_factory):
     """The 6-layer DeepSeek-V3-shaped model (MLA, MoE, YaRN) through a two-rank CPU server:

@@ -35,11 +35,11 @@ pytestmark = [
     pytest.mark.sglang,
     pytest.mark.workflow,
     pytest.mark.extended(
-        reason="proves that on SLURM a server does not outlive its range job's job step, even "
-        "within a group submission (why docs/scale.md says one server per job there); no "
-        "CI-sized version: four SGLang server starts under SLURM, 6-10 minutes on 2 cores; in "
-        "CI test_slurm.py runs the grouped submissions and test_workflow_kimi_sglang.py one "
-        "server per stage in a local run"
+        reason="proves: on SLURM each range job of a group submission starts its own server "
+        "(why docs/scale.md says one server per job there); no CI-sized version: four SGLang "
+        "server starts under SLURM, 6-10 minutes on 2 cores; CI covers the rest: "
+        "test_slurm.py (the grouped submissions), test_workflow_kimi_sglang.py (one server per "
+        "stage in a local run)"
     ),
 ]
 
