@@ -153,6 +153,20 @@ def run_mode(base: Path, work: Path, mode: str, cfg_args) -> dict:
     }
 
 
+def rerender(out: Path, name: str, render_fn) -> None:
+    """Rewrite `<out>/<name>.md` from its .json (--render)."""
+    record = json.loads((out / f"{name}.json").read_text())
+    atomic_write_text(out / f"{name}.md", render_fn(record))
+
+
+def sglang_python() -> str:
+    """The sglang-cpu role's interpreter (DRAFTSMITH_PYTHON_SGLANG_CPU), or exit naming it."""
+    python = os.environ.get("DRAFTSMITH_PYTHON_SGLANG_CPU", "")
+    if not Path(python).is_file():
+        raise SystemExit("set DRAFTSMITH_PYTHON_SGLANG_CPU to the sglang-cpu role's interpreter")
+    return python
+
+
 def render(record: dict) -> str:
     job, run = (next(r for r in record["runs"] if r["mode"] == m) for m in ("job", "run"))
     lines = [
@@ -208,13 +222,9 @@ def main() -> None:
     ap.add_argument("--render", action="store_true", help="only rewrite the .md from the .json")
     args = ap.parse_args()
     if args.render:
-        name = f"shared_capture_{cpu_facts().kind}"
-        record = json.loads((args.out / f"{name}.json").read_text())
-        atomic_write_text(args.out / f"{name}.md", render(record))
+        rerender(args.out, f"shared_capture_{cpu_facts().kind}", render)
         return
-    python = os.environ.get("DRAFTSMITH_PYTHON_SGLANG_CPU", "")
-    if not Path(python).is_file():
-        raise SystemExit("set DRAFTSMITH_PYTHON_SGLANG_CPU to the sglang-cpu role's interpreter")
+    python = sglang_python()
     from draftsmith.targets.tinymodel import make_tiny_target
 
     for mode in ("job", "run"):

@@ -36,6 +36,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "benchmarks")]
 
+from bench_shared_capture import rerender, sglang_python  # noqa: E402
 from wf import planned_jobs, snakemake, write_config  # noqa: E402
 
 from draftsmith.runtime.files import atomic_write_json, atomic_write_text  # noqa: E402
@@ -285,12 +286,9 @@ def main() -> None:
     args = ap.parse_args()
     name = f"shared_stages_{cpu_facts().kind}"
     if args.render:
-        record = json.loads((args.out / f"{name}.json").read_text())
-        atomic_write_text(args.out / f"{name}.md", render(record))
+        rerender(args.out, name, render)
         return
-    python = os.environ.get("DRAFTSMITH_PYTHON_SGLANG_CPU", "")
-    if not Path(python).is_file():
-        raise SystemExit("set DRAFTSMITH_PYTHON_SGLANG_CPU to the sglang-cpu role's interpreter")
+    python = sglang_python()
     for mode in ("job", "run"):
         shutil.rmtree(args.work / mode, ignore_errors=True)
     cfgs = prepare(args, python)
