@@ -25,7 +25,8 @@ def test_corrupt_shard_is_refused_then_a_plain_rerun_rebuilds_it_and_training_re
     hidden = tmp_path / "results" / "hidden"
     sha = {r: json.loads((hidden / f"{r}.json").read_text())["sha256"] for r in (R0, R1)}
     log = tmp_path / "logs" / "train.log"
-    assert "2 hashed now, 0 unchanged" in log.read_text()
+    # every start checks the bytes it reads (crc32), whatever the files' times say
+    assert "2 shard(s) checked against their manifests: 2 by crc32" in log.read_text()
 
     flip_byte(hidden / f"{R0}.safetensors")  # its mtime moves: train is stale, capture is not
     proc = snakemake(tmp_path, "--cores", "2", *TRAINED, check=False)
@@ -44,4 +45,4 @@ def test_corrupt_shard_is_refused_then_a_plain_rerun_rebuilds_it_and_training_re
     assert json.loads((hidden / f"{R0}.json").read_text())["sha256"] == sha[R0]
     text = log.read_text()
     assert "resuming" in text, text[-2000:]  # same run key: the finished run is reused
-    assert "1 hashed now, 1 unchanged" in text
+    assert "2 shard(s) checked against their manifests: 2 by crc32" in text, text[-2000:]
