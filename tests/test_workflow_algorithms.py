@@ -52,7 +52,8 @@ def check_acceptance(held: dict, num_steps: int) -> None:
     accepted length (a pass emits at most its accepted tokens and the verified one; the last may
     emit fewer, at max_new_tokens). A tiny draft trained for one epoch may accept nothing (tau
     1.0), so no margin above 1 is asserted here: that the hf engine drafts with these
-    algorithms (tau above 1.05) and that the engines equal it is tests/test_served_matrix.py."""
+    algorithms (at least 10 accepted proposals) and that the engines equal it is
+    tests/test_served_matrix.py."""
     hist, passes, tau = held["accept_len_hist"], held["verify_passes"], held["tau"]
     assert passes > 0 and len(hist) == num_steps + 1 and sum(hist) == passes, held
     mean = sum(a * n for a, n in enumerate(hist)) / passes
