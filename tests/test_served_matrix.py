@@ -112,7 +112,10 @@ class Drafts:
                 "attention": attention,
                 **DRAFT_KEYS.get(algorithm, {}),
             }
-            self.projects[key] = train_tiny_project(root, draft, **TARGETS[attention])
+            # the drafts of one kind share a target and its captured data: made once
+            made = [r for (_, a), r in self.projects.items() if a == attention]
+            data_from = made[0] if made else None
+            self.projects[key] = train_tiny_project(root, draft, data_from, **TARGETS[attention])
         return self.projects[key]
 
     def figures(self, algorithm: str, attention: str) -> dict:
@@ -124,9 +127,10 @@ class Drafts:
             cfg = {"bench": BENCH, "target": {"dtype": "float32"}}
             res = run_bench(root, "hf", "results/draft", cfg)["res"]["s"]
             assert res["identical_outputs"] == len(PROMPTS), res
-            # at least 10 accepted proposals: equal counts then tell right layers from wrong ones
-            # (the fp32 EAGLE-3.1 MLA draft of an AVX2 CPU reaches tau 1.042 with 10)
-            assert res["tau"] > 1.0 and sum(res["accept_len_hist"][1:]) >= 10, res
+            # tau above 1.05 and at least 10 accepted tokens: equal counts then tell right layers
+            # and switches from wrong ones
+            accepted = sum(n * count for n, count in enumerate(res["accept_len_hist"]))
+            assert res["tau"] > 1.05 and accepted >= 10, res
             self.ours[key] = res
         return self.ours[key]
 

@@ -20,6 +20,12 @@ from wf import with_defaults
 
 ROOT = Path(__file__).resolve().parents[1]
 IDS = [1, 2, 4]  # SGLang numbering; vLLM reads [2, 3, 5]
+VOCAB = 128  # the draft vocabulary: the most frequent tokens of the continuations
+# the factor on the tiny target's weights (2 unless named): the tiny DeepSeek-V3 (MLA, MoE) at x2
+# continues chaotically (349 distinct tokens in 9.5k, the most frequent 4%): its EAGLE-3.1 draft
+# learned acc0 0.05 and reached tau 1.04; at x1.25 (188 distinct, the most frequent 20%) acc0 0.33
+# and tau 1.45 (fp32, AVX2 CPU)
+WEIGHT_SCALE = {"deepseek_v3": 1.25}
 PROMPTS = [
     "Explain how a binary search works.",
     "Write a short story about a lighthouse keeper.",
@@ -39,11 +45,35 @@ def rows(texts):
     ]
 
 
-def train_tiny_project(root: Path, draft: dict | None = None, **target) -> Path:
-    """Build it under `root` (about a minute on 2 shared cores); returns `root`. `draft`:
-    draft-section keys over the default's (e.g. another draft.algorithm); `target`: more
-    make_tiny_target arguments (arch="gemma3_text"; arch="deepseek_v3", engine_shapes=True: a
-    DeepSeek-V3 target the engines' CPU MLA paths run, same layer count and ids)."""
+def train_tiny_project(
+    root: Path, draft: dict | None = None, data_from: Path | None = None, **target
+) -> Path:
+    """Build it under `root` (a few minutes on 2 shared cores, most of it the target's greedy
+    continuations); returns `root`. `draft`: draft-section keys over the default's (e.g. another
+    draft.algorithm); `data_from`: a project this function built with the same `target`, whose
+    target, shard and vocabulary are copied instead of made again (only the draft differs);
+    `target`: more make_tiny_target arguments (arch="gemma3_text"; arch="deepseek_v3",
+    engine_shapes=True: a DeepSeek-V3 target the engines' CPU MLA paths run, same layer count
+    and ids)."""
+    from draftsmith.targets.model import write_meta
+
+    if data_from is None:
+        shard, vocab = tiny_data(root, target)
+    else:
+        for part in ("src", "results/target", "results/hidden", "results/vocab.safetensors"):
+            copy = shutil.copytree if (data_from / part).is_dir() else shutil.copy2
+            (root / part).parent.mkdir(parents=True, exist_ok=True)
+            copy(data_from / part, root / part)
+        (shard,) = (root / "results" / "hidden").glob("*.safetensors")
+        write_meta(root / "results" / "target", "path", str(root / "src"))
+        vocab = root / "results" / "vocab.safetensors"
+    train_tiny_draft(root, shard, vocab, draft)
+    return root
+
+
+def tiny_data(root: Path, target: dict) -> tuple[Path, Path]:
+    """The tiny target under `root` (results/target, its source in src), its greedy continuations
+    captured into one shard, and their draft vocabulary: (shard, vocab)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from draftsmith.bench.specdec import greedy_generate, prompt_ids, stop_ids
@@ -51,15 +81,14 @@ def train_tiny_project(root: Path, draft: dict | None = None, **target) -> Path:
     from draftsmith.engines.hf import capture_shard
     from draftsmith.targets.model import fingerprint, write_meta
     from draftsmith.targets.tinymodel import CORPUS, make_tiny_target
-    from draftsmith.train.loop import main as train_main
 
     torch.set_num_threads(1)  # shared cores: one thread is fastest for a model this small
     src = make_tiny_target(root / "src", hidden_size=128, **target)
     model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
-    with torch.no_grad():  # x2: greedy output depends on the context, not only the last token
+    with torch.no_grad():  # scaled: greedy output depends on the context, not only the last token
         for p in model.parameters():
             if p.dim() > 1:
-                p.mul_(2.0)
+                p.mul_(WEIGHT_SCALE.get(target.get("arch"), 2.0))
     model.save_pretrained(src)
     target = shutil.copytree(src, root / "results" / "target")
     write_meta(target, "path", str(src))
@@ -88,13 +117,22 @@ def train_tiny_project(root: Path, draft: dict | None = None, **target) -> Path:
     shard = root / "results" / "hidden" / f"rows_000000-{n_rows:06d}.safetensors"
     meta = {"row_range": [0, n_rows], "target_fingerprint": fingerprint(target), "target_layers": 6}
     capture_shard(model, tokens, shard, IDS, "float32", 2048, meta, progress=False)
-    k = 128
+    k = VOCAB
     counts = torch.bincount(tokens["input_ids"][tokens["loss_mask"].bool()], minlength=384)
     hot = torch.sort(torch.argsort(counts, descending=True, stable=True)[:k]).values
     t2d = torch.zeros(model.config.vocab_size, dtype=torch.bool)
     t2d[hot] = True
     vocab = root / "results" / "vocab.safetensors"
     save_file({"d2t": hot - torch.arange(k), "t2d": t2d, "counts": counts[hot]}, str(vocab))
+    return shard, vocab
+
+
+def train_tiny_draft(root: Path, shard: Path, vocab: Path, draft: dict | None) -> None:
+    """TTT training of the draft on `shard` into root/results/draft (the export included)."""
+    from draftsmith.train.loop import main as train_main
+
+    torch.set_num_threads(1)
+    k = VOCAB
     cfg = {
         "train": {
             "role": "cpu",
@@ -125,7 +163,6 @@ def train_tiny_project(root: Path, draft: dict | None = None, **target) -> Path:
         )  # fmt: skip
     finally:
         os.chdir(here)
-    return root
 
 
 def run_bench(
