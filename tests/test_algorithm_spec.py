@@ -30,9 +30,9 @@ def test_every_spec_is_complete(name):
     trainer = spec.part("trainer")
     for fn in ("build_draft", "objective", "losses"):
         assert callable(getattr(trainer, fn, None)), f"{name}: trainer lacks {fn}"
-    if spec.exporter:
-        for fn in ("export_draft", "check_export", "load_export", "config_problems"):
-            assert callable(getattr(spec.part("exporter"), fn, None)), f"{name}: {fn}"
+    for fn in ("export_draft", "check_export", "load_export", "config_problems", "arch"):
+        assert callable(getattr(spec.exporter, fn, None)), f"{name}: exporter lacks {fn}"
+    assert callable(getattr(spec.exporter, "family_layer_ids", None)), name
     if spec.decoder:
         assert callable(spec.part("decoder").runner)
     assert "{n}" not in spec.drafting or spec.drafting.format(n=3)
@@ -84,6 +84,7 @@ def test_settings_an_algorithm_refuses_are_named():
 
 
 FOURTH = """
+from draftsmith.algorithms.eagle3 import decode, export, train
 from draftsmith.algorithms.spec import AlgorithmSpec, Serving
 
 SPEC = AlgorithmSpec(
@@ -92,7 +93,9 @@ SPEC = AlgorithmSpec(
     drafting="Chain speculative decoding (EAGLE-3, greedy only)",
     serving={"hf": Serving(flag="chain"), "sglang": Serving(refused="not tried on SGLang"),
              "vllm": Serving(flag="eagle3")},
-    trainer="draftsmith.algorithms.eagle3.train",
+    trainer=train,
+    exporter=export,
+    decoder=decode,
     refuses={"bench.temperature": "this variant is greedy only"},
 )
 """

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import re
 
-from draftsmith.algorithms.eagle3 import mla
+import draftsmith.algorithms.eagle3.mla as mla
 from draftsmith.algorithms.eagle3.contract import (
     ContractError,
     replay_loader,

@@ -29,9 +29,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+import draftsmith.algorithms.eagle3.contract as draft_contract
+import draftsmith.algorithms.eagle3.contract_mla as draft_contract_mla
 from draftsmith.algorithms.artifact import PROVENANCE, WEIGHTS, ExportError, read_provenance
-from draftsmith.algorithms.eagle3 import contract as draft_contract
-from draftsmith.algorithms.eagle3 import contract_mla as draft_contract_mla
 from draftsmith.algorithms.eagle3.contract import full_vocab, sglang_config, vllm_layer_ids
 from draftsmith.algorithms.eagle3.model import DraftConfig, Eagle3Draft
 from draftsmith.algorithms.spec import AlgorithmSpec, foreign_problems

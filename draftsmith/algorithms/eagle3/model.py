@@ -90,9 +90,8 @@ class DraftConfig:
         if self.attention not in ("llama", "mla"):
             raise ValueError(f"draft attention {self.attention!r} is not one of llama, mla")
         if self.attention == "mla":
-            from draftsmith.algorithms.eagle3 import (
-                mla,  # draftsmith.algorithms.eagle3.mla uses this module's RMSNorm
-            )
+            # draftsmith.algorithms.eagle3.mla uses this module's RMSNorm
+            import draftsmith.algorithms.eagle3.mla as mla
 
             mla.check(self)
         elif self.rope_scaling is not None:
@@ -158,7 +157,7 @@ class DraftConfig:
             extra["target_rope_layer_type"] = rope["layer_type"]
         mla_dims = None
         if attention == "mla":
-            from draftsmith.algorithms.eagle3 import mla
+            import draftsmith.algorithms.eagle3.mla as mla
 
             mla_dims, scaling = mla.dims_from_target(cfg), mla.scaling_from_target(rope)
             kv_heads = heads
