@@ -30,7 +30,8 @@ def test_every_spec_is_complete(name):
     trainer = spec.part("trainer")
     for fn in ("build_draft", "objective", "losses"):
         assert callable(getattr(trainer, fn, None)), f"{name}: trainer lacks {fn}"
-    for fn in ("export_draft", "check_export", "load_export", "config_problems", "arch"):
+    exporter_fns = ("export_draft", "check_export", "load_export", "config_problems", "arch")
+    for fn in (*exporter_fns, "layer_ids"):
         assert callable(getattr(spec.exporter, fn, None)), f"{name}: exporter lacks {fn}"
     assert callable(getattr(spec.exporter, "family_layer_ids", None)), name
     if spec.decoder:

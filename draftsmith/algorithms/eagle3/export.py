@@ -61,6 +61,15 @@ def config_problems(c: dict, spec: AlgorithmSpec) -> list[str]:
     return contract(c).config_problems(c) + foreign_problems(c) + spec.config_problems(c)
 
 
+def layer_ids(c: dict) -> dict:
+    """The draft's aux ids (SGLang numbering, eagle_config's) and vLLM's (the top-level key it
+    reads first) in config.json `c`."""
+    return {
+        "aux_layer_ids": c["eagle_config"]["eagle_aux_hidden_state_layer_ids"],
+        "vllm_aux_layer_ids": c.get("eagle_aux_hidden_state_layer_ids"),
+    }
+
+
 def family_layer_ids(full: dict, cfg: DraftConfig, facts: dict) -> dict:
     """`facts` (the target family's, for the provenance) with the layer ids each engine feeds
     the draft for the target's model class (draftsmith.targets.layerids)."""
