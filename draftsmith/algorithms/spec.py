@@ -67,7 +67,9 @@ class AlgorithmSpec:
     exported config.json it refuses (keys of another algorithm, its own keys missing).
 
     The parts: `trainer` has build_draft, objective, losses (draftsmith.algorithms.eagle3.train);
-    `exporter` has export_draft, check_export, load_export (each given the spec), arch;
+    `exporter` has export_draft, check_export, load_export (each given the spec: the dispatch,
+    draftsmith.algorithms.export, resolves it once), config_problems, arch, layer_ids and
+    family_layer_ids;
     `decoder` has runner(draft, model, aux_ids), the in-process decoder's draft side;
     `estimator` has for_run, the offline acceptance estimate (None: the algorithm has none)."""
 
