@@ -137,5 +137,5 @@ def main(argv: list[str] | None = None) -> None:
     if args.strict and bad:
         raise SystemExit(f"{args.draft_dir}: --strict: " + "; ".join(bad))
     c = json.loads((Path(args.draft_dir) / "config.json").read_text())
-    algo = algorithms.of_export(c)
+    algo = exported_spec(Path(args.draft_dir))
     print(f"{args.draft_dir}: OK ({algo.exporter.arch(c)} contract, {algo.name})")
