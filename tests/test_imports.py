@@ -248,13 +248,14 @@ def spec_edges() -> dict[str, set[str]]:
 
 
 def test_the_specs_parts_are_edges_of_the_graph():
-    """A spec's parts are modules its folder imports (no load by name the reader cannot see),
-    and with them the graph still has no cycle."""
+    """A spec's parts (spec.Part: a module its folder names, imported on first use) are edges
+    of the folder: they are modules of the package, and with them the graph still has no
+    cycle."""
     graph = import_graph()
     parts = spec_edges()
     assert set(parts) == {m for m in graph if m in parts}, "a registered folder is no module"
     for folder, mods in parts.items():
-        assert mods <= graph[folder], f"{folder}: its spec's parts {mods - graph[folder]}"
+        assert mods <= set(graph), f"{folder}: its spec's parts {mods - set(graph)} are no modules"
         graph[folder] |= mods
     cycle = find_cycle(graph)
     assert cycle is None, "import cycle: " + " -> ".join(cycle)

@@ -17,8 +17,11 @@ is train.ttt_steps + 1 (one known token and ttt_steps masks).
 
 from __future__ import annotations
 
-from draftsmith.algorithms.dflash import decode, export, train
-from draftsmith.algorithms.spec import AlgorithmSpec, Serving
+from draftsmith.algorithms.spec import AlgorithmSpec, Part, Serving
+
+decode = Part("draftsmith.algorithms.dflash.decode")
+export = Part("draftsmith.algorithms.dflash.export")
+train = Part("draftsmith.algorithms.dflash.train")
 
 SPEC = AlgorithmSpec(
     name="dflash",
@@ -33,7 +36,7 @@ SPEC = AlgorithmSpec(
             "bench.backend hf or vllm serve it"
         ),
     },
-    config_problems=export.config_problems,
+    config_problems=lambda c: export.config_problems(c),
     trainer=train,
     exporter=export,
     decoder=decode,

@@ -7,8 +7,12 @@ on."""
 
 from __future__ import annotations
 
-from draftsmith.algorithms.eagle3 import decode, export, offline, train
-from draftsmith.algorithms.spec import AlgorithmSpec, Serving
+from draftsmith.algorithms.spec import AlgorithmSpec, Part, Serving
+
+decode = Part("draftsmith.algorithms.eagle3.decode")
+export = Part("draftsmith.algorithms.eagle3.export")
+offline = Part("draftsmith.algorithms.eagle3.offline")
+train = Part("draftsmith.algorithms.eagle3.train")
 
 
 def config_problems(c: dict) -> list[str]:
