@@ -30,9 +30,10 @@ def test_every_spec_is_complete(name):
     trainer = spec.part("trainer")
     for fn in ("build_draft", "objective", "losses"):
         assert callable(getattr(trainer, fn, None)), f"{name}: trainer lacks {fn}"
-    if spec.exporter:
-        for fn in ("export_draft", "check_export", "load_export", "config_problems"):
-            assert callable(getattr(spec.part("exporter"), fn, None)), f"{name}: {fn}"
+    exporter_fns = ("export_draft", "check_export", "load_export", "config_problems", "arch")
+    for fn in (*exporter_fns, "layer_ids"):
+        assert callable(getattr(spec.exporter, fn, None)), f"{name}: exporter lacks {fn}"
+    assert callable(getattr(spec.exporter, "family_layer_ids", None)), name
     if spec.decoder:
         assert callable(spec.part("decoder").runner)
     assert "{n}" not in spec.drafting or spec.drafting.format(n=3)
@@ -84,6 +85,7 @@ def test_settings_an_algorithm_refuses_are_named():
 
 
 FOURTH = """
+from draftsmith.algorithms.eagle3 import decode, export, train
 from draftsmith.algorithms.spec import AlgorithmSpec, Serving
 
 SPEC = AlgorithmSpec(
@@ -92,7 +94,9 @@ SPEC = AlgorithmSpec(
     drafting="Chain speculative decoding (EAGLE-3, greedy only)",
     serving={"hf": Serving(flag="chain"), "sglang": Serving(refused="not tried on SGLang"),
              "vllm": Serving(flag="eagle3")},
-    trainer="draftsmith.algorithms.eagle3.train",
+    trainer=train,
+    exporter=export,
+    decoder=decode,
     refuses={"bench.temperature": "this variant is greedy only"},
 )
 """
@@ -147,3 +151,47 @@ def test_the_stage_resolves_the_spec_once(tmp_path):
     again: the loop has no registry lookup of its own."""
     src = (Path(__file__).resolve().parents[1] / "draftsmith" / "train" / "loop.py").read_text()
     assert "algorithms.get(" not in src and "inputs.algorithm" in src
+
+
+FOUR_AUX = """
+from draftsmith.algorithms.eagle3 import decode, export, train
+from draftsmith.algorithms.spec import AlgorithmSpec, Serving
+
+SPEC = AlgorithmSpec(
+    name="eagle3x4",
+    title="EAGLE-3 over four captured layers",
+    drafting="Chain speculative decoding (EAGLE-3, four aux layers)",
+    serving={"hf": Serving(flag="chain"), "sglang": Serving(flag="EAGLE3"),
+             "vllm": Serving(flag="eagle3")},
+    trainer=train,
+    exporter=export,
+    decoder=decode,
+    aux_layers=4,
+)
+"""
+
+
+def test_a_captured_layer_count_the_algorithm_cannot_use_is_refused_at_parse_time(
+    tmp_path, monkeypatch
+):
+    """spec.aux_layers: capture.aux_layer_ids auto (three) or a wrong count of ids is refused
+    by the config checks (algorithms.refusals, rules/common.smk), before any job runs."""
+    for name in algorithms.names():  # the built-in algorithms read any count of ids
+        assert algorithms.get(name).aux_layers is None
+        five = with_defaults(
+            {"draft": {"algorithm": name}, "capture": {"aux_layer_ids": [0, 1, 2, 3, 4]}}
+        )
+        assert not algorithms.capture_problems(five)
+    pkg = tmp_path / "four_aux_algorithm"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text(FOUR_AUX)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setitem(algorithms.MODULES, "eagle3x4", "four_aux_algorithm")
+    cfg = with_defaults({"draft": {"algorithm": "eagle3"}})
+    cfg["draft"]["algorithm"] = "eagle3x4"  # the schema's enum would list it
+    (msg,) = algorithms.refusals(cfg)
+    assert "capture.aux_layer_ids 'auto' (3 layers)" in msg and "exactly 4" in msg
+    cfg["capture"]["aux_layer_ids"] = [1, 2, 3, 4, 5]
+    assert "(5 layers)" in algorithms.refusals(cfg)[0]
+    cfg["capture"]["aux_layer_ids"] = [1, 2, 3, 4]
+    assert algorithms.refusals(cfg) == []

@@ -70,8 +70,11 @@ def test_eagle3_draft_is_unchanged_and_eagle31_adds_fc_norm():
     torch.manual_seed(0)
     fresh = Eagle3Draft(new.config)
     assert all(torch.equal(n.weight, torch.ones(64)) for n in fresh.fc_norm)  # ones at start
+    # the switches are the config's own fields, set once from the spec (never looked up)
+    assert new.config.fc_norm and new.config.norm_output and not plain.config.fc_norm
+    assert "fc_norm" not in plain.config.to_dict() and new.config.to_dict()["fc_norm"] is True
     with pytest.raises(algorithms.AlgorithmError):
-        DraftConfig(**{**plain.config.to_dict(), "algorithm": "eagle4"})
+        algorithms.get("eagle4")
     # same seed, same parameters: eagle3's draw order is not disturbed by the new module
     torch.manual_seed(0)
     a = Eagle3Draft(plain.config)

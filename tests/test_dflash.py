@@ -71,10 +71,10 @@ def rows(n_rows: int, length: int, width: int, vocab: int, seed: int = 0) -> lis
 
 def test_registry_and_schema_know_dflash():
     algo = algorithms.get("dflash")
-    assert algorithms.part(algo, "trainer").__name__ == "draftsmith.algorithms.dflash.train"
-    assert algorithms.part(algo, "exporter").__name__ == "draftsmith.algorithms.dflash.export"
-    assert algorithms.part(algorithms.get("eagle3"), "trainer").__name__.endswith("eagle3.train")
-    assert algorithms.part(algorithms.get("eagle3"), "exporter") is None
+    assert algo.trainer.__name__ == "draftsmith.algorithms.dflash.train"
+    assert algo.exporter.__name__ == "draftsmith.algorithms.dflash.export"
+    assert algorithms.get("eagle3").trainer.__name__.endswith("eagle3.train")
+    assert algorithms.get("eagle3").exporter.__name__ == "draftsmith.algorithms.eagle3.export"
     assert algorithms.of_export({"dflash_config": {}}).name == "dflash"
     assert algorithms.of_config({"draft": {"algorithm": "dflash"}}).name == "dflash"
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "draftsmith"
 
@@ -216,3 +218,68 @@ def test_a_planted_upward_import_and_a_registry_load_are_caught(tmp_path):
         "draftsmith.runtime.a -> draftsmith.engines",
         "draftsmith.runtime.a -> draftsmith.engines.b",
     ], bad
+
+
+REGISTRY = "draftsmith.algorithms"
+
+
+def algorithm_modules(modules: dict[str, Path]) -> list[str]:
+    """The modules of the algorithms' folders (`draftsmith/algorithms/<folder>/`)."""
+    folder = PACKAGE / "algorithms"
+    return sorted(n for n, p in modules.items() if p.parent.parent == folder)
+
+
+def registry_importers(graph: dict[str, set[str]], modules: dict[str, Path]) -> list[str]:
+    """The algorithm folders' modules that import the registry (draftsmith.algorithms)."""
+    return [n for n in algorithm_modules(modules) if REGISTRY in graph[n]]
+
+
+def spec_edges() -> dict[str, set[str]]:
+    """Each registered algorithm's folder -> the modules of the parts its spec holds (trainer,
+    exporter, decoder, estimator): what the registry loads when asked for the algorithm."""
+    from draftsmith import algorithms
+
+    roles = ("trainer", "exporter", "decoder", "estimator")
+    out = {}
+    for name, folder in algorithms.MODULES.items():
+        spec = algorithms.get(name)
+        out[folder] = {getattr(spec, r).__name__ for r in roles if getattr(spec, r) is not None}
+    return out
+
+
+def test_the_specs_parts_are_edges_of_the_graph():
+    """A spec's parts (spec.Part: a module its folder names, imported on first use) are edges
+    of the folder: they are modules of the package, and with them the graph still has no
+    cycle."""
+    graph = import_graph()
+    parts = spec_edges()
+    assert set(parts) == {m for m in graph if m in parts}, "a registered folder is no module"
+    for folder, mods in parts.items():
+        assert mods <= set(graph), f"{folder}: its spec's parts {mods - set(graph)} are no modules"
+        graph[folder] |= mods
+    cycle = find_cycle(graph)
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_no_algorithm_module_imports_the_registry():
+    """The registry imports an algorithm's folder when asked for it; a module of the folder
+    that imported the registry back would close a cycle (it is given the spec instead)."""
+    modules = package_modules()
+    assert len(algorithm_modules(modules)) > 10
+    bad = registry_importers(import_graph(), modules)
+    assert not bad, f"algorithm modules that import {REGISTRY}: {bad}"
+
+
+@pytest.mark.parametrize(
+    "plant", ["import draftsmith.algorithms\n", "from draftsmith import algorithms\n",
+              "def f():\n    from draftsmith.algorithms import get\n"],
+)  # fmt: skip
+def test_a_planted_registry_import_in_an_algorithm_module_fails(tmp_path, plant):
+    modules = package_modules()
+    name = "draftsmith.algorithms.eagle3.model"
+    planted = tmp_path / "model.py"
+    planted.write_text(modules[name].read_text() + "\n\n" + plant)
+    graph = import_graph()
+    assert registry_importers(graph, modules) == []
+    graph[name] = imports_of(name, planted, set(modules))
+    assert registry_importers(graph, modules) == [name]

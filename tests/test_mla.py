@@ -13,6 +13,7 @@ import torch
 import yaml
 from safetensors.torch import load_file, save_file
 
+from draftsmith import algorithms
 from draftsmith.algorithms.eagle3 import mla
 from draftsmith.algorithms.eagle3.model import (
     DraftConfig,
@@ -59,7 +60,7 @@ VERIFIER = {"name_or_path": "results/target", "architectures": ["DeepseekV3ForCa
 def tiny_mla(seed: int = 0, algorithm: str = "eagle3", target: dict | None = None) -> Eagle3Draft:
     """A random tiny MLA draft of TARGET (non-trivial norms, a 64-token draft vocabulary)."""
     cfg = DraftConfig.from_target_config(
-        target or TARGET, 64, [1, 2, 3], attention="mla", algorithm=algorithm
+        target or TARGET, 64, [1, 2, 3], attention="mla", spec=algorithms.get(algorithm)
     )
     torch.manual_seed(seed)
     draft = Eagle3Draft(cfg)

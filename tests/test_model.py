@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -39,9 +40,12 @@ SMOLLM2 = {  # results/target/config.json of the embedded default (transformers 
 
 
 def tiny_draft(seed: int = 0, algorithm: str = "eagle3", **kw) -> Eagle3Draft:
+    """A random tiny draft of `algorithm` (resolved by the registry: its name and switches)."""
+    from draftsmith import algorithms
+
+    spec = algorithms.get(algorithm)  # an unregistered name is refused here
     torch.manual_seed(seed)
-    cfg = DraftConfig.tiny(**kw)
-    cfg.algorithm = algorithm
+    cfg = dataclasses.replace(DraftConfig.tiny(**kw), algorithm=spec.name, **spec.draft)
     draft = Eagle3Draft(cfg)
     with torch.no_grad():  # non-trivial norms so their placement matters
         for name, p in draft.named_parameters():

@@ -1,24 +1,26 @@
 """Draft algorithms: one folder each (`<name>/`, its `SPEC`, draftsmith.algorithms.spec), chosen
-by `draft.algorithm` and resolved once per stage through this registry.
+by `draft.algorithm` and resolved once per stage through this registry, which imports a folder
+only when asked for its algorithm (the folder's `__init__` imports the parts its spec holds).
 
 `get(name)` is the spec of a `draft.algorithm` value; `of_export(c)` the spec of an exported
 config.json, which records the name it was trained as (`ALGORITHM_KEY`; a draft exported before
 the key existed is told from its keys) and is checked against its keys for consistency.
-`serving_problems(cfg)` and `setting_problems(cfg)` are what the workflow refuses at parse time:
-an engine that cannot serve the algorithm, a setting the algorithm does not support.
+`serving_problems(cfg)`, `setting_problems(cfg)` and `capture_problems(cfg)` are what the
+workflow refuses at parse time: an engine that cannot serve the algorithm, a setting the
+algorithm does not support, a count of captured layers it cannot use.
 
 Keys that either engine would apply but no algorithm here trains are refused for every
-algorithm (FOREIGN).
+algorithm (draftsmith.algorithms.spec.FOREIGN).
 
 May import: draftsmith.runtime, config, data, targets, hidden (an algorithm's folder imports
-no other algorithm's, except the shared EAGLE-3 draft layers).
+no other algorithm's, except the shared EAGLE-3 draft layers, and never this registry).
 """
 
 from __future__ import annotations
 
 from importlib import import_module
 
-from draftsmith.algorithms.spec import AlgorithmSpec
+from draftsmith.algorithms.spec import ALGORITHM_KEY, AlgorithmSpec, foreign_problems
 
 DEFAULT = "eagle3"
 # draft.algorithm value -> the module (folder) whose SPEC describes it
@@ -26,14 +28,6 @@ MODULES = {
     "eagle3": "draftsmith.algorithms.eagle3",
     "eagle3.1": "draftsmith.algorithms.eagle31",
     "dflash": "draftsmith.algorithms.dflash",
-}
-# the exported config.json key that records the algorithm's name
-ALGORITHM_KEY = "draftsmith_algorithm"
-# config.json keys SGLang or vLLM act on that no algorithm here trains: a draft carrying one
-# would be served with a layer its training never had
-FOREIGN = {
-    "use_aux_norm": "SGLang's legacy name of fc_norm",
-    "norm_before_fc": "one RMSNorm over all aux states before fc",
 }
 
 
@@ -74,26 +68,14 @@ def of_export(c: dict) -> AlgorithmSpec:
     return get(c.get(ALGORITHM_KEY) or by_keys(c))
 
 
-def part(spec: AlgorithmSpec, role: str):
-    """An algorithm's own module for `role` (trainer, exporter, decoder), None where it uses
-    the EAGLE-3 draft's (draftsmith.train.loop, draftsmith.algorithms.export themselves)."""
-    return spec.part(role)
-
-
 def export_problems(c: dict) -> list[str]:
     """What is wrong with config.json `c` for the algorithm it records (plus FOREIGN keys): the
     algorithm's own checks refuse keys of another (EAGLE-3.1's switches in an EAGLE-3 draft)."""
-    out = [
-        f"config.json {k} is {c[k]!r}: {why}; draftsmith trains no draft with it"
-        for k, why in FOREIGN.items()
-        if c.get(k) not in (None, False)
-    ]
+    out = foreign_problems(c)
     recorded = c.get(ALGORITHM_KEY)
     if recorded is not None and recorded not in MODULES:
         return out + [f"config.json {ALGORITHM_KEY} {recorded!r} is not one of {names()}"]
-    spec = of_export(c)  # its config_problems check the keys against the recorded name
-    own = spec.part("exporter")
-    return out + (own.config_problems if own else spec.config_problems)(c)
+    return out + of_export(c).config_problems(c)  # the keys against the recorded name
 
 
 def serving_problems(cfg: dict) -> list[str]:
@@ -106,10 +88,26 @@ def serving_problems(cfg: dict) -> list[str]:
     return [f"draft.algorithm {spec.name} with bench.backend {backend}: {serving.refused}"]
 
 
+def capture_problems(cfg: dict) -> list[str]:
+    """The captured-layer count this config asks for (capture.aux_layer_ids; auto: the
+    default count) where its algorithm needs another (spec.aux_layers)."""
+    from draftsmith.config.checks import aux_layer_count
+
+    spec = of_config(cfg)
+    setting = (cfg.get("capture") or {}).get("aux_layer_ids", "auto")
+    if spec.aux_layers is None or aux_layer_count(setting) == spec.aux_layers:
+        return []
+    return [
+        f"draft.algorithm {spec.name} with capture.aux_layer_ids {setting!r} "
+        f"({aux_layer_count(setting)} layers): a {spec.title} draft reads exactly "
+        f"{spec.aux_layers} captured layers; list {spec.aux_layers} ids"
+    ]
+
+
 def refusals(cfg: dict, schema: dict | None = None) -> list[str]:
     """What the workflow refuses at parse time for this config's algorithm (serving_problems,
-    setting_problems): before any job runs."""
-    return serving_problems(cfg) + setting_problems(cfg, schema)
+    setting_problems, capture_problems): before any job runs."""
+    return serving_problems(cfg) + setting_problems(cfg, schema) + capture_problems(cfg)
 
 
 def off_value(key: str, schema: dict):

@@ -1,27 +1,50 @@
 """One draft algorithm, described once: `AlgorithmSpec`.
 
-An algorithm is a folder, `draftsmith/algorithms/<name>/`, whose `__init__` defines `SPEC`, and
-one line of the registry (`draftsmith.algorithms.MODULES`). The spec holds what the rest of the
-package asks of an algorithm, so that nothing outside the folder names it:
+An algorithm is a folder, `draftsmith/algorithms/<name>/`, whose `__init__` imports its parts
+and builds `SPEC` from them, and one line of the registry (`draftsmith.algorithms.MODULES`),
+which imports the folder only when asked for that algorithm. The spec holds what the rest of
+the package asks of an algorithm, so that nothing outside the folder names it:
 
-- the draft it trains: switches on the EAGLE-3 draft layer (`draft`), or its own modules by
-  name (`trainer`, `exporter`, `decoder`), imported only when a stage asks (`part`);
+- the draft it trains: switches on the EAGLE-3 draft layer (`draft`), and its parts
+  (`trainer`, `exporter`, `decoder`, `estimator`): modules of its folder, each held as a `Part`
+  that imports its module on first use, so that the parse-time checks, which read only the
+  declarations below, do not import torch (0.5 s against 5 s per parse on a 2-core CPU);
+- what it needs captured (`aux_layers`: the count of aux layer ids, None for any), checked
+  at parse time against capture.aux_layer_ids;
 - how each engine serves it (`serving`: the engine's flag value, or why it cannot), which the
   workflow checks at parse time and the engines read their flags from;
 - what it refuses (`refuses`: a setting -> why), checked at parse time too;
 - the words the report uses for it (`title`, `drafting`).
 
-A stage resolves the spec once (`draftsmith.algorithms.get(draft.algorithm)` for training, or
-`of_export(config.json)` for a draft already exported, which records its algorithm's name) and
-passes it down.
+No module of an algorithm's folder imports the registry: a stage resolves the spec once
+(`draftsmith.algorithms.get(draft.algorithm)` for training, or `of_export(config.json)` for a
+draft already exported, which records its algorithm's name, ALGORITHM_KEY) and passes it down.
 """
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from importlib import import_module
 from types import ModuleType
+
+# the exported config.json key that records the algorithm's name
+ALGORITHM_KEY = "draftsmith_algorithm"
+# config.json keys SGLang or vLLM act on that no algorithm here trains: a draft carrying one
+# would be served with a layer its training never had
+FOREIGN = {
+    "use_aux_norm": "SGLang's legacy name of fc_norm",
+    "norm_before_fc": "one RMSNorm over all aux states before fc",
+}
+
+
+def foreign_problems(c: dict) -> list[str]:
+    """The FOREIGN keys config.json `c` switches on, each with why."""
+    return [
+        f"config.json {k} is {c[k]!r}: {why}; draftsmith trains no draft with it"
+        for k, why in FOREIGN.items()
+        if c.get(k) not in (None, False)
+    ]
 
 
 @dataclass(frozen=True)
@@ -37,45 +60,59 @@ class Serving:
             raise ValueError("Serving: give exactly one of flag and refused")
 
 
-def no_keys(cfg) -> dict:
-    return {}
-
-
-def no_params(c: dict) -> dict[str, tuple]:
-    return {}
-
-
 def no_problems(c: dict) -> list[str]:
     return []
 
 
+class Part:
+    """One module of an algorithm's folder, named by the folder's `__init__` and imported on the
+    first attribute read (then found in sys.modules): `spec.trainer.build_draft` is the module's
+    `build_draft`. `__name__` is the module's name; the import test reads it as an edge of the
+    folder."""
+
+    __slots__ = ("__name__",)
+
+    def __init__(self, name: str):
+        self.__name__ = name
+
+    def __getattr__(self, attr: str):
+        if attr.startswith("__"):
+            raise AttributeError(attr)
+        return getattr(import_module(self.__name__), attr)
+
+    def __repr__(self) -> str:
+        return f"Part({self.__name__!r})"
+
+
 @dataclass(frozen=True)
 class AlgorithmSpec:
-    """What one draft algorithm is (see the module doc). `export_keys(cfg)`: the top-level keys
-    it adds to the exported config.json; `extra_params(c)`: {SGLang parameter: shape} it adds,
-    for the export check; `config_problems(c)`: what in an exported config.json it refuses."""
+    """What one draft algorithm is (see the module doc). `config_problems(c)`: what in an
+    exported config.json it refuses (keys of another algorithm, its own keys missing).
+
+    The parts: `trainer` has build_draft, objective, losses (draftsmith.algorithms.eagle3.train);
+    `exporter` has export_draft, check_export, load_export (each given the spec: the dispatch,
+    draftsmith.algorithms.export, resolves it once), config_problems, arch, layer_ids and
+    family_layer_ids;
+    `decoder` has runner(draft, model, aux_ids), the in-process decoder's draft side;
+    `estimator` has for_run, the offline acceptance estimate (None: the algorithm has none)."""
 
     name: str  # the schema's draft.algorithm value
     title: str  # its name in prose ("EAGLE-3.1")
     drafting: str  # how the draft proposes, for the report's method line ({n}: draft tokens)
     serving: Mapping[str, Serving]  # engine -> how it serves this algorithm
+    trainer: Part | ModuleType
+    exporter: Part | ModuleType
+    decoder: Part | ModuleType | None = None
+    estimator: Part | ModuleType | None = None
     draft: Mapping[str, bool] = field(default_factory=dict)  # EAGLE-3 layer switches
+    aux_layers: int | None = None  # the count of aux layer ids it needs (None: any count)
     speculators: bool = False  # the export also writes the speculators copy
-    arch: str | None = None  # the architecture its own exporter writes (None: EAGLE-3's)
-    trainer: str = ""  # module: build_draft, objective, losses (draftsmith.algorithms.eagle3.train)
-    exporter: str | None = None  # module: export_draft, check_export, load_export, ...
-    decoder: str = ""  # module: runner(draft, model, aux_ids), the in-process decoder's draft side
-    estimator: str | None = None  # module: for_run, the offline acceptance estimate
     refuses: Mapping[str, str] = field(default_factory=dict)  # "section.key" -> why
-    export_keys: Callable = no_keys
-    extra_params: Callable = no_params
     config_problems: Callable = no_problems
 
-    def part(self, role: str) -> ModuleType | None:
-        """The algorithm's module for `role` (trainer, exporter, decoder); None for an exporter
-        it does not name (it uses the EAGLE-3 draft's export, draftsmith.algorithms.export)."""
-        name = getattr(self, role)
-        return importlib.import_module(name) if name else None
+    def part(self, role: str) -> Part | ModuleType | None:
+        """The algorithm's module for `role` (trainer, exporter, decoder, estimator)."""
+        return getattr(self, role)
 
     def serves(self, engine: str) -> Serving:
         """How `engine` serves this algorithm (refused where the spec does not say)."""

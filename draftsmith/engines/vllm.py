@@ -373,12 +373,6 @@ def bench_sets(sets: dict, job, *, target, draft, threads: int):
 
 
 def _layer_ids(c: dict) -> dict:
-    """The draft's aux ids (SGLang numbering) and vLLM's; an algorithm with its own export
-    format says where its config keeps them (its exporter's `layer_ids`)."""
-    own = algorithms.of_export(c).part("exporter")
-    if own is not None:
-        return own.layer_ids(c)
-    return {
-        "aux_layer_ids": c["eagle_config"]["eagle_aux_hidden_state_layer_ids"],
-        "vllm_aux_layer_ids": c.get("eagle_aux_hidden_state_layer_ids"),
-    }
+    """The draft's aux ids (SGLang numbering) and vLLM's, where its algorithm's export format
+    keeps them (its exporter's `layer_ids`)."""
+    return algorithms.of_export(c).exporter.layer_ids(c)

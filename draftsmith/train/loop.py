@@ -361,7 +361,7 @@ def train(
                 inputs.algorithm, tcfg.ttt_steps, draft, inputs, data.eval_rows, offline_path
             )
         paths = (target_dir, out_dir, run_dir, metrics_path)
-        finish(draft, provenance, tcfg.ttt_steps, paths, longest)
+        finish(draft, inputs.algorithm, provenance, (tcfg.ttt_steps, longest), paths)
     if world > 1:
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()
@@ -392,17 +392,20 @@ def run_provenance(job: JobSettings, key, data, precision, inputs, paths) -> dic
     }
 
 
-def finish(draft, provenance: dict, num_tokens: int, paths, longest: int) -> None:
-    """Export the draft (SGLang layout, atomically; `num_tokens` = train.ttt_steps) and copy the
-    run's metrics out (`paths`: target, out and run directories, metrics file); say what the
-    target family means for it (RoPE not carried, engines that cannot serve it)."""
+def finish(draft, spec, provenance: dict, lengths: tuple[int, int], paths) -> None:
+    """Export the draft by its algorithm's exporter (`spec`, resolved when the inputs were
+    read; atomically) and copy the run's metrics out (`lengths`: train.ttt_steps, the longest
+    row trained; `paths`: target, out and run directories, metrics file); say what the target
+    family means for it (RoPE not carried, engines that cannot serve it)."""
     target_dir, out_dir, run_dir, metrics_path = paths
-    family = target_family(target_dir, draft.config, longest)
+    num_tokens, longest = lengths
+    family = target_family(target_dir, draft.config, longest, spec)
     say_family(out_dir, family)
     export_draft(
         draft.cpu(),
         out_dir,
         {**provenance, "versions": versions()},
+        spec=spec,
         embed=target_embedding(target_dir),
         verifier=verifier_ref(target_dir),
         num_tokens=num_tokens,

@@ -2,11 +2,13 @@
 
 Not a switch on the EAGLE-3 draft: this algorithm brings its own draft module, objective
 (draftsmith.algorithms.dflash.train), export and contract check (draftsmith.algorithms.dflash.export) and decoder
-(draftsmith.algorithms.dflash.decode), named by its spec for the trainer, the export and the decoder:
+(draftsmith.algorithms.dflash.decode), the parts its spec holds:
 
     trainer   module with build_draft, objective, batch_losses
     exporter  module with export_draft, check_export, load_export, config_problems
     decoder   module with the in-process runner (DFlashRunner)
+
+It has no offline estimate (its spec refuses train.eval_rows).
 
 Capture: the configured `capture.aux_layer_ids` (the same shards as EAGLE-3 by default; DFlash
 recipes often list five ids, which the shards, the fc and the export follow); the block size
@@ -15,7 +17,11 @@ is train.ttt_steps + 1 (one known token and ttt_steps masks).
 
 from __future__ import annotations
 
-from draftsmith.algorithms.spec import AlgorithmSpec, Serving
+from draftsmith.algorithms.spec import AlgorithmSpec, Part, Serving
+
+decode = Part("draftsmith.algorithms.dflash.decode")
+export = Part("draftsmith.algorithms.dflash.export")
+train = Part("draftsmith.algorithms.dflash.train")
 
 SPEC = AlgorithmSpec(
     name="dflash",
@@ -30,10 +36,10 @@ SPEC = AlgorithmSpec(
             "bench.backend hf or vllm serve it"
         ),
     },
-    arch="DFlashDraftModel",
-    trainer="draftsmith.algorithms.dflash.train",
-    exporter="draftsmith.algorithms.dflash.export",
-    decoder="draftsmith.algorithms.dflash.decode",
+    config_problems=lambda c: export.config_problems(c),
+    trainer=train,
+    exporter=export,
+    decoder=decode,
     refuses={
         "bench.temperature": "speculative sampling is not implemented for the DFlash block "
         "drafter (greedy only): set bench.temperature 0",

@@ -28,9 +28,9 @@ from pathlib import Path
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from draftsmith.algorithms import ALGORITHM_KEY
+from draftsmith.algorithms.artifact import PROVENANCE, WEIGHTS, ExportError
 from draftsmith.algorithms.dflash.model import DFlashConfig, DFlashDraft
-from draftsmith.algorithms.export import ExportError
+from draftsmith.algorithms.spec import ALGORITHM_KEY
 from draftsmith.runtime.files import atomic_dir, atomic_write_json
 from draftsmith.runtime.finite import metrics_problem, nonfinite_tensors
 
@@ -41,8 +41,6 @@ CPU_KNORM = (
     "rms_norm ignores the per-layer weights of precompute_and_store_context_kv): a draft of "
     "more than one layer is served there otherwise than trained (docs/algorithms.md)"
 )
-WEIGHTS = "model.safetensors"
-PROVENANCE = "draftsmith_draft.json"
 # keys that, set to anything but these values, make vLLM serve another draft than ours
 MUST = {
     "is_causal": (None, False),
@@ -213,9 +211,20 @@ def check_tensors(c: dict, tensors: dict[str, tuple[tuple, str]]) -> list[str]:
     return out
 
 
-def check_export(out_dir, metrics=None) -> None:
+def arch(c: dict) -> str:
+    """The architecture config.json `c` is written for, in words."""
+    return ARCH
+
+
+def family_layer_ids(full: dict, cfg: DFlashConfig, facts: dict) -> dict:
+    """`facts` as they are: the check reads the draft's ids from its config.json (layer_ids)."""
+    return facts
+
+
+def check_export(out_dir, metrics=None, *, spec=None) -> None:
     """Raise DFlashExportError listing every way `out_dir` breaks the contract, holds
-    non-finite weights, or (with `metrics`, when it exists) ends a non-finite run."""
+    non-finite weights, or (with `metrics`, when it exists) ends a non-finite run. `spec`: the
+    dispatcher's (draftsmith.algorithms.export), unused: one algorithm writes this format."""
     out = Path(out_dir)
     cfg_path, w_path = out / "config.json", out / WEIGHTS
     for p in (cfg_path, w_path):
@@ -237,8 +246,19 @@ def check_export(out_dir, metrics=None) -> None:
         raise DFlashExportError(f"{out}: not a valid {ARCH} draft:\n  " + "\n  ".join(problems))
 
 
-def export_draft(draft: DFlashDraft, out_dir, provenance: dict, family: dict | None = None) -> None:
-    """Write `out_dir` atomically (staging dir, fsync, rename), contract-checked first."""
+def export_draft(
+    draft: DFlashDraft,
+    out_dir,
+    provenance: dict,
+    family: dict | None = None,
+    *,
+    spec=None,
+    embed=None,
+    verifier=None,
+    num_tokens: int | None = None,
+) -> None:
+    """Write `out_dir` atomically (staging dir, fsync, rename), contract-checked first.
+    `spec`, `embed`, `verifier`, `num_tokens`: the dispatcher's, unused (no speculators copy)."""
     with atomic_dir(out_dir) as stage:
         state = {
             k: v.detach().to("cpu").float().contiguous() for k, v in draft.state_dict().items()
@@ -251,7 +271,7 @@ def export_draft(draft: DFlashDraft, out_dir, provenance: dict, family: dict | N
         check_export(stage)
 
 
-def load_export(out_dir) -> DFlashDraft:
+def load_export(out_dir, *, spec=None) -> DFlashDraft:
     """The exported draft back as a `DFlashDraft` (contract-checked first)."""
     check_export(out_dir)
     cfg = config_from_json(json.loads((Path(out_dir) / "config.json").read_text()))

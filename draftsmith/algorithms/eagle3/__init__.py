@@ -1,10 +1,18 @@
 """EAGLE-3 as SGLang and vLLM serve `LlamaForCausalLMEagle3` by default: fc over the
 concatenated aux states, one Llama decoder layer, the pre-norm output fed back between draft
-steps. The export adds nothing to the common contract (draftsmith.algorithms.export)."""
+steps. Its parts are this folder's modules: the trainer (`train`), the exporter (`export`,
+SGLang's contract plus a speculators copy), the decoder (`decode`) and the offline estimate
+(`offline`); EAGLE-3.1 (draftsmith.algorithms.eagle31) names the same parts with two switches
+on."""
 
 from __future__ import annotations
 
-from draftsmith.algorithms.spec import AlgorithmSpec, Serving
+from draftsmith.algorithms.spec import AlgorithmSpec, Part, Serving
+
+decode = Part("draftsmith.algorithms.eagle3.decode")
+export = Part("draftsmith.algorithms.eagle3.export")
+offline = Part("draftsmith.algorithms.eagle3.offline")
+train = Part("draftsmith.algorithms.eagle3.train")
 
 
 def config_problems(c: dict) -> list[str]:
@@ -26,9 +34,10 @@ SPEC = AlgorithmSpec(
         "sglang": Serving(flag="EAGLE3"),
         "vllm": Serving(flag="eagle3"),
     },  # fmt: skip
+    trainer=train,
+    exporter=export,
+    decoder=decode,
+    estimator=offline,
     speculators=True,
-    trainer="draftsmith.algorithms.eagle3.train",
-    decoder="draftsmith.algorithms.eagle3.decode",
-    estimator="draftsmith.algorithms.eagle3.offline",
     config_problems=config_problems,
 )

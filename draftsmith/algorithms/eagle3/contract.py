@@ -17,11 +17,11 @@ Pure functions over dicts (no I/O); draftsmith.algorithms.export writes and read
 
 from __future__ import annotations
 
-from draftsmith import algorithms
-from draftsmith.algorithms.eagle3.model import DraftConfig
+from draftsmith.algorithms.eagle3.model import SWITCHES, DraftConfig
+from draftsmith.algorithms.spec import ALGORITHM_KEY, AlgorithmSpec
 
 ARCH = "LlamaForCausalLMEagle3"
-SPECULATORS = True  # a speculators copy can carry this draft (per algorithm: algorithms.*)
+SPECULATORS = True  # a speculators copy can carry this draft (per algorithm: spec.speculators)
 # (SGLang fused parameter, checkpoint shard name, shard id), as in load_weights
 STACKED = [
     (".qkv_proj", ".q_proj", "q"),
@@ -68,9 +68,25 @@ def sglang_config(cfg: DraftConfig) -> dict:
         # vLLM's reading of the same layers (it looks here before eagle_config); SGLang ignores it
         "eagle_aux_hidden_state_layer_ids": vllm_layer_ids(cfg.aux_layer_ids),
         "norm_before_residual": False,
-        algorithms.ALGORITHM_KEY: cfg.algorithm,
-        **algorithms.get(cfg.algorithm).export_keys(cfg),
+        ALGORITHM_KEY: cfg.algorithm,
+        **switch_keys(cfg),
     }
+
+
+def switch_keys(cfg: DraftConfig) -> dict:
+    """The config.json keys of the layer switches the draft has on (EAGLE-3.1's fc_norm and
+    norm_output: both engines read them under the EAGLE-3 architecture)."""
+    return {k: True for k in SWITCHES if getattr(cfg, k)}
+
+
+def switch_params(c: dict) -> dict[str, tuple]:
+    """SGLang's parameters a switch on in config.json `c` adds: `model.fc_norm.{i}.weight`, one
+    [target_hidden] norm per aux state (norm_output adds none)."""
+    if c.get("fc_norm") is not True:
+        return {}
+    width = c.get("target_hidden_size", c.get("hidden_size"))
+    n_aux = len((c.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids") or [])
+    return {f"model.fc_norm.{i}.weight": (width,) for i in range(n_aux)}
 
 
 def vllm_layer_ids(sglang_ids) -> list[int]:
@@ -83,8 +99,9 @@ def full_vocab(c: dict) -> bool:
     return c["draft_vocab_size"] == c["vocab_size"]
 
 
-def config_from_sglang(c: dict) -> DraftConfig:
-    """Inverse of `sglang_config` (checks the contract keys on the way)."""
+def config_from_sglang(c: dict, spec: AlgorithmSpec) -> DraftConfig:
+    """Inverse of `sglang_config` for a draft of algorithm `spec` (its name and switches;
+    checks the contract keys on the way)."""
     problems = config_problems(c)
     if problems:
         raise ContractError("; ".join(problems))
@@ -103,7 +120,8 @@ def config_from_sglang(c: dict) -> DraftConfig:
         rope_scaling=c.get("rope_scaling"),
         max_position_embeddings=c.get("max_position_embeddings", 8192),
         hidden_act=c.get("hidden_act", "silu"),
-        algorithm=algorithms.of_export(c).name,
+        algorithm=spec.name,
+        **spec.draft,
     )
 
 
@@ -146,7 +164,7 @@ def config_problems(c: dict) -> list[str]:
         )
     if c.get("norm_before_residual", False) is not False:
         out.append("config.json norm_before_residual must be false (SGLang/EAGLE-3 layer)")
-    return out + algorithms.export_problems(c)
+    return out
 
 
 def sglang_params(c: dict) -> dict[str, tuple]:
@@ -170,7 +188,7 @@ def sglang_params(c: dict) -> dict[str, tuple]:
         p + "hidden_norm.weight": (h,),
         "model.norm.weight": (h,),
         "lm_head.weight": (c["draft_vocab_size"], h),
-        **algorithms.of_export(c).extra_params(c),
+        **switch_params(c),
     }
 
 

@@ -28,10 +28,16 @@ from __future__ import annotations
 
 import re
 
-from draftsmith import algorithms
-from draftsmith.algorithms.eagle3 import mla
-from draftsmith.algorithms.eagle3.contract import ContractError, replay_loader, vllm_layer_ids
+import draftsmith.algorithms.eagle3.mla as mla
+from draftsmith.algorithms.eagle3.contract import (
+    ContractError,
+    replay_loader,
+    switch_keys,
+    switch_params,
+    vllm_layer_ids,
+)
 from draftsmith.algorithms.eagle3.model import DraftConfig
+from draftsmith.algorithms.spec import ALGORITHM_KEY, AlgorithmSpec
 
 ARCH = "Eagle3DeepseekV2ForCausalLM"
 SPECULATORS = False
@@ -72,13 +78,14 @@ def sglang_config(cfg: DraftConfig) -> dict:
         },
         "eagle_aux_hidden_state_layer_ids": vllm_layer_ids(cfg.aux_layer_ids),
         "norm_before_residual": False,
-        algorithms.ALGORITHM_KEY: cfg.algorithm,
-        **algorithms.get(cfg.algorithm).export_keys(cfg),
+        ALGORITHM_KEY: cfg.algorithm,
+        **switch_keys(cfg),
     }
 
 
-def config_from_sglang(c: dict) -> DraftConfig:
-    """Inverse of `sglang_config` (checks the contract keys on the way)."""
+def config_from_sglang(c: dict, spec: AlgorithmSpec) -> DraftConfig:
+    """Inverse of `sglang_config` for a draft of algorithm `spec` (its name and switches;
+    checks the contract keys on the way)."""
     problems = config_problems(c)
     if problems:
         raise ContractError("; ".join(problems))
@@ -97,7 +104,8 @@ def config_from_sglang(c: dict) -> DraftConfig:
         rope_scaling=c.get("rope_scaling"),
         max_position_embeddings=c["max_position_embeddings"],
         hidden_act=c["hidden_act"],
-        algorithm=algorithms.of_export(c).name,
+        algorithm=spec.name,
+        **spec.draft,
         attention="mla",
         mla={k: c[k] for k in mla.KEYS},
     )
@@ -146,7 +154,7 @@ def config_problems(c: dict) -> list[str]:
         )
     if (c.get("eagle_config") or {}).get("use_aux_hidden_state") is not True:
         out.append("config.json eagle_config.use_aux_hidden_state must be true")
-    return out + algorithms.export_problems(c)
+    return out
 
 
 def sglang_params(c: dict) -> dict[str, tuple]:
@@ -172,7 +180,7 @@ def sglang_params(c: dict) -> dict[str, tuple]:
         p + "post_attention_layernorm.weight": (h,),
         "model.norm.weight": (h,),
         "lm_head.weight": (c["draft_vocab_size"], h),
-        **algorithms.of_export(c).extra_params(c),
+        **switch_params(c),
     }
 
 

@@ -14,7 +14,8 @@ Reference: `sglang/srt/models/llama_eagle3.py` of the pinned sglang==0.5.23 whee
 (`hidden_states_to_aux` of its fused final norm). The input embedding is the target's, frozen,
 and lives outside this module (it is never saved): callers pass `input_embeds`.
 
-EAGLE-3.1 (`DraftConfig.algorithm` "eagle3.1", draftsmith.algorithms) switches on two pieces
+EAGLE-3.1 (`DraftConfig.algorithm` "eagle3.1"; its spec sets the config's switches, plain
+fields) switches on two pieces
 both engines read from the exported config.json: `fc_norm`, one RMSNorm per aux state before
 fc (`project`), and `norm_output`, the post-norm state `norm(out)` fed back instead of `out`
 (`feedback`). Callers chain steps with `hidden = draft.feedback(out)`.
@@ -29,14 +30,20 @@ Pure PyTorch: no I/O, no logging, no torch.distributed.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
-from draftsmith import algorithms
 from draftsmith.algorithms.layers import MLP, RMSNorm, Rotary, masked_attention, rope_type
 from draftsmith.targets.families import DRAFT_ROPE as SUPPORTED_ROPE
 from draftsmith.targets.families import target_rope
+
+if TYPE_CHECKING:
+    from draftsmith.algorithms.spec import AlgorithmSpec
+
+EAGLE3 = "eagle3"  # the algorithm of a draft with no switch on (the registry's default)
+SWITCHES = ("fc_norm", "norm_output")  # the layer switches an algorithm's spec may turn on
 
 
 @dataclass
@@ -56,11 +63,13 @@ class DraftConfig:
     max_position_embeddings: int = 8192
     hidden_act: str = "silu"
     extra: dict = field(default_factory=dict)  # provenance only (e.g. dropped rope scaling)
-    algorithm: str = algorithms.DEFAULT  # draft.algorithm: which switches `flags` turns on
+    algorithm: str = EAGLE3  # draft.algorithm: the name config.json records
     attention: str = (
         "llama"  # draft.attention: llama (q/k/v/o) | mla (draftsmith.algorithms.eagle3.mla)
     )
     mla: dict | None = None  # MLA widths (mla.KEYS), with attention mla
+    fc_norm: bool = False  # one RMSNorm per aux state before fc (EAGLE-3.1)
+    norm_output: bool = False  # the post-norm output is fed back between draft steps (EAGLE-3.1)
 
     def __post_init__(self):
         if self.hidden_act != "silu":
@@ -78,13 +87,11 @@ class DraftConfig:
             raise ValueError(
                 f"draft_vocab_size {self.draft_vocab_size} must be in [1, {self.vocab_size}]"
             )
-        algorithms.get(self.algorithm)  # an unknown name is refused here
         if self.attention not in ("llama", "mla"):
             raise ValueError(f"draft attention {self.attention!r} is not one of llama, mla")
         if self.attention == "mla":
-            from draftsmith.algorithms.eagle3 import (
-                mla,  # draftsmith.algorithms.eagle3.mla uses this module's RMSNorm
-            )
+            # draftsmith.algorithms.eagle3.mla uses this module's RMSNorm
+            import draftsmith.algorithms.eagle3.mla as mla
 
             mla.check(self)
         elif self.rope_scaling is not None:
@@ -96,22 +103,15 @@ class DraftConfig:
     def num_aux(self) -> int:
         return len(self.aux_layer_ids)
 
-    @property
-    def fc_norm(self) -> bool:
-        """One RMSNorm per aux state before fc (EAGLE-3.1)."""
-        return bool(algorithms.get(self.algorithm).draft.get("fc_norm"))
-
-    @property
-    def norm_output(self) -> bool:
-        """The post-norm output is fed back between draft steps (EAGLE-3.1)."""
-        return bool(algorithms.get(self.algorithm).draft.get("norm_output"))
-
     def to_dict(self) -> dict:
-        """The fields; `algorithm` only when not the default (the default's provenance is the
-        one written before the field existed)."""
+        """The fields; `algorithm` only when not the default and a switch only when on (the
+        default's provenance is the one written before those fields existed)."""
         out = asdict(self)
-        if out["algorithm"] == algorithms.DEFAULT:
+        if out["algorithm"] == EAGLE3:
             del out["algorithm"]
+        for k in SWITCHES:
+            if not out[k]:
+                del out[k]
         if out["attention"] == "llama":  # likewise: a Llama draft's provenance as before
             del out["attention"], out["mla"]
         return out
@@ -127,7 +127,7 @@ class DraftConfig:
         draft_vocab_size: int,
         aux_layer_ids: list[int],
         attention: str = "llama",
-        algorithm: str = algorithms.DEFAULT,
+        spec: AlgorithmSpec | None = None,
     ) -> DraftConfig:
         """Draft shapes from the target's HF `config.json` dict (Llama-like or DeepSeek-V3/MLA).
 
@@ -138,6 +138,7 @@ class DraftConfig:
         training, and the export warns (`draftsmith.targets.families.rope_note`). Per-layer-type RoPE
         (Gemma-3) gives the full-attention layers' theta and scaling. `attention` "mla" takes
         the target's MLA widths and its RoPE, YaRN included (draftsmith.algorithms.eagle3.mla; refused without).
+        `spec`: the draft's algorithm (its name and layer switches; None: EAGLE-3's, none on).
         """
         cfg = dict(cfg.get("text_config") or cfg)
         for key in ("hidden_size", "num_attention_heads", "intermediate_size", "vocab_size"):
@@ -156,7 +157,7 @@ class DraftConfig:
             extra["target_rope_layer_type"] = rope["layer_type"]
         mla_dims = None
         if attention == "mla":
-            from draftsmith.algorithms.eagle3 import mla
+            import draftsmith.algorithms.eagle3.mla as mla
 
             mla_dims, scaling = mla.dims_from_target(cfg), mla.scaling_from_target(rope)
             kv_heads = heads
@@ -178,9 +179,9 @@ class DraftConfig:
             rope_scaling=scaling,
             max_position_embeddings=int(cfg.get("max_position_embeddings", 8192)),
             extra=extra,
-            algorithm=algorithm,
             attention=attention,
             mla=mla_dims,
+            **({"algorithm": spec.name, **spec.draft} if spec is not None else {}),
         )
 
     @classmethod

@@ -28,14 +28,14 @@ from draftsmith.targets.families import effective_norm_weight
 
 def build_draft(job, inputs) -> Eagle3Draft:
     """The EAGLE-3 draft for the target (lm_head and norm from the target's with
-    draft.init_from_target); `inputs.algorithm` names the switches (EAGLE-3.1's)."""
+    draft.init_from_target); `inputs.algorithm`, the spec, sets the switches (EAGLE-3.1's)."""
     try:
         dcfg = DraftConfig.from_target_config(
             inputs.target_cfg,
             job.draft.vocab_size,
             inputs.aux_ids,
             attention=job.draft.attention,
-            algorithm=inputs.algorithm.name,
+            spec=inputs.algorithm,
         )
     except ValueError as e:  # e.g. draft.attention mla for a target without MLA fields
         raise SystemExit(f"error: {e}") from None

@@ -14,21 +14,12 @@ the draft directory itself (config.json + model.safetensors).
 
 from __future__ import annotations
 
-from draftsmith.algorithms.spec import AlgorithmSpec, Serving
+from draftsmith.algorithms.spec import AlgorithmSpec, Part, Serving
 
-
-def _n_aux(c: dict) -> int:
-    return len((c.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids") or [])
-
-
-def export_keys(cfg) -> dict:
-    return {"fc_norm": True, "norm_output": True}
-
-
-def extra_params(c: dict) -> dict[str, tuple]:
-    """SGLang's `model.fc_norm.{i}.weight`, one [target_hidden] norm per aux state."""
-    width = c.get("target_hidden_size", c.get("hidden_size"))
-    return {f"model.fc_norm.{i}.weight": (width,) for i in range(_n_aux(c))}
+decode = Part("draftsmith.algorithms.eagle3.decode")
+export = Part("draftsmith.algorithms.eagle3.export")
+offline = Part("draftsmith.algorithms.eagle3.offline")
+train = Part("draftsmith.algorithms.eagle3.train")
 
 
 def config_problems(c: dict) -> list[str]:
@@ -50,11 +41,10 @@ SPEC = AlgorithmSpec(
         "sglang": Serving(flag="EAGLE3"),
         "vllm": Serving(flag="eagle3"),
     },  # fmt: skip
+    trainer=train,  # EAGLE-3's parts, with the two switches on
+    exporter=export,  # writes the switches on as config.json keys, checks their tensors
+    decoder=decode,
+    estimator=offline,
     draft={"fc_norm": True, "norm_output": True},
-    trainer="draftsmith.algorithms.eagle3.train",  # EAGLE-3's, with the two switches on
-    decoder="draftsmith.algorithms.eagle3.decode",
-    estimator="draftsmith.algorithms.eagle3.offline",
-    export_keys=export_keys,
-    extra_params=extra_params,
     config_problems=config_problems,
 )
