@@ -120,6 +120,40 @@ def test_lossless_with_accepting_draft(target, monkeypatch, num_steps, error_rat
     assert {0, num_steps} <= lengths
 
 
+def test_packed_verification_routes_only_the_verify_rows_and_stays_lossless(target, monkeypatch):
+    """The bench's routing (hf_bench.route_linears) with the packed form faked fastest
+    everywhere: only the target's verification rows (num_steps + 1) take it, greedy's single
+    row and the draft keep F.linear/transposed; the outputs still equal greedy's and the
+    accepted lengths are those of the unrouted run."""
+    from draftsmith.engines.hf_bench import route_linears
+    from draftsmith.runtime import gemm
+
+    if gemm.pack(torch.zeros(4, 4), 3) is None:
+        pytest.skip("no oneDNN linear in this torch build")
+    model, tokenizer = target
+    draft, k = random_draft(model), 2
+    stops = stop_ids(model, tokenizer)
+    ids = [_ids(tokenizer, text) for text in PROMPTS]
+    plain = [speculative_generate(model, draft, i, 32, stops, k, AUX_IDS).accepted for i in ids]
+    monkeypatch.setattr(
+        gemm, "_pass_seconds", lambda form, group, x: 0.1 if form == "packed" else 1
+    )
+    try:
+        summary = route_linears(model, draft, k, "cpu")
+        assert "3 rows: " in summary["target"] and "packed" in summary["target"].split("3 rows")[1]
+        assert "packed" not in summary["target"].split("2 rows")[0]
+        assert "packed" not in summary["draft"]
+        assert any("packed_weight" in m.__dict__ for m in model.modules())
+        for i, accepted in zip(ids, plain, strict=True):
+            trace = speculative_generate(model, draft, i, 32, stops, k, AUX_IDS)
+            assert trace.tokens == greedy_generate(model, i, 32, stops)
+            assert trace.accepted == accepted
+        assert "packed" not in route_linears(model, draft, k, "cpu", verify_packed=False)["target"]
+    finally:
+        gemm.unroute(model)
+        gemm.unroute(draft)
+
+
 def test_lossless_deepseek_v3(tiny_deepseek_target, monkeypatch):
     """The MLA target of Kimi-K2.5's architecture: its cache crops and aux capture work too."""
     from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -154,22 +154,27 @@ def load_models(target_dir: Path, draft_dir: Path, target_dtype: str, device: st
     return model, tokenizer, draft
 
 
-def route_linears(model, drafter, num_steps: int, device: str) -> dict:
+def route_linears(model, drafter, num_steps: int, device: str, verify_packed: bool = True) -> dict:
     """On a CPU, the faster form of each linear layer at the row counts the loop runs (1 to
     num_steps + 1: decode steps, verification, draft extension), measured
-    (draftsmith.runtime.gemm); the summary of what was chosen, for the log and report."""
+    (draftsmith.runtime.gemm); the summary of what was chosen, for the log and report.
+
+    The target's verification (num_steps + 1 rows) may also take oneDNN's prepacked form
+    (`verify_packed`): with MKL on an AMD EPYC, 3 rows cost 1.8x one row with F.linear or the
+    transposed product and 1.25x packed, which is most of a speculative pass's cost above its
+    floor (benchmarks/bench_pass_cost.py). The greedy steps (1 row) and the draft keep F.linear
+    or the transposed product, so the baseline's outputs are computed as before; verification
+    differs in rounding only, and the lossless check still compares token for token."""
     from draftsmith.runtime import gemm
 
     if device != "cpu":
         return {}
-    rows = range(1, num_steps + 2)
-    # F.linear or transposed only: the packed form (regeneration's) has not been run against the
-    # served engines, whose outputs the bench's are compared with token for token
     forms = ("linear", "transposed")
-    routes = {
-        "target": gemm.route(model, rows, forms=forms),
-        "draft": gemm.route(drafter, rows, forms=forms),
-    }
+    verify = num_steps + 1
+    target = gemm.route(model, range(1, verify + (not verify_packed)), forms=forms)
+    if verify_packed:
+        target = gemm.route(model, [verify], forms=(*forms, "packed"), known=target)
+    routes = {"target": target, "draft": gemm.route(drafter, range(1, verify + 1), forms=forms)}
     summaries = {name: gemm.summary(table) for name, table in routes.items()}
     for name, text in summaries.items():
         log.info("linear layers of the %s, measured: %s", name, text)

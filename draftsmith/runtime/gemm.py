@@ -23,7 +23,8 @@ so that no call repacks the weight. Regeneration routes its decode steps with al
 one range of the embedded default at 32 rows and one thread, an AMD EPYC's generation was 1.07x
 faster with the kernels capped at AVX2 (float32) and 1.11x on its own AVX512 kernels
 (bfloat16), every conversation identical (benchmarks/bench_regen_batch.py --routes off on,
-benchmarks/results/regen_routes_<kind>.md). The bench routes with the first two. A group keeps its
+benchmarks/results/regen_routes_<kind>.md). The bench routes with the first two,
+and the packed form too for the target's verification (K + 1 rows). A group keeps its
 packed copies only where the packed form was chosen for some row count (one more copy of those
 weights in memory; the report's table says which).
 
