@@ -343,6 +343,12 @@ def test_bench_cli_report(target, tiny_target, tmp_path, monkeypatch):
     assert "Offline estimate from training (K = 3, 5 held-out training rows" in md
     assert "tau_est 1.800" in (out / "summary.html").read_text()
     assert (out / "summary.html").read_text().count("data:image/png;base64,") == 3
+    # the floor beside the measured pass cost: 1 + 3 chain forwards x the draft's byte share
+    floor = report["pass_floor"]
+    assert floor["draft_forwards"] == 3 and 0 < floor["draft_share"] < 1, floor
+    assert floor["floor"] == pytest.approx(1 + 3 * floor["draft_share"])
+    assert f"Pass cost floor: {floor['floor']:.2f} greedy steps = 1 + 3 draft" in md
+    assert "Pass cost floor:" in (out / "summary.html").read_text()
     for name in ("acc.png", "hist.png", "training.png"):
         assert (out / name).read_bytes()[:4] == b"\x89PNG"
 
@@ -456,3 +462,27 @@ def test_a_failing_bench_worker_ends_the_job_with_its_error(target, tiny_target,
         bench_sets({"s": rows}, job, target=target_dir, draft=tmp_path / "draft", threads=2)
     assert "bench worker" in str(err.value) and "config.json" in str(err.value), err.value
     assert "Traceback" not in str(err.value)
+
+
+def test_pass_floor_counts_linear_bytes_once_and_a_block_drafter_once():
+    """linear_bytes reads each linear weight once (a tied lm_head shares the embedding's
+    storage: counted as the linear layer, not twice) and skips embeddings; a chain drafter's
+    floor counts num_steps forwards, a block drafter's (DFlash) one."""
+    from draftsmith.engines.hf_bench import linear_bytes, pass_floor
+
+    class Toy(torch.nn.Module):
+        def __init__(self, width: int, tied: bool):
+            super().__init__()
+            self.embed = torch.nn.Embedding(50, width)
+            self.proj = torch.nn.Linear(width, width, bias=False)
+            self.head = torch.nn.Linear(width, 50, bias=False)
+            if tied:
+                self.head.weight = self.embed.weight
+
+    target, draft = Toy(8, tied=True), Toy(4, tied=False)
+    assert linear_bytes(target) == (8 * 8 + 50 * 8) * 4
+    assert linear_bytes(draft) == (4 * 4 + 50 * 4) * 4
+    share = linear_bytes(draft) / linear_bytes(target)
+    chain = pass_floor(target, draft, 3, "eagle3")
+    assert chain == {"draft_share": share, "draft_forwards": 3, "floor": 1 + 3 * share}
+    assert pass_floor(target, draft, 3, "dflash")["draft_forwards"] == 1

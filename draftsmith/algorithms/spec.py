@@ -67,8 +67,8 @@ def no_problems(c: dict) -> list[str]:
 class Part:
     """One module of an algorithm's folder, named by the folder's `__init__` and imported on the
     first attribute read (then found in sys.modules): `spec.trainer.build_draft` is the module's
-    `build_draft`. `__name__` is the module's name; the import test reads it as an edge of the
-    folder."""
+    `build_draft`, and setting an attribute sets the module's. `__name__` is the module's name;
+    the import test reads it as an edge of the folder."""
 
     __slots__ = ("__name__",)
 
@@ -79,6 +79,15 @@ class Part:
         if attr.startswith("__"):
             raise AttributeError(attr)
         return getattr(import_module(self.__name__), attr)
+
+    def __setattr__(self, attr: str, value) -> None:  # the module's (a test patching a part)
+        if attr == "__name__":
+            object.__setattr__(self, attr, value)
+        else:
+            setattr(import_module(self.__name__), attr, value)
+
+    def __delattr__(self, attr: str) -> None:
+        delattr(import_module(self.__name__), attr)
 
     def __repr__(self) -> str:
         return f"Part({self.__name__!r})"

@@ -241,3 +241,15 @@ def concurrency_figures(levels: list[dict]) -> list[dict]:
 def bench_figures(raw_sets: dict) -> dict:
     """name -> figures for every set an engine measured."""
     return {name: set_figures(raw) for name, raw in raw_sets.items()}
+
+
+def pass_floor_text(floor: dict | None) -> str:
+    """The report's line on what a pass could cost (the hf engine's `pass_floor`), "" without."""
+    if not floor:
+        return ""
+    return (
+        f"Pass cost floor: {floor['floor']:.2f} greedy steps = 1 + {floor['draft_forwards']} "
+        f"draft forward(s) x {floor['draft_share']:.3f} (the draft's linear-layer bytes over the "
+        "target's), where a forward costs the bytes it reads and the target verifies the "
+        "proposals in the time of one greedy step; the table's pass cost is measured."
+    )

@@ -181,6 +181,30 @@ def route_linears(model, drafter, num_steps: int, device: str, verify_packed: bo
     return summaries
 
 
+def linear_bytes(module) -> int:
+    """Bytes of the weights a forward of `module` reads in full: its linear layers' (embedding
+    tables are looked up a row per token; a tied lm_head is counted once, as a linear layer)."""
+    seen = {}
+    for m in module.modules():
+        if isinstance(m, torch.nn.Linear):
+            seen[m.weight.data_ptr()] = m.weight.numel() * m.weight.element_size()
+    return sum(seen.values())
+
+
+def pass_floor(model, drafter, num_steps: int, algorithm: str) -> dict:
+    """The cost a speculative pass cannot go below where a forward costs the bytes it reads
+    (memory-bound decoding), in greedy steps: 1 (the target verifying num_steps + 1 tokens reads
+    its weights once, as a greedy step does) + forwards x c, with c the draft's linear-layer
+    bytes over the target's and forwards the draft's forwards per pass (num_steps for a chain,
+    1 for a block drafter that proposes every token in one forward)."""
+    from draftsmith import algorithms
+
+    spec = algorithms.get(algorithm or algorithms.DEFAULT)
+    forwards = 1 if spec.serves("hf").flag == "block" else num_steps
+    share = linear_bytes(drafter) / linear_bytes(model)
+    return {"draft_share": share, "draft_forwards": forwards, "floor": 1 + forwards * share}
+
+
 def prepare(model, tokenizer, drafter, bench, device: str, warm_row: dict) -> dict:
     """Route the linear layers (on a CPU) and warm both paths up on `warm_row`; the facts the
     report needs of the loaded draft: routes, aux ids, draft vocab size, algorithm."""
@@ -190,6 +214,7 @@ def prepare(model, tokenizer, drafter, bench, device: str, warm_row: dict) -> di
         "draft_vocab_size": drafter.config.draft_vocab_size,
         "algorithm": getattr(drafter.config, "algorithm", ""),
     }
+    facts["pass_floor"] = pass_floor(model, drafter, bench.num_steps, facts["algorithm"])
     warm_up(model, tokenizer, drafter, warm_row, bench, facts["aux_ids"])
     return facts
 

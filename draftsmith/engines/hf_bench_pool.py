@@ -241,6 +241,7 @@ def bench_sets(sets: dict, job, *, target, draft, threads: int):
         "workers": workers,
         "aux_layer_ids": facts["aux_ids"],
         "draft_vocab_size": facts["draft_vocab_size"],
+        "pass_floor": facts["pass_floor"],
         "method": method_text(bench, device, threads, facts["algorithm"], workers),
         "cpu": cpu,
         **({"linear_routes": facts["routes"]} if facts["routes"] else {}),

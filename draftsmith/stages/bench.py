@@ -35,7 +35,7 @@ from pathlib import Path
 
 from draftsmith.algorithms.offline import bench_entry as offline_estimate
 from draftsmith.algorithms.offline import text as offline_text
-from draftsmith.bench.figures import bench_figures
+from draftsmith.bench.figures import bench_figures, pass_floor_text
 from draftsmith.bench.gate import GateError, check_gate, gate, gate_line  # noqa: F401 (re-exported)
 from draftsmith.config import settings
 from draftsmith.config.settings import BenchSettings, JobSettings
@@ -228,6 +228,7 @@ def text_blocks(report: dict) -> dict[str, str]:
         "method": report["method"],
         "hist": "; ".join(f"{n}: {r['accept_len_hist']}" for n, r in report["sets"].items()),
         "load": load_text(report),
+        "floor": pass_floor_text(report.get("pass_floor")),
         "offline": offline_text(report.get("offline_estimate")),
         "training": (
             f"Training: {tr['steps']} steps{precision_text(tr.get('precision'))}, final loss "
@@ -260,6 +261,7 @@ def render_md(report: dict, *plots: Path) -> str:
     lines += ["| " + " | ".join(row) + " |" for row in table_rows(report)]
     lines += ["", *benchlevels.markdown(report)]
     lines += [
+        *([text["floor"], ""] if text["floor"] else []),
         text["offline"],
         "",
         *([input_line(report["input"]), ""] if "input" in report else []),
@@ -321,6 +323,7 @@ def render_html(report: dict, *plots: Path, levels_png: bytes | None = None) -> 
         + family_html(report)
         + f"<p>{text['method']}</p><table><tr>{head}</tr>{body}</table>"
         + benchlevels.html(report, levels_png)
+        + (f"<p>{text['floor']}</p>" if text["floor"] else "")
         + f"<p>{text['offline']}</p>"
         f"<p>Accepted-length histogram (passes accepting 0, 1, ... proposals): {text['hist']}.</p>"
         f"<p>{text['load']}</p><p>{text['training']}</p>{images}<p><small>{text['provenance']}</small></p>"

@@ -23,6 +23,12 @@ decode = Part("draftsmith.algorithms.dflash.decode")
 export = Part("draftsmith.algorithms.dflash.export")
 train = Part("draftsmith.algorithms.dflash.train")
 
+
+def config_problems(c: dict) -> list[str]:
+    """What in an exported config.json a DFlash draft refuses (its exporter's check)."""
+    return export.config_problems(c)
+
+
 SPEC = AlgorithmSpec(
     name="dflash",
     title="DFlash",
@@ -36,7 +42,7 @@ SPEC = AlgorithmSpec(
             "bench.backend hf or vllm serve it"
         ),
     },
-    config_problems=lambda c: export.config_problems(c),
+    config_problems=config_problems,
     trainer=train,
     exporter=export,
     decoder=decode,
