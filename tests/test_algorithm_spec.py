@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -144,13 +143,6 @@ def test_an_export_is_read_as_the_algorithm_it_records_and_checked_against_its_k
     assert any("an EAGLE-3 draft has no fc_norm" in p for p in algorithms.export_problems(recorded))
     bad = {**eagle, algorithms.ALGORITHM_KEY: "eagle9"}
     assert "is not one of" in algorithms.export_problems(bad)[0]
-
-
-def test_the_stage_resolves_the_spec_once(tmp_path):
-    """Training reads the algorithm from its inputs (resolved when they are read), not by name
-    again: the loop has no registry lookup of its own."""
-    src = (Path(__file__).resolve().parents[1] / "draftsmith" / "train" / "loop.py").read_text()
-    assert "algorithms.get(" not in src and "inputs.algorithm" in src
 
 
 FOUR_AUX = """

@@ -391,3 +391,22 @@ def test_training_on_draft_topk_shards(tmp_path):
     save_file({"d2t": torch.ones(K, dtype=torch.long), "t2d": t2d}, str(other))
     with pytest.raises(SystemExit, match=r"rows_000000-000012.*another draft vocabulary"):
         run_train({**few_inputs, "vocab": other}, tmp_path / "other", cfg)
+
+
+def test_a_training_run_resolves_the_algorithm_once(inputs, tmp_path, monkeypatch):
+    """From its command line to the exported draft, a training run looks its algorithm up in
+    the registry once (when its inputs are read) and hands the spec down: every lookup of the
+    registry (get, of_config, of_export) is counted, and a second one fails here."""
+    from draftsmith import algorithms
+
+    calls = []
+    get = algorithms.get
+
+    def counted(name):
+        calls.append(name)
+        return get(name)
+
+    monkeypatch.setattr(algorithms, "get", counted)
+    run_train(inputs, tmp_path, cfg_json(max_steps=2))
+    assert (tmp_path / "draft" / "model.safetensors").exists()
+    assert calls == ["eagle3"], calls
