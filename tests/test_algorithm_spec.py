@@ -83,22 +83,29 @@ def test_settings_an_algorithm_refuses_are_named():
     assert algorithms.refusals(cfg) == []
 
 
-FOURTH = """
+# an algorithm's folder as a stranger writes one: EAGLE-3's parts under another spec
+VARIANT = """
 from draftsmith.algorithms.eagle3 import decode, export, train
 from draftsmith.algorithms.spec import AlgorithmSpec, Serving
 
 SPEC = AlgorithmSpec(
-    name="eagle3-greedy",
-    title="EAGLE-3 (greedy only)",
-    drafting="Chain speculative decoding (EAGLE-3, greedy only)",
-    serving={"hf": Serving(flag="chain"), "sglang": Serving(refused="not tried on SGLang"),
-             "vllm": Serving(flag="eagle3")},
+    name={name!r},
+    title={title!r},
+    drafting="Chain speculative decoding ({title})",
+    serving={{"hf": Serving(flag="chain"), "sglang": {sglang},
+             "vllm": Serving(flag="eagle3")}},
     trainer=train,
     exporter=export,
     decoder=decode,
-    refuses={"bench.temperature": "this variant is greedy only"},
+    {extra},
 )
 """
+FOURTH = VARIANT.format(
+    name="eagle3-greedy",
+    title="EAGLE-3, greedy only",
+    sglang='Serving(refused="not tried on SGLang")',
+    extra='refuses={"bench.temperature": "this variant is greedy only"}',
+)
 
 
 @torch.no_grad()
@@ -145,22 +152,10 @@ def test_an_export_is_read_as_the_algorithm_it_records_and_checked_against_its_k
     assert "is not one of" in algorithms.export_problems(bad)[0]
 
 
-FOUR_AUX = """
-from draftsmith.algorithms.eagle3 import decode, export, train
-from draftsmith.algorithms.spec import AlgorithmSpec, Serving
-
-SPEC = AlgorithmSpec(
-    name="eagle3x4",
-    title="EAGLE-3 over four captured layers",
-    drafting="Chain speculative decoding (EAGLE-3, four aux layers)",
-    serving={"hf": Serving(flag="chain"), "sglang": Serving(flag="EAGLE3"),
-             "vllm": Serving(flag="eagle3")},
-    trainer=train,
-    exporter=export,
-    decoder=decode,
-    aux_layers=4,
-)
-"""
+FOUR_AUX = VARIANT.format(
+    name="eagle3x4", title="EAGLE-3, four aux layers", sglang='Serving(flag="EAGLE3")',
+    extra="aux_layers=4",
+)  # fmt: skip
 
 
 def test_a_captured_layer_count_the_algorithm_cannot_use_is_refused_at_parse_time(
