@@ -49,6 +49,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from draftsmith.runtime.ports import PortTaken, check_free, holder, in_group, listeners, listening
+from draftsmith.runtime.serverhosts import proc_stat
 
 log = logging.getLogger("draftsmith.engines.server")
 
@@ -337,12 +338,6 @@ def _group_gone(pgid: int, proc: subprocess.Popen, patience: float) -> bool:
         if time.monotonic() > deadline:
             return False
         time.sleep(0.1)
-
-
-def proc_stat(pid: int | str) -> list[bytes]:
-    """Fields of /proc/<pid>/stat after the command name: [state, ppid, pgrp, ...]."""
-    with open(f"/proc/{pid}/stat", "rb") as f:
-        return f.read().rsplit(b")", 1)[1].split()
 
 
 def _live_members(pgid: int) -> list[int]:

@@ -65,9 +65,8 @@ from draftsmith.engines.server import (
     ServerSpec,
     Terminated,
 )
-from draftsmith.runtime.files import atomic_write_json
+from draftsmith.runtime.files import atomic_write_json, flocked
 from draftsmith.runtime.serverhosts import (
-    flocked,
     idle,
     pid_alive,
     read_json,

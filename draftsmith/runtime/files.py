@@ -106,6 +106,18 @@ def exclusive_lock(path: str | os.PathLike, waiting: str = ""):
         yield
 
 
+@contextlib.contextmanager
+def flocked(path: str | os.PathLike, how: int):
+    """The flock `how` on `path` (created if absent; with LOCK_NB: BlockingIOError when taken),
+    released after the block."""
+    with open(path, "a+") as f:
+        fcntl.flock(f, how)
+        try:
+            yield f
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 def remove_stale_temps(directory: Path, prefix: str) -> None:
     """Delete `prefix*` leftovers of a killed build in `directory` (files or staging dirs).
 

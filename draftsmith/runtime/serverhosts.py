@@ -24,6 +24,8 @@ import socket
 import time
 from pathlib import Path
 
+from draftsmith.runtime.files import flocked
+
 log = logging.getLogger("draftsmith.runtime.serverhosts")
 
 ROOT = Path("state/servers")  # relative to the project directory, where Snakemake runs jobs
@@ -39,28 +41,22 @@ def read_json(path: Path) -> dict:
     return out if isinstance(out, dict) else {}
 
 
+def proc_stat(pid: int | str) -> list[bytes]:
+    """Fields of /proc/<pid>/stat after the command name: [state, ppid, pgrp, ...]."""
+    with open(f"/proc/{pid}/stat", "rb") as f:
+        return f.read().rsplit(b")", 1)[1].split()
+
+
 def pid_alive(pid: int, mark: str = "") -> bool:
     """Whether `pid` is a live process (not a zombie) whose command line holds `mark` (against
     pid reuse)."""
     try:
         with open(f"/proc/{int(pid)}/cmdline", "rb") as f:
             cmd = f.read().decode("utf-8", "replace")
-        with open(f"/proc/{int(pid)}/stat", "rb") as f:
-            state = f.read().rsplit(b")", 1)[1].split()[0]
+        state = proc_stat(int(pid))[0]
     except (OSError, ValueError, IndexError):
         return False
     return state != b"Z" and mark in cmd
-
-
-@contextlib.contextmanager
-def flocked(path: Path, how: int):
-    """The flock `how` on `path` (with LOCK_NB: BlockingIOError when taken), then released."""
-    with open(path, "a+") as f:
-        fcntl.flock(f, how)
-        try:
-            yield f
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def idle(d: Path) -> bool:
