@@ -90,11 +90,12 @@ def serving_problems(cfg: dict) -> list[str]:
 
 def capture_problems(cfg: dict) -> list[str]:
     """The captured-layer count this config asks for (capture.aux_layer_ids; auto: the
-    default count) where its algorithm needs another (spec.aux_layers)."""
+    default count) where its algorithm needs another (spec.aux_layers); `cfg`: the validated
+    workflow config (every key present)."""
     from draftsmith.config.checks import aux_layer_count
 
     spec = of_config(cfg)
-    setting = (cfg.get("capture") or {}).get("aux_layer_ids", "auto")
+    setting = cfg["capture"]["aux_layer_ids"]
     if spec.aux_layers is None or aux_layer_count(setting) == spec.aux_layers:
         return []
     return [
