@@ -150,9 +150,9 @@ def from_run_main(doc: str, measure, render, stem: str, key: str) -> None:
     write_result(args.name or f"{stem}_{facts.kind}", result, render)
 
 
-def write_result(name: str, result: dict, render) -> None:
-    """benchmarks/results/<name>.json and .md (`render(result)`, also printed)."""
-    out = ROOT / "benchmarks/results"
+def write_result(name: str, result: dict, render, out: Path | None = None) -> None:
+    """<out>/<name>.json and .md (`render(result)`, also printed); out: benchmarks/results."""
+    out = ROOT / "benchmarks/results" if out is None else out
     atomic_write_json(out / f"{name}.json", result)
     atomic_write_text(out / f"{name}.md", render(result))
     print(render(result))
