@@ -31,6 +31,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench_job_threads import drop_cache  # noqa: E402
+
 from draftsmith.engines.hf import (  # noqa: E402
     capture_shard,
     decoder_parts,
@@ -81,15 +83,6 @@ def timed(fn) -> float:
     t0 = time.perf_counter()
     fn()
     return time.perf_counter() - t0
-
-
-def drop_cache(paths) -> None:
-    for p in paths:
-        fd = os.open(p, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
 
 
 def random_tokens(vocab: int, n_rows: int, seed: int = 0) -> dict:

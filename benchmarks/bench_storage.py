@@ -50,6 +50,8 @@ import torch  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench_job_threads import drop_cache  # noqa: E402
+
 from draftsmith.hidden.capture_base import plan_batches  # noqa: E402
 from draftsmith.hidden.shards import open_shard  # noqa: E402
 from draftsmith.hidden.storage import Storage  # noqa: E402
@@ -267,15 +269,6 @@ def bytes_table(work: Path, sf: dict, dtype: str) -> dict:
 
 
 # ------------------------------------------------------------------------------------ reading
-
-
-def drop_cache(paths) -> None:
-    for p in paths:
-        fd = os.open(p, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
 
 
 def read_pass(paths) -> tuple[float, float]:
