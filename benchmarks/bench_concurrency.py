@@ -29,10 +29,12 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "benchmarks")]
+
+from bench_job_threads import write_result  # noqa: E402
 
 from draftsmith.bench.levels import HEAD  # noqa: E402
-from draftsmith.runtime.files import atomic_path, atomic_write_json, atomic_write_text  # noqa: E402
+from draftsmith.runtime.files import atomic_path  # noqa: E402
 
 OUT = ROOT / "benchmarks" / "results"
 ROLES = {"sglang": "sglang-cpu", "vllm": "vllm-cpu"}
@@ -256,9 +258,7 @@ def main(argv=None) -> None:
     merge_other_engines(result, OUT / f"{stem}.json", args.engines, args.temperatures)
     result["png"] = f"{stem}.png"
     plot(result, OUT / f"{stem}.png")
-    atomic_write_json(OUT / f"{stem}.json", result)
-    atomic_write_text(OUT / f"{stem}.md", render_md(result))
-    print(render_md(result))
+    write_result(stem, result, render_md, OUT)
 
 
 if __name__ == "__main__":

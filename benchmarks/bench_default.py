@@ -442,29 +442,10 @@ def kind_text(m: dict) -> str:
     )
 
 
-def render_md(r: dict) -> str:
-    sp, m, pk, hl = r["split"], r["machine"], r["peaks"], r["headline"]
+def split_rows(sp: dict) -> tuple[str, list[str]]:
+    """The stage split table: its header and rows (spans where the job timeline has them)."""
     total = sp["total_s"]
-    measured = "" if sp["total_measured"] else "; not measured: the jobs' sum"
-    lines = [
-        "# The default run: wall time, stage split, stages against this CPU's limits",
-        "",
-        f"Run: `{r['run_dir']}`; total wall {total:.0f} s ({total / 60:.1f} min{measured}; goal "
-        f"{GOAL_S / 60:.0f} min). CPU {m['cpu']} ({kind_text(m)}), {m['cores']} cores; torch "
-        f"{m['torch']}; commit "
-        f"{m['git_commit'][:12]}{' (dirty)' if m['git_dirty'] else ''}; load average (1 min) "
-        f"before {r['load_before']:.2f}, after {r['load_after']:.2f}.",
-        "",
-        "## Stage split (Snakemake benchmark files, per rule)",
-        "",
-    ]
     if "idle_s" in sp:  # the job timeline of snakemake.log: jobs may have run side by side
-        lines += [
-            "Job s: the jobs' own wall seconds, summed; span s: the wall time during which the "
-            "stage had a job running (jobs side by side overlap, so spans add up to more than "
-            "the total); share: span of the total.",
-            "",
-        ]
         rows = [
             f"{k} | {s['jobs']} | {s.get('threads', '-')} | {s['wall_s']:.1f} | "
             f"{s.get('span_s', s['wall_s']):.1f} | {pct(s.get('span_s', s['wall_s']), total)} | "
@@ -486,8 +467,13 @@ def render_md(r: dict) -> str:
         ]
         rows += [f"**total** | | **{total:.1f}** | 100% | - | -"]
         head = "stage | jobs | wall s | share | CPU s | peak RSS MB"
-    lines += table(head, rows)
-    lines += [
+    return head, rows
+
+
+def limits_lines(r: dict) -> list[str]:
+    """The stages against this CPU's peaks, and the formulas behind the figures."""
+    pk = r["peaks"]
+    lines = [
         "",
         "## Stages against this CPU's limits",
         "",
@@ -508,6 +494,13 @@ def render_md(r: dict) -> str:
     lines += ["", "Formulas (counts from this run's files):", ""]
     for k, s in r["rates"].items():
         lines += [f"- {k} ({s['seconds']:.1f} s): {f}" for f in s["formula"]]
+    return lines
+
+
+def headline_lines(r: dict) -> list[str]:
+    """The headline figures, the decisions and the training summary, where the run has them."""
+    hl = r["headline"]
+    lines: list[str] = []
     if hl.get("sets"):
         lines += ["", "## Headline figures (results/bench/report.json)", "", hl["method"], ""]
         rows = [
@@ -528,6 +521,35 @@ def render_md(r: dict) -> str:
         acc = ", ".join(fmt(a) for a in t.get("final_acc_per_pos", []))
         lines += ["", f"Training: {t.get('steps')} steps, final loss {fmt(t.get('final_loss'))}, "]
         lines[-1] += f"final accuracy by position {acc}."
+    return lines
+
+
+def render_md(r: dict) -> str:
+    sp, m = r["split"], r["machine"]
+    total = sp["total_s"]
+    measured = "" if sp["total_measured"] else "; not measured: the jobs' sum"
+    lines = [
+        "# The default run: wall time, stage split, stages against this CPU's limits",
+        "",
+        f"Run: `{r['run_dir']}`; total wall {total:.0f} s ({total / 60:.1f} min{measured}; goal "
+        f"{GOAL_S / 60:.0f} min). CPU {m['cpu']} ({kind_text(m)}), {m['cores']} cores; torch "
+        f"{m['torch']}; commit "
+        f"{m['git_commit'][:12]}{' (dirty)' if m['git_dirty'] else ''}; load average (1 min) "
+        f"before {r['load_before']:.2f}, after {r['load_after']:.2f}.",
+        "",
+        "## Stage split (Snakemake benchmark files, per rule)",
+        "",
+    ]
+    if "idle_s" in sp:  # the job timeline of snakemake.log: jobs may have run side by side
+        lines += [
+            "Job s: the jobs' own wall seconds, summed; span s: the wall time during which the "
+            "stage had a job running (jobs side by side overlap, so spans add up to more than "
+            "the total); share: span of the total.",
+            "",
+        ]
+    head, rows = split_rows(sp)
+    lines += table(head, rows)
+    lines += limits_lines(r) + headline_lines(r)
     return "\n".join(lines) + "\n"
 
 

@@ -150,9 +150,19 @@ def from_run_main(doc: str, measure, render, stem: str, key: str) -> None:
     write_result(args.name or f"{stem}_{facts.kind}", result, render)
 
 
-def write_result(name: str, result: dict, render) -> None:
-    """benchmarks/results/<name>.json and .md (`render(result)`, also printed)."""
-    out = ROOT / "benchmarks/results"
+def drop_cache(paths) -> None:
+    """Evict the files from the page cache (a cold read next)."""
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def write_result(name: str, result: dict, render, out: Path | None = None) -> None:
+    """<out>/<name>.json and .md (`render(result)`, also printed); out: benchmarks/results."""
+    out = ROOT / "benchmarks/results" if out is None else out
     atomic_write_json(out / f"{name}.json", result)
     atomic_write_text(out / f"{name}.md", render(result))
     print(render(result))

@@ -57,7 +57,7 @@ class Timers:
         return timed
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--target", default=str(ROOT / "results" / "target"))
     ap.add_argument("--draft", default=str(ROOT / "results" / "draft"))
@@ -74,28 +74,15 @@ def main() -> None:
         "that other users' load hardly changes (a shared machine); wall: elapsed seconds",
     )
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "num_steps"))
-    args = ap.parse_args()
+    return ap.parse_args()
 
-    import torch
-    from tqdm import tqdm
 
-    clock = time.process_time if args.clock == "cpu" else time.perf_counter
+def install_timers(ks: list[int], clock) -> tuple[dict, dict]:
+    """Wrap the target forward and the draft's propose/extend so each K's calls are timed.
 
+    Returns the Timers per K and the dict whose "k" names the K being decoded."""
     from draftsmith.algorithms.eagle3 import decode
     from draftsmith.bench import specdec
-    from draftsmith.data.prompts import load_sources, prompt_turns
-    from draftsmith.engines.hf import load_models
-    from draftsmith.runtime.files import atomic_write_json, atomic_write_text, set_threads, versions
-
-    set_threads(args.threads)
-    cfg = full_config(args.config)
-    ks = [int(k) for k in args.num_steps.split(",")]
-    rows = load_sources(cfg).heldout[: args.heldout]
-    model, tokenizer, draft = load_models(
-        Path(args.target), Path(args.draft), cfg["target"]["dtype"], "cpu"
-    )
-    aux_ids = list(draft.config.aux_layer_ids)
-    stops = specdec.stop_ids(model, tokenizer)
 
     timers = {k: Timers(clock) for k in ks}
     current = {"k": ks[0]}
@@ -122,6 +109,23 @@ def main() -> None:
         propose,
         extend,
     )
+    return timers, current
+
+
+def decode_all(args, cfg: dict, clock, ks: list[int], rows: list) -> dict:
+    """Greedy and every K on each prompt (order rotated), warm-up excluded: seconds, traces."""
+    from tqdm import tqdm
+
+    from draftsmith.bench import specdec
+    from draftsmith.data.prompts import prompt_turns
+    from draftsmith.engines.hf import load_models
+
+    model, tokenizer, draft = load_models(
+        Path(args.target), Path(args.draft), cfg["target"]["dtype"], "cpu"
+    )
+    aux_ids = list(draft.config.aux_layer_ids)
+    stops = specdec.stop_ids(model, tokenizer)
+    timers, current = install_timers(ks, clock)
 
     def spec(ids, k, n=args.max_new_tokens):
         current["k"] = k
@@ -151,12 +155,26 @@ def main() -> None:
             else:
                 traces[name].append(spec(ids, name))
             seconds[name] += clock() - t0
-    greedy_tps = greedy_tokens / seconds["greedy"]
+    return {
+        "timers": timers,
+        "load_before": load_before,
+        "seconds": seconds,
+        "traces": traces,
+        "greedy_out": greedy_out,
+        "greedy_tps": greedy_tokens / seconds["greedy"],
+    }
+
+
+def k_results(ks: list[int], run: dict) -> list[dict]:
+    """Per K: tau, acceptance, speedup and the pass cost split, in greedy steps."""
+    from draftsmith.bench import specdec
+
+    seconds, traces, greedy_tps = run["seconds"], run["traces"], run["greedy_tps"]
     results = []
     for k in ks:
         s = specdec.summarize(traces[k])
         passes = s["verify_passes"]
-        split = timers[k].seconds
+        split = run["timers"][k].seconds
         tps = s["generated_tokens"] / seconds[k]
         results.append(
             {
@@ -171,10 +189,55 @@ def main() -> None:
                 "draft_cost": split["draft"] / passes * greedy_tps,
                 "verify_cost": split["verify"] / passes * greedy_tps,
                 "identical_outputs": sum(
-                    t.tokens == g for t, g in zip(traces[k], greedy_out, strict=True)
+                    t.tokens == g for t, g in zip(traces[k], run["greedy_out"], strict=True)
                 ),
             }
         )
+    return results
+
+
+def render_md(report: dict) -> str:
+    """num_steps.md from the report (num_steps.json)."""
+    load_before, load_after = report["load_average"]
+    lines = [
+        "# Speedup against the number of draft tokens K (hf engine, chain, greedy)",
+        "",
+        f"{report['prompts']} held-out prompts, {report['max_new_tokens']} new tokens, "
+        f"{report['threads']} threads, {report['clock']} clock, load average "
+        f"{load_before:.1f} -> {load_after:.1f}; greedy "
+        f"{report['greedy_tokens_per_s']:.1f} tok/s in the same run. "
+        "Costs in greedy decoding steps per speculative pass (draft = chain + extension, "
+        "verify = the target's forward of K + 1 tokens).",
+        "",
+        "| K | tau | tau (SGLang count) | accept rate by position | pass cost | draft | verify "
+        "| tok/s | speedup | identical |",
+        "|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in report["results"]:
+        rates = " / ".join("-" if v is None else f"{v:.2f}" for v in r["accept_rate_by_pos"])
+        lines.append(
+            f"| {r['num_steps']} | {r['tau']:.3f} | {r['tau_sglang']:.3f} | {rates} "
+            f"| {r['pass_cost']:.2f} | {r['draft_cost']:.2f} | {r['verify_cost']:.2f} "
+            f"| {r['spec_tokens_per_s']:.1f} | {r['speedup']:.2f}x "
+            f"| {r['identical_outputs']}/{report['prompts']} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    args = parse_args()
+
+    import torch
+
+    from draftsmith.data.prompts import load_sources
+    from draftsmith.runtime.files import atomic_write_json, atomic_write_text, set_threads, versions
+
+    clock = time.process_time if args.clock == "cpu" else time.perf_counter
+    set_threads(args.threads)
+    ks = [int(k) for k in args.num_steps.split(",")]
+    cfg = full_config(args.config)
+    rows = load_sources(cfg).heldout[: args.heldout]
+    run = decode_all(args, cfg, clock, ks, rows)
     report = {
         "target": args.target,
         "draft": args.draft,
@@ -185,38 +248,18 @@ def main() -> None:
         "max_new_tokens": args.max_new_tokens,
         "threads": torch.get_num_threads(),
         "clock": args.clock,
-        "greedy_tokens_per_s": greedy_tps,
-        "load_average": [load_before, os.getloadavg()[0]],
+        "greedy_tokens_per_s": run["greedy_tps"],
+        "load_average": [run["load_before"], os.getloadavg()[0]],
         "machine": platform.processor() or platform.machine(),
         "versions": versions(),
-        "results": results,
+        "results": k_results(ks, run),
     }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_json(out.with_suffix(".json"), report)
-    lines = [
-        "# Speedup against the number of draft tokens K (hf engine, chain, greedy)",
-        "",
-        f"{len(rows)} held-out prompts, {args.max_new_tokens} new tokens, "
-        f"{report['threads']} threads, {args.clock} clock, load average {load_before:.1f} -> "
-        f"{report['load_average'][1]:.1f}; greedy {greedy_tps:.1f} tok/s in the same run. "
-        "Costs in greedy decoding steps per speculative pass (draft = chain + extension, "
-        "verify = the target's forward of K + 1 tokens).",
-        "",
-        "| K | tau | tau (SGLang count) | accept rate by position | pass cost | draft | verify "
-        "| tok/s | speedup | identical |",
-        "|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|",
-    ]
-    for r in results:
-        rates = " / ".join("-" if v is None else f"{v:.2f}" for v in r["accept_rate_by_pos"])
-        lines.append(
-            f"| {r['num_steps']} | {r['tau']:.3f} | {r['tau_sglang']:.3f} | {rates} "
-            f"| {r['pass_cost']:.2f} | {r['draft_cost']:.2f} | {r['verify_cost']:.2f} "
-            f"| {r['spec_tokens_per_s']:.1f} | {r['speedup']:.2f}x "
-            f"| {r['identical_outputs']}/{len(rows)} |"
-        )
-    atomic_write_text(out.with_suffix(".md"), "\n".join(lines) + "\n")
-    print("\n".join(lines))
+    text = render_md(report)
+    atomic_write_text(out.with_suffix(".md"), text)
+    print(text[:-1])
 
 
 if __name__ == "__main__":

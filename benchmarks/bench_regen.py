@@ -55,7 +55,7 @@ def fraction(value) -> str:
     return "-" if value is None else f"{value:.2%}"
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--target", default=str(ROOT / "results" / "target"))
     ap.add_argument("--prompts", type=int, default=32)
@@ -65,23 +65,23 @@ def main() -> None:
     ap.add_argument("--clock", choices=["wall", "cpu"], default="wall")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "regen"))
-    args = ap.parse_args()
+    return ap.parse_args()
 
+
+def bundled_prompts(n: int) -> list[list[dict]]:
+    """The first n bundled training rows, as the turns before the first reply."""
+    from draftsmith.data.prompts import load_sources
+
+    rows = load_sources({"data": {"heldout_rows": 40}}).train[:n]
+    prompts = [[t for t in r["conversations"] if t["role"] != "assistant"][:2] for r in rows]
+    return [p if p[-1]["role"] == "user" else p[:1] for p in prompts]
+
+
+def run_variants(args, model, tokenizer, prompts) -> list[dict]:
+    """Regenerate the prompts at every (batch size, dtype) variant; the first is the baseline."""
     import torch
 
-    from draftsmith.data.prompts import load_sources
     from draftsmith.engines.hf import HFGenerator
-    from draftsmith.runtime.files import atomic_write_json, atomic_write_text, versions
-    from draftsmith.targets.model import load_target
-
-    torch.set_num_threads(args.threads)
-    load_before = os.getloadavg()[0]
-    rows = load_sources({"data": {"heldout_rows": 40}}).train[: args.prompts]
-    prompts = [[t for t in r["conversations"] if t["role"] != "assistant"][:2] for r in rows]
-    prompts = [p if p[-1]["role"] == "user" else p[:1] for p in prompts]
-    t0 = time.perf_counter()
-    model, tokenizer = load_target(args.target)
-    load_s = time.perf_counter() - t0
 
     clock = time.process_time if args.clock == "cpu" else time.perf_counter
     variants = [(int(b), "float32") for b in args.batch_sizes.split(",")]
@@ -124,7 +124,49 @@ def main() -> None:
     base = results[0]["tokens_per_second"]
     for r in results:
         r["speedup_vs_baseline"] = round(r["tokens_per_second"] / base, 2) if base else None
+    return results
 
+
+def render_md(report: dict) -> str:
+    """regen.md from the report (regen.json)."""
+    n = report["prompts"]
+    lines = [
+        "# Regeneration throughput (hf backend)",
+        "",
+        f"{n} bundled prompts, max_new_tokens {report['max_new_tokens']}, "
+        f"{report['threads']} threads, {report['clock']} clock; baseline {report['baseline']}; "
+        "1-min load average "
+        f"{report['machine']['loadavg_1min_before_after']} on "
+        f"{report['machine']['cpu_count']} CPUs.",
+        "",
+        "| batch | dtype | new tokens | seconds | tokens/s | speedup | hit limit "
+        "| same as baseline | target's greedy token |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in report["results"]:
+        lines.append(
+            f"| {r['batch_size']} | {r['dtype']} | {r['new_tokens']} | {r['seconds']} | "
+            f"{r['tokens_per_second']} | {r['speedup_vs_baseline']}x | {r['hit_limit']} | "
+            f"{r['same_as_baseline']}/{n} | {fraction(r['target_greedy_fraction'])} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    args = parse_args()
+
+    import torch
+
+    from draftsmith.runtime.files import atomic_write_json, atomic_write_text, versions
+    from draftsmith.targets.model import load_target
+
+    torch.set_num_threads(args.threads)
+    load_before = os.getloadavg()[0]
+    prompts = bundled_prompts(args.prompts)
+    t0 = time.perf_counter()
+    model, tokenizer = load_target(args.target)
+    load_s = time.perf_counter() - t0
+    results = run_variants(args, model, tokenizer, prompts)
     report = {
         "benchmark": "regen",
         "target": args.target,
@@ -143,25 +185,7 @@ def main() -> None:
         "versions": versions(),
     }
     atomic_write_json(f"{args.out}.json", report)
-    lines = [
-        "# Regeneration throughput (hf backend)",
-        "",
-        f"{len(prompts)} bundled prompts, max_new_tokens {args.max_new_tokens}, "
-        f"{args.threads} threads, {args.clock} clock; baseline {report['baseline']}; "
-        "1-min load average "
-        f"{report['machine']['loadavg_1min_before_after']} on {os.cpu_count()} CPUs.",
-        "",
-        "| batch | dtype | new tokens | seconds | tokens/s | speedup | hit limit "
-        "| same as baseline | target's greedy token |",
-        "|---:|---|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for r in results:
-        lines.append(
-            f"| {r['batch_size']} | {r['dtype']} | {r['new_tokens']} | {r['seconds']} | "
-            f"{r['tokens_per_second']} | {r['speedup_vs_baseline']}x | {r['hit_limit']} | "
-            f"{r['same_as_baseline']}/{len(prompts)} | {fraction(r['target_greedy_fraction'])} |"
-        )
-    atomic_write_text(f"{args.out}.md", "\n".join(lines) + "\n")
+    atomic_write_text(f"{args.out}.md", render_md(report))
 
 
 if __name__ == "__main__":

@@ -218,7 +218,7 @@ def render_md(r: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv: list[str] | None = None) -> None:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -235,18 +235,17 @@ def main(argv: list[str] | None = None) -> None:
         default="wall",
         help="cpu: this process's CPU seconds (use with --threads 1 on a shared machine)",
     )
-    args = ap.parse_args(argv)
-    set_threads(args.threads)
-    from draftsmith.runtime.hardware import cpu_facts
+    return ap.parse_args(argv)
 
-    clock = time.process_time if args.clock == "cpu" else time.perf_counter
-    peak = {d: peak_gflops(t, args.min_time, clock) for d, t in DTYPES.items()}
+
+def stage_shapes(min_time: float, clock) -> tuple[list[dict], dict]:
+    """Every stage's linear shapes timed in fp32 and bf16: per-shape rows, per-stage GFLOP/s."""
     shapes, stages = [], {}
     for stage, m, layers in STAGES:
         tot = {"fp32": 0.0, "bf16": 0.0}
         flops = 0
         for layer, (k, n) in layers.items():
-            t = {d: linear_time(m, k, n, dt, args.min_time, clock) for d, dt in DTYPES.items()}
+            t = {d: linear_time(m, k, n, dt, min_time, clock) for d, dt in DTYPES.items()}
             f = 2 * m * k * n
             flops += f
             for d in tot:
@@ -273,6 +272,36 @@ def main(argv: list[str] | None = None) -> None:
             "bf16": flops / tot["bf16"] / 1e9,
             "bf16_speedup": tot["fp32"] / tot["bf16"],
         }
+    return shapes, stages
+
+
+def pass_cost(args, clock) -> dict:
+    """The target's pass cost for 1..max_k + 1 tokens, in seconds and in greedy steps."""
+    if args.target:
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.float32).eval()
+        name = str(args.target)
+    else:
+        model, name = random_target(), "random weights, SmolLM2-135M shapes"
+    sec = pass_costs(model, args.context, args.max_k, args.min_time, clock)
+    print("pass cost (greedy steps):", {n: round(s / sec[1], 2) for n, s in sec.items()})
+    return {
+        "model": name,
+        "context": args.context,
+        "seconds": {str(n): s for n, s in sec.items()},
+        "greedy_steps": {str(n): s / sec[1] for n, s in sec.items()},
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    set_threads(args.threads)
+    from draftsmith.runtime.hardware import cpu_facts
+
+    clock = time.process_time if args.clock == "cpu" else time.perf_counter
+    peak = {d: peak_gflops(t, args.min_time, clock) for d, t in DTYPES.items()}
+    shapes, stages = stage_shapes(args.min_time, clock)
     report = {
         "cpu": platform.processor() or platform.machine(),
         "cpu_facts": cpu_facts().as_dict(),
@@ -294,21 +323,7 @@ def main(argv: list[str] | None = None) -> None:
     except (OSError, StopIteration):
         pass
     if not args.no_pass_cost:
-        if args.target:
-            from transformers import AutoModelForCausalLM
-
-            model = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.float32).eval()
-            name = str(args.target)
-        else:
-            model, name = random_target(), "random weights, SmolLM2-135M shapes"
-        sec = pass_costs(model, args.context, args.max_k, args.min_time, clock)
-        report["pass_cost"] = {
-            "model": name,
-            "context": args.context,
-            "seconds": {str(n): s for n, s in sec.items()},
-            "greedy_steps": {str(n): s / sec[1] for n, s in sec.items()},
-        }
-        print("pass cost (greedy steps):", {n: round(s / sec[1], 2) for n, s in sec.items()})
+        report["pass_cost"] = pass_cost(args, clock)
     args.out.mkdir(parents=True, exist_ok=True)
     atomic_write_json(args.out / "roofline.json", report)
     atomic_write_text(args.out / "roofline.md", render_md(report))

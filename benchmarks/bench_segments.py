@@ -33,9 +33,9 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
+from bench_job_threads import write_result  # noqa: E402
 from wf import snakemake, tiny_config, write_config  # noqa: E402
 
-from draftsmith.runtime.files import atomic_write_json, atomic_write_text  # noqa: E402
 from draftsmith.runtime.hardware import cpu_facts  # noqa: E402
 from draftsmith.runtime.load import machine_busy_seconds, own_cpu_seconds  # noqa: E402
 
@@ -298,9 +298,7 @@ def main() -> None:
         "losses_equal": losses(args.work / "offline") == losses(args.work / "segments"),
     }
     name = f"segments{'_default' if args.default else ''}_{record['cpu']['kind']}"
-    atomic_write_json(args.out / f"{name}.json", record)
-    atomic_write_text(args.out / f"{name}.md", render(record))
-    print(render(record))
+    write_result(name, record, render, args.out)
 
 
 if __name__ == "__main__":

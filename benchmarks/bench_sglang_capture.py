@@ -76,7 +76,7 @@ def capture_pass(sup, tokens, job, out: Path, dump_dir: Path, expect, rows, conc
     return seconds
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--target", type=Path, required=True)
     ap.add_argument("--tokens", type=Path, required=True)
@@ -84,46 +84,111 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=4)
     ap.add_argument("--role", default="sglang-cpu")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "sglang_capture")
-    args = ap.parse_args()
+    return ap.parse_args()
 
-    from draftsmith.config.checks import aux_layer_ids
-    from draftsmith.config.settings import stage_job
-    from draftsmith.engines import sglang_capture as sc
-    from draftsmith.engines.server import Supervisor
+
+def build_overlay(work: Path) -> dict:
+    """The patched sglang overlay under work; its build record (patch id)."""
     from draftsmith.engines.sglang_patch import build
-    from draftsmith.stages.capture import read_tokens
-    from draftsmith.targets.model import target_config
 
-    tokens = read_tokens(args.tokens)
-    text_cfg = target_config(args.target)
-    hidden, n_layers = int(text_cfg["hidden_size"]), int(text_cfg["num_hidden_layers"])
-    ids = aux_layer_ids("auto", n_layers)
-    n_rows = tokens["row_offsets"].numel() - 1
-    lengths = (tokens["row_offsets"][1:] - tokens["row_offsets"][:-1]).tolist()
-    rows = sorted(range(n_rows), key=lambda r: (-lengths[r], r))
-    work = Path(tempfile.mkdtemp(prefix="bench-sglcap-"))
     (work / "pins.txt").write_text("sglang==0.5.23\n")
     patch_dir = ROOT / "patches" / "sglang-0.5.23"
-    record = build(
+    return build(
         work / "pins.txt",
         sorted(patch_dir.glob("*.patch")),
         patch_dir / "pristine.sha256",
         work / "overlay",
         work / "patched.json",
     )
+
+
+def capture_job(role: str) -> dict:
+    """What the capture job hands its engine, for this role."""
+    from draftsmith.config.settings import stage_job
+
     cfg = {
-        "capture": {"backend": "sglang", "role": args.role, "dtype": "bfloat16"},
+        "capture": {"backend": "sglang", "role": role, "dtype": "bfloat16"},
         "target": {"dtype": "float32"},
         "sglang": {
             "tp_size": 1,
-            "extra_args": CPU_ARGS if args.role == "sglang-cpu" else [],
+            "extra_args": CPU_ARGS if role == "sglang-cpu" else [],
             "port": 0,
             "startup_timeout": 1800,
             "request_timeout": 1800,
             "retries": 0,
         },
     }
-    job = stage_job(cfg, "capture")  # what the capture job hands its engine
+    return stage_job(cfg, "capture")
+
+
+def patched_times(args, spec, tokens, job, work, dump_dir, expect, rows) -> dict:
+    """Alternating plain and capture passes on one patched server in capture mode."""
+    from draftsmith.engines import sglang_capture as sc
+    from draftsmith.engines.server import Supervisor
+
+    n_rows = tokens["row_offsets"].numel() - 1
+    times = {"plain": [], "capture": []}
+    with Supervisor(spec, retries=0) as sup:
+        plain_pass(sup.url, sc.RowCapture(tokens, _Null(), dump_dir, expect, job), rows[:4], 2)
+        for i in range(args.repeats):
+            order = ("plain", "capture") if i % 2 == 0 else ("capture", "plain")
+            for kind in order:
+                if kind == "plain":
+                    rc = sc.RowCapture(tokens, _Null(), dump_dir, expect, job)
+                    t = plain_pass(sup.url, rc, rows, args.concurrency)
+                else:
+                    out = work / f"rows_000000-{n_rows:06d}.safetensors"
+                    t = capture_pass(
+                        sup, tokens, job, out, dump_dir, expect, rows, args.concurrency
+                    )
+                times[kind].append(round(t, 3))
+                print(f"{kind:8s} pass {i}: {t:.2f} s", file=sys.stderr, flush=True)
+    return times
+
+
+def stock_spec(job, target: Path, ids: list[int], dump_dir: Path):
+    """The stock server: the same launch without the overlay, the dump dir and capture mode."""
+    from draftsmith.engines import sglang_capture as sc
+
+    stock = sc.capture_server_spec(job, target, 1, ids, dump_dir, "")
+    stock_cmd = stock.command
+    block = sc.capture_args(ids)[: 4 + len(ids)]  # aux capture on, convention, the ids
+
+    def command(port):
+        argv = stock_cmd(port)
+        i = next(i for i in range(len(argv)) if argv[i : i + len(block)] == block)
+        return argv[:i] + argv[i + len(block) :]
+
+    stock.command = command
+    stock.env = {k: v for k, v in stock.env.items() if k != "DRAFTSMITH_DUMP_DIR"}
+    return stock
+
+
+def stock_times(args, stock, tokens, job, dump_dir, expect, rows) -> list[float]:
+    """Plain passes on the stock server."""
+    from draftsmith.engines import sglang_capture as sc
+    from draftsmith.engines.server import Supervisor
+
+    times = []
+    with Supervisor(stock, retries=0) as sup:
+        rc = sc.RowCapture(tokens, _Null(), dump_dir, expect, job)
+        plain_pass(sup.url, rc, rows[:4], 2)
+        for i in range(args.repeats):
+            times.append(round(plain_pass(sup.url, rc, rows, args.concurrency), 3))
+            print(f"stock    pass {i}: {times[-1]:.2f} s", file=sys.stderr)
+    return times
+
+
+def measure(args, tokens, ids: list[int], hidden: int) -> dict:
+    """Seconds of every pass: plain and capture (patched server), stock_plain (stock server)."""
+    from draftsmith.engines import sglang_capture as sc
+
+    n_rows = tokens["row_offsets"].numel() - 1
+    lengths = (tokens["row_offsets"][1:] - tokens["row_offsets"][:-1]).tolist()
+    rows = sorted(range(n_rows), key=lambda r: (-lengths[r], r))
+    work = Path(tempfile.mkdtemp(prefix="bench-sglcap-"))
+    record = build_overlay(work)
+    job = capture_job(args.role)  # what the capture job hands its engine
     dump_dir = Path(tempfile.mkdtemp(prefix="draftsmith-dump-", dir=sc.dump_root()))
     try:
         spec = sc.capture_server_spec(job, args.target, 1, ids, dump_dir, str(work / "overlay"))
@@ -132,52 +197,58 @@ def main() -> None:
             "hidden_size": hidden,
             "layer_inputs": [i + 1 for i in ids],
         }
-        times = {"plain": [], "capture": []}
-        with Supervisor(spec, retries=0) as sup:
-            plain_pass(sup.url, sc.RowCapture(tokens, _Null(), dump_dir, expect, job), rows[:4], 2)
-            for i in range(args.repeats):
-                order = ("plain", "capture") if i % 2 == 0 else ("capture", "plain")
-                for kind in order:
-                    if kind == "plain":
-                        rc = sc.RowCapture(tokens, _Null(), dump_dir, expect, job)
-                        t = plain_pass(sup.url, rc, rows, args.concurrency)
-                    else:
-                        out = work / f"rows_000000-{n_rows:06d}.safetensors"
-                        t = capture_pass(
-                            sup, tokens, job, out, dump_dir, expect, rows, args.concurrency
-                        )
-                    times[kind].append(round(t, 3))
-                    print(f"{kind:8s} pass {i}: {t:.2f} s", file=sys.stderr, flush=True)
-        # the stock server: the same launch without the overlay, the dump dir and capture mode
-        stock = sc.capture_server_spec(job, args.target, 1, ids, dump_dir, "")
-        stock_cmd = stock.command
-        block = sc.capture_args(ids)[: 4 + len(ids)]  # aux capture on, convention, the ids
-
-        def command(port):
-            argv = stock_cmd(port)
-            i = next(i for i in range(len(argv)) if argv[i : i + len(block)] == block)
-            return argv[:i] + argv[i + len(block) :]
-
-        stock.command = command
-        stock.env = {k: v for k, v in stock.env.items() if k != "DRAFTSMITH_DUMP_DIR"}
-        times["stock_plain"] = []
-        with Supervisor(stock, retries=0) as sup:
-            rc = sc.RowCapture(tokens, _Null(), dump_dir, expect, job)
-            plain_pass(sup.url, rc, rows[:4], 2)
-            for i in range(args.repeats):
-                times["stock_plain"].append(
-                    round(plain_pass(sup.url, rc, rows, args.concurrency), 3)
-                )
-                print(f"stock    pass {i}: {times['stock_plain'][-1]:.2f} s", file=sys.stderr)
+        times = patched_times(args, spec, tokens, job, work, dump_dir, expect, rows)
+        stock = stock_spec(job, args.target, ids, dump_dir)
+        times["stock_plain"] = stock_times(args, stock, tokens, job, dump_dir, expect, rows)
     finally:
         shutil.rmtree(dump_dir, ignore_errors=True)
         shutil.rmtree(work, ignore_errors=True)
+    return times
+
+
+def render_md(result: dict) -> str:
+    """sglang_capture.md from the result (sglang_capture.json)."""
+    times = result["seconds"]
+    md = [
+        "# Capture overhead through the patched SGLang (`benchmarks/bench_sglang_capture.py`)",
+        "",
+        f"{result['rows']} rows, {result['tokens']} tokens, hidden {result['hidden_size']}, "
+        f"concurrency {result['concurrency']}, "
+        f"median of {result['repeats']} alternating passes, "
+        f"load average {result['load_average']}.",
+        "",
+        "| figure | value |",
+        "|---|---|",
+        f"| capture / plain prefill, same patched server | {result['capture_overhead']} |",
+        f"| plain prefill: capture-mode server / stock server | "
+        f"{result['capture_mode_vs_stock_prefill']} |",
+        f"| capture / stock-server prefill | {result['capture_vs_stock_prefill']} |",
+        f"| capture throughput | {result['capture_tokens_per_second']} tokens/s |",
+        f"| seconds (plain / capture / stock) | {times['plain']} / {times['capture']} / "
+        f"{times['stock_plain']} |",
+        "",
+    ]
+    return "\n".join(md)
+
+
+def main() -> None:
+    args = parse_args()
+
+    from draftsmith.config.checks import aux_layer_ids
+    from draftsmith.stages.capture import read_tokens
+    from draftsmith.targets.model import target_config
+
+    tokens = read_tokens(args.tokens)
+    text_cfg = target_config(args.target)
+    hidden, n_layers = int(text_cfg["hidden_size"]), int(text_cfg["num_hidden_layers"])
+    ids = aux_layer_ids("auto", n_layers)
+    times = measure(args, tokens, ids, hidden)
     med = {k: statistics.median(v) for k, v in times.items()}
     n_tokens = tokens["input_ids"].numel()
     result = {
         "target": str(args.target),
         "tokens_file": str(args.tokens),
-        "rows": n_rows,
+        "rows": tokens["row_offsets"].numel() - 1,
         "tokens": n_tokens,
         "hidden_size": hidden,
         "aux_layer_ids": ids,
@@ -195,25 +266,9 @@ def main() -> None:
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
-    md = [
-        "# Capture overhead through the patched SGLang (`benchmarks/bench_sglang_capture.py`)",
-        "",
-        f"{n_rows} rows, {n_tokens} tokens, hidden {hidden}, concurrency {args.concurrency}, "
-        f"median of {args.repeats} alternating passes, load average {result['load_average']}.",
-        "",
-        "| figure | value |",
-        "|---|---|",
-        f"| capture / plain prefill, same patched server | {result['capture_overhead']} |",
-        f"| plain prefill: capture-mode server / stock server | "
-        f"{result['capture_mode_vs_stock_prefill']} |",
-        f"| capture / stock-server prefill | {result['capture_vs_stock_prefill']} |",
-        f"| capture throughput | {result['capture_tokens_per_second']} tokens/s |",
-        f"| seconds (plain / capture / stock) | {times['plain']} / {times['capture']} / "
-        f"{times['stock_plain']} |",
-        "",
-    ]
-    args.out.with_suffix(".md").write_text("\n".join(md))
-    print("\n".join(md))
+    text = render_md(result)
+    args.out.with_suffix(".md").write_text(text)
+    print(text)
 
 
 class _Null:

@@ -31,6 +31,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench_job_threads import drop_cache  # noqa: E402
+
 from draftsmith.engines.hf import (  # noqa: E402
     capture_shard,
     decoder_parts,
@@ -83,15 +85,6 @@ def timed(fn) -> float:
     return time.perf_counter() - t0
 
 
-def drop_cache(paths) -> None:
-    for p in paths:
-        fd = os.open(p, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-
-
 def random_tokens(vocab: int, n_rows: int, seed: int = 0) -> dict:
     g = torch.Generator().manual_seed(seed)
     lengths = torch.randint(64, 512, (n_rows,), generator=g)
@@ -102,6 +95,59 @@ def random_tokens(vocab: int, n_rows: int, seed: int = 0) -> dict:
         "loss_mask": (torch.rand(t, generator=g) > 0.5).to(torch.uint8),
         "row_offsets": offsets,
     }
+
+
+def both(fn) -> tuple[float, float]:
+    """Wall and CPU seconds of fn()."""
+    w, c = time.perf_counter(), time.process_time()
+    fn()
+    return time.perf_counter() - w, time.process_time() - c
+
+
+@torch.inference_mode()
+def bare(model, base, x, full=False) -> None:
+    """The bare forward: the base model (no capture hooks), or the full model with logits."""
+    (model if full else base)(input_ids=x, use_cache=False)
+
+
+def paired_forwards(model, base, batches: list, ids: list[int], repeats: int) -> dict:
+    """Per batch the bare and the capture forward back to back, alternating which goes first:
+    per-pair CPU ratios, mean CPU and wall seconds per repeat, the captured states."""
+    states = {}
+    ratios, cpu = [], {"bare": 0.0, "cap": 0.0}
+    wall = {"bare": 0.0, "cap": 0.0}
+    for rep in range(repeats):
+        for k, x in enumerate(batches):
+
+            def cap(k=k, x=x):
+                states[k] = forward_states(model, x, ids)
+
+            steps = [("bare", lambda x=x: bare(model, base, x)), ("cap", cap)]
+            t = {}
+            for name, fn in steps if (rep + k) % 2 == 0 else steps[::-1]:
+                t[name] = both(fn)
+                wall[name] += t[name][0] / repeats
+                cpu[name] += t[name][1] / repeats
+            ratios.append(t["cap"][1] / t["bare"][1])
+    return {"ratios": ratios, "cpu": cpu, "wall": wall, "states": states}
+
+
+def write_states(model, tok, work: Path, groups: list, offsets, lengths, states: dict) -> None:
+    """The captured states written as one bfloat16 shard."""
+    out = work / f"rows_000000-{len(lengths):06d}.safetensors"
+    with ShardWriter(
+        out,
+        input_ids=tok["input_ids"],
+        loss_mask=tok["loss_mask"],
+        row_offsets=tok["row_offsets"],
+        hidden_size=model.config.hidden_size,
+        dtype="bfloat16",
+        manifest={},
+    ) as w:
+        for k, rows in enumerate(groups):
+            aux, last = states[k]
+            for b, r in enumerate(rows):
+                w.write(offsets[r], aux[b, : lengths[r]], last[b, : lengths[r]])
 
 
 def capture_overhead(model, tok, work: Path, batch_tokens: int, repeats: int) -> dict:
@@ -119,53 +165,17 @@ def capture_overhead(model, tok, work: Path, batch_tokens: int, repeats: int) ->
     batches = [pad_rows(tok["input_ids"], offsets, r) for r in groups]
     base, _ = decoder_parts(model)
     ids = [1, 14, 26]
-    states = {}
-
-    @torch.inference_mode()
-    def bare(x, full=False):
-        (model if full else base)(input_ids=x, use_cache=False)
-
-    def both(fn):
-        w, c = time.perf_counter(), time.process_time()
-        fn()
-        return time.perf_counter() - w, time.process_time() - c
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    bare(batches[0])  # warm-up
-    ratios, cpu = [], {"bare": 0.0, "cap": 0.0}
-    wall = {"bare": 0.0, "cap": 0.0}
-    for rep in range(repeats):
-        for k, x in enumerate(batches):
-
-            def cap(k=k, x=x):
-                states[k] = forward_states(model, x, ids)
-
-            steps = [("bare", lambda x=x: bare(x)), ("cap", cap)]
-            t = {}
-            for name, fn in steps if (rep + k) % 2 == 0 else steps[::-1]:
-                t[name] = both(fn)
-                wall[name] += t[name][0] / repeats
-                cpu[name] += t[name][1] / repeats
-            ratios.append(t["cap"][1] / t["bare"][1])
-    full = sum(both(lambda x=x: bare(x, True))[1] for x in batches)
+    bare(model, base, batches[0])  # warm-up
+    pairs = paired_forwards(model, base, batches, ids, repeats)
+    ratios, cpu, wall = pairs["ratios"], pairs["cpu"], pairs["wall"]
+    full = sum(both(lambda x=x: bare(model, base, x, True))[1] for x in batches)
     torch.set_num_threads(threads)
 
     def write():
-        out = work / f"rows_000000-{len(lengths):06d}.safetensors"
-        with ShardWriter(
-            out,
-            input_ids=tok["input_ids"],
-            loss_mask=tok["loss_mask"],
-            row_offsets=tok["row_offsets"],
-            hidden_size=model.config.hidden_size,
-            dtype="bfloat16",
-            manifest={},
-        ) as w:
-            for k, rows in enumerate(groups):
-                aux, last = states[k]
-                for b, r in enumerate(rows):
-                    w.write(offsets[r], aux[b, : lengths[r]], last[b, : lengths[r]])
+        write_states(model, tok, work, groups, offsets, lengths, pairs["states"])
 
     t_write = min(both(write)[0] for _ in range(repeats))
     e2e_out = work / f"rows_000000-{len(lengths):06d}.safetensors"

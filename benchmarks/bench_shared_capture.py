@@ -32,10 +32,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "benchmarks")]
 
+from bench_job_threads import write_result  # noqa: E402
 from bench_segments import job_seconds  # noqa: E402
 from wf import snakemake, tiny_config, write_config  # noqa: E402
 
-from draftsmith.runtime.files import atomic_write_json, atomic_write_text  # noqa: E402
+from draftsmith.runtime.files import atomic_write_text  # noqa: E402
 from draftsmith.runtime.hardware import cpu_facts  # noqa: E402
 
 TIMEOUT = 7200
@@ -263,9 +264,7 @@ def main() -> None:
         ),
     }
     name = f"shared_capture_{record['cpu']['kind']}"
-    atomic_write_json(args.out / f"{name}.json", record)
-    atomic_write_text(args.out / f"{name}.md", render(record))
-    print(render(record))
+    write_result(name, record, render, args.out)
 
 
 if __name__ == "__main__":

@@ -36,10 +36,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "benchmarks")]
 
+from bench_job_threads import write_result  # noqa: E402
 from bench_shared_capture import rerender, sglang_python  # noqa: E402
 from wf import planned_jobs, snakemake, write_config  # noqa: E402
 
-from draftsmith.runtime.files import atomic_write_json, atomic_write_text  # noqa: E402
 from draftsmith.runtime.hardware import cpu_facts  # noqa: E402
 
 TIMEOUT = 7200
@@ -302,9 +302,7 @@ def main() -> None:
         "runs": runs,
         "equal": compare(args.work / "job", args.work / "run"),
     }
-    atomic_write_json(args.out / f"{name}.json", record)
-    atomic_write_text(args.out / f"{name}.md", render(record))
-    print(render(record))
+    write_result(name, record, render, args.out)
 
 
 if __name__ == "__main__":

@@ -50,6 +50,8 @@ import torch  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench_job_threads import drop_cache  # noqa: E402
+
 from draftsmith.hidden.capture_base import plan_batches  # noqa: E402
 from draftsmith.hidden.shards import open_shard  # noqa: E402
 from draftsmith.hidden.storage import Storage  # noqa: E402
@@ -267,15 +269,6 @@ def bytes_table(work: Path, sf: dict, dtype: str) -> dict:
 
 
 # ------------------------------------------------------------------------------------ reading
-
-
-def drop_cache(paths) -> None:
-    for p in paths:
-        fd = os.open(p, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
 
 
 def read_pass(paths) -> tuple[float, float]:
@@ -547,8 +540,9 @@ def trained_identity(work: Path, results: Path, cfg: dict, threads: int) -> dict
 # ------------------------------------------------------------------------------------ report
 
 
-def render(report: dict) -> str:
-    b, cap, rd = report["bytes"], report["capture"], report["read"]
+def render_bytes(report: dict) -> list[str]:
+    """The heading and the bytes-per-token table."""
+    b, cap = report["bytes"], report["capture"]
     sf = b["specforge"]
     lines = [
         "# Shard storage modes (embedded default's rows)",
@@ -576,8 +570,14 @@ def render(report: dict) -> str:
             f"{r['kimi_bytes_per_token']:.0f} | {r['kimi_vs_specforge']:.3f} | "
             f"{r['kimi_vs_specforge_all_trained']:.3f} |"
         )
+    return lines
+
+
+def render_throughput(report: dict) -> list[str]:
+    """Capture and read throughput per mode."""
+    cap, rd = report["capture"], report["read"]
     first = cap["runs"][0]
-    lines += [
+    lines = [
         "",
         "## Capture and read throughput",
         "",
@@ -606,8 +606,13 @@ def render(report: dict) -> str:
             f"{rd[m]['cold_tokens_per_cpu_s']:.0f} | {same['warm_tokens_per_cpu_s']:.0f} / "
             f"{same['cold_tokens_per_cpu_s']:.0f} |"
         )
+    return lines
+
+
+def render_fidelity(report: dict) -> list[str]:
+    """Teacher fidelity of the top-k and float8 modes."""
     f = report["fidelity"]
-    lines += [
+    lines = [
         "",
         "## Teacher fidelity (trained positions)",
         "",
@@ -630,7 +635,12 @@ def render(report: dict) -> str:
             f"{g['tail_mass_abs_error']:.1e} (float16 rounding), argmax agreement "
             f"{g['argmax_agreement']:.4f}"
         )
-    lines += [
+    return lines
+
+
+def render_runs(report: dict) -> list[str]:
+    """The trained runs: held-out tau per run."""
+    lines = [
         "",
         "## Held-out tau of a draft trained on each mode",
         "",
@@ -651,8 +661,13 @@ def render(report: dict) -> str:
         lines.append(
             f"| {name} | {r['steps']} | {r['tau']:.3f} | {rate} | {acc} | {r['train_seconds']:.0f} |"
         )
+    return lines
+
+
+def render_verdict(report: dict) -> list[str]:
+    """Each mode's tau against the bf16 seed-to-seed range, and what is not finished."""
     s = report["spread"]
-    lines += [
+    lines = [
         "",
         f"bf16 seed-to-seed: tau {', '.join(f'{x:.3f}' for x in s['taus'])}: range "
         f"[{s['min']:.3f}, {s['max']:.3f}], mean {s['mean']:.3f}.",
@@ -692,6 +707,12 @@ def render(report: dict) -> str:
             "",
             f"Not finished in this run: {missing} and {report['seeds'] - report['spread']['seeds_done']} reference seeds.",
         ]
+    return lines
+
+
+def render(report: dict) -> str:
+    lines = render_bytes(report) + render_throughput(report) + render_fidelity(report)
+    lines += render_runs(report) + render_verdict(report)
     lines.append("")
     return "\n".join(lines)
 

