@@ -40,15 +40,23 @@ class ContractError(ValueError):
 def sglang_config(cfg: DraftConfig) -> dict:
     """The draft's config.json (Llama fields + EAGLE-3 keys + its algorithm's keys) in
     SGLang's contract."""
+    heads = {"num_key_value_heads": cfg.num_key_value_heads, "head_dim": cfg.head_dim}
+    biases = {"attention_bias": False, "mlp_bias": False}
+    return eagle3_config(cfg, ARCH, "llama", heads, biases)
+
+
+def eagle3_config(cfg: DraftConfig, arch: str, model_type: str, heads: dict, biases: dict):
+    """The config.json of a one-layer EAGLE-3 draft of architecture `arch`: its attention's
+    head keys (`heads`) and bias flags (`biases`) where the model type puts them, the EAGLE-3
+    keys and the algorithm's (the key order is the export's: config.json bytes stay the same)."""
     return {
-        "architectures": [ARCH],
-        "model_type": "llama",
+        "architectures": [arch],
+        "model_type": model_type,
         "num_hidden_layers": 1,
         "hidden_size": cfg.hidden_size,
         "intermediate_size": cfg.intermediate_size,
         "num_attention_heads": cfg.num_attention_heads,
-        "num_key_value_heads": cfg.num_key_value_heads,
-        "head_dim": cfg.head_dim,
+        **heads,
         "hidden_act": cfg.hidden_act,
         "rms_norm_eps": cfg.rms_norm_eps,
         "rope_theta": cfg.rope_theta,
@@ -58,8 +66,7 @@ def sglang_config(cfg: DraftConfig) -> dict:
         "draft_vocab_size": cfg.draft_vocab_size,
         "target_hidden_size": cfg.target_hidden_size,
         "tie_word_embeddings": False,
-        "attention_bias": False,
-        "mlp_bias": False,
+        **biases,
         "torch_dtype": "float32",
         "eagle_config": {
             "eagle_aux_hidden_state_layer_ids": list(cfg.aux_layer_ids),

@@ -31,13 +31,13 @@ import re
 import draftsmith.algorithms.eagle3.mla as mla
 from draftsmith.algorithms.eagle3.contract import (
     ContractError,
+    eagle3_config,
     replay_loader,
-    switch_keys,
     switch_params,
     vllm_layer_ids,
 )
 from draftsmith.algorithms.eagle3.model import DraftConfig
-from draftsmith.algorithms.spec import ALGORITHM_KEY, AlgorithmSpec
+from draftsmith.algorithms.spec import AlgorithmSpec
 
 ARCH = "Eagle3DeepseekV2ForCausalLM"
 SPECULATORS = False
@@ -51,36 +51,12 @@ def is_mla(c: dict) -> bool:
 
 def sglang_config(cfg: DraftConfig) -> dict:
     """The MLA draft's config.json (DeepSeek-V2 fields + EAGLE-3 keys + its algorithm's)."""
-    return {
-        "architectures": [ARCH],
-        "model_type": "deepseek_v2",
-        "num_hidden_layers": 1,
-        "hidden_size": cfg.hidden_size,
-        "intermediate_size": cfg.intermediate_size,
-        "num_attention_heads": cfg.num_attention_heads,
+    heads = {
         "num_key_value_heads": cfg.num_attention_heads,
         **{k: cfg.mla[k] for k in mla.KEYS},
         "rope_interleave": True,
-        "hidden_act": cfg.hidden_act,
-        "rms_norm_eps": cfg.rms_norm_eps,
-        "rope_theta": cfg.rope_theta,
-        "rope_scaling": cfg.rope_scaling,
-        "max_position_embeddings": cfg.max_position_embeddings,
-        "vocab_size": cfg.vocab_size,
-        "draft_vocab_size": cfg.draft_vocab_size,
-        "target_hidden_size": cfg.target_hidden_size,
-        "tie_word_embeddings": False,
-        "attention_bias": False,
-        "torch_dtype": "float32",
-        "eagle_config": {
-            "eagle_aux_hidden_state_layer_ids": list(cfg.aux_layer_ids),
-            "use_aux_hidden_state": True,
-        },
-        "eagle_aux_hidden_state_layer_ids": vllm_layer_ids(cfg.aux_layer_ids),
-        "norm_before_residual": False,
-        ALGORITHM_KEY: cfg.algorithm,
-        **switch_keys(cfg),
     }
+    return eagle3_config(cfg, ARCH, "deepseek_v2", heads, {"attention_bias": False})
 
 
 def config_from_sglang(c: dict, spec: AlgorithmSpec) -> DraftConfig:
