@@ -228,7 +228,8 @@ def export_last(job: JobSettings, args) -> None:
     steps = job.train.ttt_steps
     offline_estimate(inputs.algorithm, steps, draft, inputs, [], args.offline)  # no eval_rows here
     longest = max(b - a for _, a, b in rows)
-    finish(draft, provenance, steps, (args.target, args.out, args.ckpt, args.metrics), longest)
+    paths = (args.target, args.out, args.ckpt, args.metrics)
+    finish(draft, inputs.algorithm, provenance, (steps, longest), paths)
 
 
 def parse_args(argv):
