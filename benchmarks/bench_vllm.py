@@ -67,6 +67,7 @@ def job_cfg(report: dict, engine: str, args) -> dict:
 
 def run_one(cfg: dict, draft: str) -> dict:
     """In this process (started from the project dir): the engine's bench_sets."""
+    from draftsmith import algorithms
     from draftsmith.bench.figures import set_figures
     from draftsmith.config.settings import stage_job
     from draftsmith.engines import engine as get
@@ -74,9 +75,10 @@ def run_one(cfg: dict, draft: str) -> dict:
 
     job = stage_job(cfg, "bench")  # what the bench rule's job hands its engine
     sets = load_sets(job)
+    spec = algorithms.open_draft(draft).spec  # as the bench stage opens it
     t0 = time.perf_counter()
     raw, info = get("bench", job.bench.backend)(
-        sets, job, target="results/target", draft=draft, threads=2
+        sets, job, target="results/target", draft=draft, spec=spec, threads=2
     )
     return {
         "res": set_figures(raw["heldout"]),

@@ -11,6 +11,7 @@ import sys
 
 import pytest
 
+from draftsmith import algorithms
 from draftsmith.bench.figures import set_figures
 from draftsmith.config import settings
 from draftsmith.engines import implements
@@ -77,24 +78,26 @@ def test_cpu_role_gets_the_compatibility_layer(tmp_path):
 
 def test_speculative_args(tmp_path):
     """The flags from bench settings, the algorithm's from the draft's spec (the name its
-    config.json records); a draft SGLang cannot serve is refused naming why."""
+    config.json records, opened once: algorithms.open_draft); a draft SGLang cannot serve is
+    refused naming why."""
     bench = settings.section("bench", {"num_steps": 3, "topk": 1, "num_draft_tokens": 0})
     draft = tmp_path / "results" / "draft"
     draft.mkdir(parents=True)
     (draft / "config.json").write_text('{"architectures": ["LlamaForCausalLMEagle3"]}')
-    args = eng.speculative_args(bench, draft)
+    spec = algorithms.open_draft(draft).spec
+    args = eng.speculative_args(bench, draft, spec)
     flags = dict(zip(args[::2], args[1::2], strict=True))
     assert flags["--speculative-algorithm"] == "EAGLE3"
     assert flags["--speculative-draft-model-path"].endswith("results/draft")
     assert (flags["--speculative-num-steps"], flags["--speculative-eagle-topk"]) == ("3", "1")
     assert flags["--speculative-num-draft-tokens"] == "4"  # a chain: K + 1
     with pytest.raises(SystemExit, match="num_draft_tokens"):
-        eng.speculative_args(dataclasses.replace(bench, topk=2), draft)
-    tree = eng.speculative_args(dataclasses.replace(bench, topk=2, num_draft_tokens=6), draft)
+        eng.speculative_args(dataclasses.replace(bench, topk=2), draft, spec)
+    tree = eng.speculative_args(dataclasses.replace(bench, topk=2, num_draft_tokens=6), draft, spec)
     assert tree[tree.index("--speculative-num-draft-tokens") + 1] == "6"
     (draft / "config.json").write_text('{"draftsmith_algorithm": "dflash"}')
     with pytest.raises(SystemExit, match="refuses DFLASH on CPU"):
-        eng.speculative_args(bench, draft)
+        eng.speculative_args(bench, draft, algorithms.open_draft(draft).spec)
 
 
 def test_cut_at_stop():

@@ -446,6 +446,7 @@ def test_a_failing_bench_worker_ends_the_job_with_its_error(target, tiny_target,
     the file), not with a hang or a traceback of the queue."""
     import json
 
+    from draftsmith import algorithms
     from draftsmith.config import settings
     from draftsmith.engines.hf_bench_pool import bench_sets
 
@@ -459,7 +460,10 @@ def test_a_failing_bench_worker_ends_the_job_with_its_error(target, tiny_target,
     job = settings.stage_job(cfg, "bench")
     target_dir = argv[argv.index("--target") + 1]
     with pytest.raises(SystemExit) as err:
-        bench_sets({"s": rows}, job, target=target_dir, draft=tmp_path / "draft", threads=2)
+        spec = algorithms.get("eagle3")
+        bench_sets(
+            {"s": rows}, job, target=target_dir, draft=tmp_path / "draft", spec=spec, threads=2
+        )
     assert "bench worker" in str(err.value) and "config.json" in str(err.value), err.value
     assert "Traceback" not in str(err.value)
 
@@ -468,6 +472,7 @@ def test_pass_floor_counts_linear_bytes_once_and_a_block_drafter_once():
     """linear_bytes reads each linear weight once (a tied lm_head shares the embedding's
     storage: counted as the linear layer, not twice) and skips embeddings; a chain drafter's
     floor counts num_steps forwards, a block drafter's (DFlash) one."""
+    from draftsmith import algorithms
     from draftsmith.engines.hf_bench import linear_bytes, pass_floor
 
     class Toy(torch.nn.Module):
@@ -482,7 +487,8 @@ def test_pass_floor_counts_linear_bytes_once_and_a_block_drafter_once():
     target, draft = Toy(8, tied=True), Toy(4, tied=False)
     assert linear_bytes(target) == (8 * 8 + 50 * 8) * 4
     assert linear_bytes(draft) == (4 * 4 + 50 * 4) * 4
-    share = linear_bytes(draft) / linear_bytes(target)
-    chain = pass_floor(target, draft, 3, "eagle3")
+    sizes = linear_bytes(target), linear_bytes(draft)
+    share = sizes[1] / sizes[0]
+    chain = pass_floor(*sizes, 3, algorithms.get("eagle3"))
     assert chain == {"draft_share": share, "draft_forwards": 3, "floor": 1 + 3 * share}
-    assert pass_floor(target, draft, 3, "dflash")["draft_forwards"] == 1
+    assert pass_floor(*sizes, 3, algorithms.get("dflash"))["draft_forwards"] == 1

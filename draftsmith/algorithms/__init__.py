@@ -1,10 +1,13 @@
 """Draft algorithms: one folder each (`<name>/`, its `SPEC`, draftsmith.algorithms.spec), chosen
 by `draft.algorithm` and resolved once per stage through this registry, which imports a folder
-only when asked for its algorithm (the folder's `__init__` imports the parts its spec holds).
+only when asked for its algorithm (the folder's `__init__` names the parts its spec holds,
+each imported on first use: spec.Part).
 
 `get(name)` is the spec of a `draft.algorithm` value; `of_export(c)` the spec of an exported
 config.json, which records the name it was trained as (`ALGORITHM_KEY`; a draft exported before
-the key existed is told from its keys) and is checked against its keys for consistency.
+the key existed is told from its keys) and is checked against its keys for consistency;
+`open_draft(dir)` an exported draft as the bench stage opens it once (its config and spec, handed
+to the engines).
 `serving_problems(cfg)`, `setting_problems(cfg)` and `capture_problems(cfg)` are what the
 workflow refuses at parse time: an engine that cannot serve the algorithm, a setting the
 algorithm does not support, a count of captured layers it cannot use.
@@ -18,7 +21,10 @@ no other algorithm's, except the shared EAGLE-3 draft layers, and never this reg
 
 from __future__ import annotations
 
+import json
+from dataclasses import dataclass
 from importlib import import_module
+from pathlib import Path
 
 from draftsmith.algorithms.spec import ALGORITHM_KEY, AlgorithmSpec, foreign_problems
 
@@ -66,6 +72,40 @@ def of_export(c: dict) -> AlgorithmSpec:
     """The algorithm an exported config.json was written by: the name it records, else (an
     export from before the key) the one its keys say."""
     return get(c.get(ALGORITHM_KEY) or by_keys(c))
+
+
+@dataclass(frozen=True)
+class OpenDraft:
+    """An exported draft as a stage opens it once: its directory, its config.json and the spec
+    of the algorithm it was written by; the stage hands these to the engines."""
+
+    path: Path
+    config: dict
+    spec: AlgorithmSpec
+
+
+def open_draft(draft: str | Path) -> OpenDraft:
+    """The exported draft in directory `draft` (a speculators copy inside an export is opened
+    as that export): its config.json read and its algorithm resolved (of_export). AlgorithmError
+    names the file where it is missing, not JSON or of no algorithm here."""
+    path = Path(draft)
+    c = read_config(path / "config.json")
+    if "speculators_model_type" in c and (path.parent / "config.json").is_file():
+        c = read_config(path.parent / "config.json")
+    try:
+        return OpenDraft(path, c, of_export(c))
+    except AlgorithmError as e:
+        raise AlgorithmError(f"{path}/config.json: {e}") from None
+
+
+def read_config(file: Path) -> dict:
+    try:
+        c = json.loads(file.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise AlgorithmError(f"{file}: not a readable draft config ({e})") from None
+    if not isinstance(c, dict):
+        raise AlgorithmError(f"{file}: not a draft config (a JSON {type(c).__name__})")
+    return c
 
 
 def export_problems(c: dict) -> list[str]:

@@ -17,8 +17,9 @@ is asked of the engine named by the stage's `backend` key, through one function 
         aux states of layer ids `ids` and returns its manifest. draft_ids: the draft vocabulary's
         target ids where the storage mode keeps a top-k teacher over it (else None); inputs:
         the engine's own inputs (WORKFLOW["inputs"]["capture"], below) as paths.
-    bench_sets(sets, job, *, target, draft, threads) -> (measurements, info)
-        sets: name -> conversations; measurements: name -> what the engine measured (token ids,
+    bench_sets(sets, job, *, target, draft, spec, threads) -> (measurements, info)
+        spec: the draft's algorithm, resolved once by the stage (draftsmith.algorithms
+        .open_draft), which the engine reads its flags and words from; sets: name -> conversations; measurements: name -> what the engine measured (token ids,
         verification passes, accepted-length histograms, seconds of both sides), the format of
         `draftsmith.bench.figures`, which computes every figure of the report from them; info:
         device, threads, aux_layer_ids, draft_vocab_size, method (the report's prose), and

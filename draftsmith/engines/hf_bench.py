@@ -191,44 +191,35 @@ def linear_bytes(module) -> int:
     return sum(seen.values())
 
 
-def pass_floor(model, drafter, num_steps: int, algorithm: str) -> dict:
+def pass_floor(target_bytes: int, draft_bytes: int, num_steps: int, spec) -> dict:
     """The cost a speculative pass cannot go below where a forward costs the bytes it reads
     (memory-bound decoding), in greedy steps: 1 (the target verifying num_steps + 1 tokens reads
     its weights once, as a greedy step does) + forwards x c, with c the draft's linear-layer
-    bytes over the target's and forwards the draft's forwards per pass (num_steps for a chain,
-    1 for a block drafter that proposes every token in one forward)."""
-    from draftsmith import algorithms
-
-    spec = algorithms.get(algorithm or algorithms.DEFAULT)
+    bytes over the target's (linear_bytes) and forwards the draft's forwards per pass
+    (num_steps for a chain, 1 for a block drafter that proposes every token in one forward:
+    the hf flag of `spec`, the draft's algorithm)."""
     forwards = 1 if spec.serves("hf").flag == "block" else num_steps
-    share = linear_bytes(drafter) / linear_bytes(model)
+    share = draft_bytes / target_bytes
     return {"draft_share": share, "draft_forwards": forwards, "floor": 1 + forwards * share}
 
 
 def prepare(model, tokenizer, drafter, bench, device: str, warm_row: dict) -> dict:
     """Route the linear layers (on a CPU) and warm both paths up on `warm_row`; the facts the
-    report needs of the loaded draft: routes, aux ids, draft vocab size, algorithm."""
+    report needs of the loaded draft: routes, aux ids, draft vocab size, the linear layers'
+    bytes of the target and the draft (for pass_floor)."""
     facts = {
         "routes": route_linears(model, drafter, bench.num_steps, device),
         "aux_ids": list(drafter.config.aux_layer_ids),
         "draft_vocab_size": drafter.config.draft_vocab_size,
-        "algorithm": getattr(drafter.config, "algorithm", ""),
+        "linear_bytes": {"target": linear_bytes(model), "draft": linear_bytes(drafter)},
     }
-    facts["pass_floor"] = pass_floor(model, drafter, bench.num_steps, facts["algorithm"])
     warm_up(model, tokenizer, drafter, warm_row, bench, facts["aux_ids"])
     return facts
 
 
-def drafting_text(algorithm: str, n: int) -> str:
-    """How the draft proposes, for the report's method line (draft.algorithm of the export;
-    the words are its spec's)."""
-    from draftsmith import algorithms
-
-    return algorithms.get(algorithm or algorithms.DEFAULT).drafting.format(n=n)
-
-
-def method_text(bench, device: str, threads: int, algorithm: str = "", workers: int = 1) -> str:
-    """The report's method line (`threads`: the job's, over `workers` processes)."""
+def method_text(bench, device: str, threads: int, spec, workers: int = 1) -> str:
+    """The report's method line (`threads`: the job's, over `workers` processes; `spec`: the
+    draft's algorithm, whose words say how it drafts)."""
     s = sampling(bench)
     where = f"{threads} threads"
     if workers > 1:
@@ -246,7 +237,7 @@ def method_text(bench, device: str, threads: int, algorithm: str = "", workers: 
         )
         base, step = "sampling (same temperature and top-p)", "sampling"
     return (
-        f"{drafting_text(algorithm, bench.num_steps)}, {bench.num_steps} draft tokens "
+        f"{spec.drafting.format(n=bench.num_steps)}, {bench.num_steps} draft tokens "
         "per verification "
         f"pass (top-k 1), {verify}, at most {bench.max_new_tokens} new tokens "
         f"per prompt, batch size 1, on {device} ({where}), transformers in-process "

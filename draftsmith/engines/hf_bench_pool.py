@@ -34,6 +34,7 @@ from draftsmith.engines.hf_bench import (
     load_models,
     measure_prompt,
     method_text,
+    pass_floor,
     prepare,
     run_set,
     sampling,
@@ -207,9 +208,10 @@ def run_in_process(sets: dict, job, target, draft, device: str) -> tuple:
     return measured, facts
 
 
-def bench_sets(sets: dict, job, *, target, draft, threads: int):
+def bench_sets(sets: dict, job, *, target, draft, spec, threads: int):
     """The bench stage: speculative and greedy generation of every set (`job`: the JobSettings
-    of the engine seam, draftsmith.engines)."""
+    of the engine seam, draftsmith.engines; `spec`: the draft's algorithm, resolved once by the
+    stage, draftsmith.algorithms.open_draft)."""
     from draftsmith.config.checks import concurrency_levels
     from draftsmith.config.settings import plain
     from draftsmith.runtime.files import set_threads
@@ -241,8 +243,10 @@ def bench_sets(sets: dict, job, *, target, draft, threads: int):
         "workers": workers,
         "aux_layer_ids": facts["aux_ids"],
         "draft_vocab_size": facts["draft_vocab_size"],
-        "pass_floor": facts["pass_floor"],
-        "method": method_text(bench, device, threads, facts["algorithm"], workers),
+        "pass_floor": pass_floor(
+            facts["linear_bytes"]["target"], facts["linear_bytes"]["draft"], bench.num_steps, spec
+        ),
+        "method": method_text(bench, device, threads, spec, workers),
         "cpu": cpu,
         **({"linear_routes": facts["routes"]} if facts["routes"] else {}),
     }

@@ -234,21 +234,15 @@ def regenerate_rows(conversations, job, *, target, threads: int, seed: int, max_
 # ---------------------------------------------------------------- bench
 
 
-def draft_algorithm(draft):
-    """The spec of the exported draft's algorithm (the name its config.json records)."""
-    from draftsmith import algorithms
-
-    return algorithms.of_export(json.loads((Path(draft) / "config.json").read_text()))
-
-
-def speculative_args(bench, draft) -> list[str]:
+def speculative_args(bench, draft, spec) -> list[str]:
     """EAGLE-3 flags from bench.num_steps / topk / num_draft_tokens (0: a chain's K + 1);
-    `bench`: the BenchSettings (draftsmith.config.settings)."""
+    `bench`: the BenchSettings (draftsmith.config.settings); `spec`: the draft's algorithm
+    (its SGLang flag, or why SGLang cannot serve it)."""
     k, topk = int(bench.num_steps), int(bench.topk)
     n = int(bench.num_draft_tokens) or (k + 1 if topk == 1 else 0)
     if not n:
         raise SystemExit(f"bench.topk {topk} > 1 needs bench.num_draft_tokens (a tree size)")
-    serving = draft_algorithm(draft).serves("sglang")
+    serving = spec.serves("sglang")
     if serving.refused:
         raise SystemExit(f"{draft}: {serving.refused}")
     return [
@@ -473,8 +467,9 @@ def method_text(bench, role: str, threads: int) -> str:
     )
 
 
-def bench_sets(sets: dict, job, *, target, draft, threads: int):
-    """The bench stage: the target served without, then with EAGLE-3; SGLang's own counters."""
+def bench_sets(sets: dict, job, *, target, draft, spec, threads: int):
+    """The bench stage: the target served without, then with the draft (`spec`: its algorithm,
+    resolved once by the stage, draftsmith.algorithms.open_draft); SGLang's own counters."""
     from draftsmith.bench.specdec import prompt_ids
     from draftsmith.data.prompts import prompt_turns
 
@@ -503,7 +498,7 @@ def bench_sets(sets: dict, job, *, target, draft, threads: int):
         "bench",
         target=target,
         threads=threads,
-        extra_args=[*skip, *speculative_args(bench, draft)],
+        extra_args=[*skip, *speculative_args(bench, draft, spec)],
     )
     eagle.name = "sglang-eagle3"
     if role_gpus(job, "bench"):  # the run's idle servers give back their GPUs first
@@ -537,5 +532,5 @@ def bench_sets(sets: dict, job, *, target, draft, threads: int):
         **info,
         "method": method_text(bench, role, threads),
         "servers": {"baseline": base_stats, "eagle3": spec_stats},
-        "speculative_args": speculative_args(bench, draft),
+        "speculative_args": speculative_args(bench, draft, spec),
     }

@@ -46,7 +46,6 @@ import os
 import time
 from pathlib import Path
 
-from draftsmith import algorithms
 from draftsmith.runtime.serverhosts import release_gpu_hosts
 
 log = logging.getLogger("draftsmith.engines.vllm")
@@ -119,12 +118,12 @@ def kv_bytes(target: Path, max_len: int, dtype: str) -> int:
     return max(64 << 20, 4 * max_len * per_token)
 
 
-def spec_config(draft: Path, target: Path, bench, dtype: str) -> dict:
+def spec_config(draft: Path, target: Path, bench, dtype: str, algorithm) -> dict:
     """vLLM's `speculative_config`: the draft's method, its proposals per pass and, when
     sampling, proposals drawn from the draft's distribution (the standard rule, ours)."""
     from draftsmith.engines import vllm_cpu
 
-    serving = algorithms.of_export(json.loads((draft / "config.json").read_text())).serves("vllm")
+    serving = algorithm.serves("vllm")
     if serving.refused:
         raise SystemExit(f"{draft}: {serving.refused}")
     spec = {"method": serving.flag, "model": str(draft), "num_speculative_tokens": bench.num_steps}
@@ -134,7 +133,7 @@ def spec_config(draft: Path, target: Path, bench, dtype: str) -> dict:
     return spec
 
 
-def _engines(target: Path, draft: Path, bench, dtype: str, max_len: int, in_flight: int):
+def _engines(target: Path, draft: Path, algorithm, bench, dtype: str, max_len: int, in_flight: int):
     from vllm import LLM
 
     from draftsmith.engines import vllm_cpu
@@ -150,7 +149,7 @@ def _engines(target: Path, draft: Path, bench, dtype: str, max_len: int, in_flig
         disable_log_stats=False,
         seed=0,
     )
-    spec = spec_config(draft, target, bench, dtype)
+    spec = spec_config(draft, target, bench, dtype, algorithm)
     if vllm_cpu.is_wrapped(target):  # the bench sends text only: no vision tower is built
         common["language_model_only"] = True
     # the speculative engine last: each engine's Prometheus logger replaces the process-wide
@@ -279,7 +278,7 @@ def run_set(spec_llm, base_llm, prompts: list[list[int]], rows, bench, stops) ->
     return {**levels[0], "by_concurrency": levels}
 
 
-def method_text(bench, threads: int, version: str, algorithm: str = algorithms.DEFAULT) -> str:
+def method_text(bench, threads: int, version: str, algorithm) -> str:
     from draftsmith.config.checks import concurrency_levels
 
     t = float(bench.temperature)
@@ -293,7 +292,7 @@ def method_text(bench, threads: int, version: str, algorithm: str = algorithms.D
     levels = ", ".join(map(str, concurrency_levels(bench.concurrency)))
     return (
         f"vLLM {version} (vllm-cpu, V1 engine in-process, eager): "
-        f"{algorithms.get(algorithm).drafting.format(n=bench.num_steps)}, "
+        f"{algorithm.drafting.format(n=bench.num_steps)}, "
         f"{bench.num_steps} draft tokens per verification pass, {how}, at most "
         f"{bench.max_new_tokens} new tokens per prompt, {levels} request(s) in flight (a "
         f"new request enters as one finishes), on cpu "
@@ -306,9 +305,10 @@ def method_text(bench, threads: int, version: str, algorithm: str = algorithms.D
     )
 
 
-def bench_sets(sets: dict, job, *, target, draft, threads: int):
+def bench_sets(sets: dict, job, *, target, draft, spec, threads: int):
     """The bench stage on vLLM: speculative and plain greedy generation of every set (`job`: the
-    JobSettings of the engine seam, draftsmith.engines)."""
+    JobSettings of the engine seam, draftsmith.engines; `spec`: the draft's algorithm, resolved
+    once by the stage, draftsmith.algorithms.open_draft)."""
     bench = job.bench
     if bench.topk != 1:
         raise SystemExit(f"bench.topk {bench.topk}: the vllm engine benchmarks chains")
@@ -346,7 +346,7 @@ def bench_sets(sets: dict, job, *, target, draft, threads: int):
     max_len = longest + bench.max_new_tokens + bench.num_steps + 8
     dtype = job.target.dtype
     in_flight = max(concurrency_levels(bench.concurrency))
-    spec_llm, base_llm = _engines(target, draft, bench, dtype, max_len, in_flight)
+    spec_llm, base_llm = _engines(target, draft, spec, bench, dtype, max_len, in_flight)
     first = next(iter(sets))
     warm = dataclasses.replace(bench, concurrency=1)
     run_set(spec_llm, base_llm, prompts[first][:1], sets[first][:1], warm, stops)  # warm-up
@@ -356,11 +356,11 @@ def bench_sets(sets: dict, job, *, target, draft, threads: int):
         "backend": "vllm",
         "device": "cpu",
         "threads": n_threads,
-        **_layer_ids(c),
+        **spec.exporter.layer_ids(c),
         "draft_vocab_size": c.get("draft_vocab_size", c["vocab_size"]),
         "vllm_version": vllm.__version__,
         "vllm_cpu_stand_ins": stand_ins,
-        "method": method_text(bench, n_threads, vllm.__version__, algorithms.of_export(c).name),
+        "method": method_text(bench, n_threads, vllm.__version__, spec),
     }
     t = float(bench.temperature)
     if t > 0:
@@ -370,9 +370,3 @@ def bench_sets(sets: dict, job, *, target, draft, threads: int):
             "seed": int(bench.seed),
         }
     return results, info
-
-
-def _layer_ids(c: dict) -> dict:
-    """The draft's aux ids (SGLang numbering) and vLLM's, where its algorithm's export format
-    keeps them (its exporter's `layer_ids`)."""
-    return algorithms.of_export(c).exporter.layer_ids(c)

@@ -33,6 +33,7 @@ import json
 import logging
 from pathlib import Path
 
+from draftsmith import algorithms
 from draftsmith.algorithms.offline import bench_entry as offline_estimate
 from draftsmith.algorithms.offline import text as offline_text
 from draftsmith.bench.figures import bench_figures, pass_floor_text
@@ -475,6 +476,10 @@ def main(argv: list[str] | None = None) -> None:
     tokenizer = load_tokenizer("bench", job, args.target)
     sets, screened = screen_sets(sets, skipped, args.target, job, tokenizer)
     records = read_metrics(args.metrics)
+    try:  # the draft's algorithm, resolved once for every engine
+        opened = algorithms.open_draft(args.draft)
+    except algorithms.AlgorithmError as e:
+        raise SystemExit(str(e)) from None
     try:
         bench_sets = engine("bench", bench.backend)
     except EngineError as e:
@@ -483,7 +488,7 @@ def main(argv: list[str] | None = None) -> None:
     meter = LoadMeter()
     with stop_guard("bench", bench.backend), meter.phase("run"):
         measured, info = bench_sets(
-            sets, job, target=args.target, draft=args.draft, threads=args.threads
+            sets, job, target=args.target, draft=args.draft, spec=opened.spec, threads=args.threads
         )
     results = bench_figures(measured)
     judge_speedups(results, meter.summary(), int(info.get("threads") or args.threads or 1))
