@@ -93,9 +93,10 @@ def one_run(run: Path, threshold: int, steps: int, skip: int) -> dict:
 
 def child(threshold: int, args: list[str]) -> None:
     import draftsmith.train.loop as loop
+    from draftsmith.stages.train import main
 
     loop.MMAP_THRESHOLD = threshold
-    loop.main(args[1:] if args[:1] == ["train-rank"] else args)
+    main(args[1:] if args[:1] == ["train-rank"] else args)
 
 
 def report_of(bench: str, facts, args, load: float, runs: list[dict], **extra) -> dict:

@@ -27,7 +27,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "segment-capture": ("stages.segcapture", "capture one segment (train past the disk)"),
     "segment-train": ("stages.segtrain", "train on one segment, then delete it, or export"),
     "train": ("train.launch", "train the draft: launches one process per rank"),
-    "train-rank": ("train.loop", "one training rank (spawned by `train`)"),
+    "train-rank": ("stages.train", "one training rank (spawned by `train`)"),
     "export": ("algorithms.export", "export a trained draft for the engines, or check one"),
     "bench": ("stages.bench", "measure acceptance on held-out prompts and write the report"),
     "captions": ("bench.captions", "write the report's figure captions"),

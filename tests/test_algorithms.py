@@ -262,7 +262,7 @@ def test_training_an_eagle31_draft(tmp_path):
     from test_train import TRAIN, make_inputs, read_metrics, train_args
 
     from draftsmith.algorithms.export import check_export
-    from draftsmith.train.loop import main
+    from draftsmith.stages.train import main
 
     inputs = make_inputs(tmp_path / "in", n_shards=1, rows=8)
     cfg = {

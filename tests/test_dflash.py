@@ -343,7 +343,7 @@ def test_training_a_dflash_draft(tmp_path):
     from test_train import TRAIN, make_inputs, read_metrics, train_args
 
     from draftsmith.algorithms.export import check_export as check_any
-    from draftsmith.train.loop import main
+    from draftsmith.stages.train import main
 
     inputs = make_inputs(tmp_path / "in", n_shards=1, rows=12)
     cfg = {

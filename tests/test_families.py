@@ -211,7 +211,7 @@ def train_on_tiny_target(
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from draftsmith.engines.hf import capture_shard
-    from draftsmith.train.loop import main as train_main
+    from draftsmith.stages.train import main as train_main
 
     torch.set_num_threads(1)
     vocab, ids, rows, n = SMALL["vocab_size"], list(ids), 24, 32

@@ -208,7 +208,7 @@ def test_train_and_export_on_a_wrapped_target(pair, tmp_path):
     draft as on the plain model, a checked export whose verifier is the wrapper, the speculators
     copy carrying the text model's embedding."""
     from draftsmith.algorithms.export import check_export
-    from draftsmith.train.loop import main as train_main
+    from draftsmith.stages.train import main as train_main
 
     hidden = pair["plain"].parent / "hidden" / "rows_000000-000004.safetensors"
     if not hidden.exists():

@@ -346,7 +346,7 @@ def test_training_an_mla_draft_on_a_deepseek_v3_target(tmp_path):
     from test_train import TRAIN, make_inputs, read_metrics, train_args
 
     from draftsmith.targets.tinymodel import make_tiny_target
-    from draftsmith.train.loop import main
+    from draftsmith.stages.train import main
 
     inputs = make_inputs(tmp_path / "in", n_shards=1, rows=12, aux_ids=[1, 2, 4])
     ours = json.loads((inputs["target"] / "config.json").read_text())
@@ -387,7 +387,7 @@ def test_training_an_mla_draft_on_a_deepseek_v3_target(tmp_path):
 def test_training_refuses_mla_for_a_target_without_mla_fields(tmp_path):
     from test_train import TRAIN, make_inputs, train_args
 
-    from draftsmith.train.loop import main
+    from draftsmith.stages.train import main
 
     inputs = make_inputs(tmp_path / "in", n_shards=1, rows=4)  # a Llama target
     cfg = {

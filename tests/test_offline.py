@@ -192,7 +192,7 @@ def test_compare_and_text_put_the_gap_next_to_the_measured_tau():
 def test_training_writes_the_estimate_from_rows_it_did_not_train_on(tmp_path):
     inputs = make_inputs(tmp_path / "in")
     out = tmp_path / "run"
-    from draftsmith.train.loop import main
+    from draftsmith.stages.train import main
 
     torch.set_num_threads(1)
     offline = ["--offline", str(out / "offline.json")]

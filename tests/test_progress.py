@@ -167,7 +167,7 @@ def test_training_logs_its_progress(tmp_path, caplog, one_thread):
     """train/loop.py: `train: <step>/<total> steps (...)` up to the last step."""
     from test_train import cfg_json, make_inputs, read_metrics, train_args
 
-    from draftsmith.train.loop import main
+    from draftsmith.stages.train import main
 
     inputs = make_inputs(tmp_path / "in", n_shards=1, rows=8)
     cfg = cfg_json(epochs=1, checkpoint_every=0)

@@ -154,7 +154,7 @@ def read_metrics(path: Path) -> list[dict]:
 
 
 def run_train(inputs: dict, out: Path, cfg: str) -> list[dict]:
-    from draftsmith.train.loop import main
+    from draftsmith.stages.train import main
 
     torch.set_num_threads(1)
     main(train_args(inputs, out, cfg))

@@ -129,7 +129,7 @@ def tiny_data(root: Path, target: dict) -> tuple[Path, Path]:
 
 def train_tiny_draft(root: Path, shard: Path, vocab: Path, draft: dict | None) -> None:
     """TTT training of the draft on `shard` into root/results/draft (the export included)."""
-    from draftsmith.train.loop import main as train_main
+    from draftsmith.stages.train import main as train_main
 
     torch.set_num_threads(1)
     k = VOCAB

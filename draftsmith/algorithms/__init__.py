@@ -61,6 +61,13 @@ def of_config(cfg: dict) -> AlgorithmSpec:
     return get((cfg.get("draft") or {}).get("algorithm", DEFAULT))
 
 
+def of_draft(draft_config) -> AlgorithmSpec:
+    """The algorithm a draft model's config names (its `algorithm` field; EAGLE-3 where it has
+    none): for callers handed a draft without its spec (tests, benchmarks); the stages and
+    engines pass the spec they resolved instead."""
+    return get(getattr(draft_config, "algorithm", None) or DEFAULT)
+
+
 def by_keys(c: dict) -> str:
     """The algorithm an exported config.json's keys say (the exports' own markers)."""
     if "dflash_config" in c or "DFlashDraftModel" in (c.get("architectures") or []):

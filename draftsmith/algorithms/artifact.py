@@ -30,6 +30,18 @@ class ExportError(ValueError):
     """The exported draft is not what the engines' loaders will consume."""
 
 
+def read_config(path: Path, error: type[ExportError] = ExportError) -> dict:
+    """An exported draft's JSON file (its config.json) as a dict; `error` naming the file where
+    it cannot be read or is not a JSON object."""
+    try:
+        c = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as e:
+        raise error(f"{path}: not a readable draft config ({e})") from None
+    if not isinstance(c, dict):
+        raise error(f"{path}: not a draft config (a JSON {type(c).__name__}, not an object)")
+    return c
+
+
 def read_provenance(draft_dir) -> dict:
     """The draft's provenance (PROVENANCE beside its weights), or {} for a draft without one."""
     path = Path(draft_dir) / PROVENANCE

@@ -51,7 +51,7 @@ __all__ = [
 
 def spec_of(draft_config, spec: AlgorithmSpec | None) -> AlgorithmSpec:
     """`spec` as given, else the one the draft's config names (its `algorithm`)."""
-    return spec if spec is not None else algorithms.get(draft_config.algorithm)
+    return spec if spec is not None else algorithms.of_draft(draft_config)
 
 
 def target_family(target_dir, cfg, trained_length: int, spec: AlgorithmSpec | None = None) -> dict:
@@ -74,12 +74,10 @@ def export_draft(
 
 def exported_spec(out: Path) -> AlgorithmSpec:
     """The algorithm an exported directory's config.json records (refused when unreadable)."""
-    path = out / "config.json"
     try:
-        c = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise ExportError(f"{path}: not a readable draft config ({e})") from None
-    return algorithms.of_export(c)
+        return algorithms.open_draft(out).spec
+    except algorithms.AlgorithmError as e:
+        raise ExportError(str(e)) from None
 
 
 def check_export(out_dir: str | os.PathLike, metrics: str | os.PathLike | None = None) -> None:
@@ -94,9 +92,10 @@ def check_export(out_dir: str | os.PathLike, metrics: str | os.PathLike | None =
     spec.exporter.check_export(out, metrics, spec=spec)
 
 
-def load_export(out_dir):
-    """The exported draft back as its algorithm's draft module (contract-checked first)."""
-    spec = exported_spec(Path(out_dir))
+def load_export(out_dir, spec: AlgorithmSpec | None = None):
+    """The exported draft back as its algorithm's draft module (contract-checked first), by
+    `spec` where the caller opened the draft already, else the one its config.json records."""
+    spec = spec if spec is not None else exported_spec(Path(out_dir))
     if not (Path(out_dir) / WEIGHTS).is_file():
         raise ExportError(f"{Path(out_dir) / WEIGHTS} is missing")
     return spec.exporter.load_export(out_dir, spec=spec)

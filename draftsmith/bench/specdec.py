@@ -175,11 +175,14 @@ def greedy_generate(
 # --------------------------------------------------------------------------- draft side
 
 
-def draft_runner(draft, model, aux_ids: list[int]):
-    """The draft's side of the loop: its algorithm's decoder (the spec's `decoder`)."""
-    from draftsmith import algorithms
+def draft_runner(draft, model, aux_ids: list[int], spec=None):
+    """The draft's side of the loop: its algorithm's decoder (the spec's `decoder`); `spec` as
+    the caller resolved it (the bench stage opens the draft once), else the one its config
+    names."""
+    if spec is None:
+        from draftsmith import algorithms
 
-    spec = algorithms.get(getattr(draft.config, "algorithm", None) or algorithms.DEFAULT)
+        spec = algorithms.of_draft(draft.config)
     return spec.part("decoder").runner(draft, model, aux_ids)
 
 
@@ -193,9 +196,10 @@ def speculative_generate(
     num_steps: int,
     aux_ids: list[int],
     sampler: Sampler | None = None,
+    spec=None,
 ) -> Trace:
     """Chain speculative decoding (greedy verification, lossless; speculative sampling with
-    `sampler`); returns the trace."""
+    `sampler`); returns the trace. `spec`: the draft's algorithm (`draft_runner`)."""
     from transformers import DynamicCache
 
     if num_steps < 1:
@@ -206,7 +210,7 @@ def speculative_generate(
     logits, aux = target_forward(model, torch.tensor([ids], device=device), cache, aux_ids, True)
     out = trace.tokens
     out.append(_next(logits[-1], sampler))
-    runner = draft_runner(draft, model, aux_ids)
+    runner = draft_runner(draft, model, aux_ids, spec)
     if sampler is not None and not hasattr(runner, "propose_sampled"):
         raise ValueError(
             f"bench.temperature > 0: speculative sampling is not implemented for a "

@@ -27,9 +27,12 @@ def _sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
-def measure_prompt(model, tokenizer, draft, row, index: int, bench, aux_ids, meter) -> tuple:
+def measure_prompt(
+    model, tokenizer, draft, row, index: int, bench, aux_ids, meter, algorithm
+) -> tuple:
     """(record, {"spec": s, "base": s}) of prompt `index` of its set: its speculative and its
-    plain run, each timed (and its load metered) in this process."""
+    plain run, each timed (and its load metered) in this process (`algorithm`: the draft's
+    spec, as the stage resolved it)."""
     from draftsmith.bench.specdec import greedy_generate, prompt_ids, speculative_generate, stop_ids
     from draftsmith.data.prompts import prompt_turns
 
@@ -39,7 +42,9 @@ def measure_prompt(model, tokenizer, draft, row, index: int, bench, aux_ids, met
     # prompt i samples with seed + i on both sides (None: greedy)
     sp, bs = (sampler(bench, index, model.device) for _ in range(2))
     runs = {
-        "spec": lambda: speculative_generate(model, draft, ids, max_new, stops, k, aux_ids, sp),
+        "spec": lambda: speculative_generate(
+            model, draft, ids, max_new, stops, k, aux_ids, sp, algorithm
+        ),
         "base": lambda: greedy_generate(model, ids, max_new, stops, bs),
     }
     results, seconds = {}, {}
@@ -80,11 +85,11 @@ def set_measurements(bench, prompts: list[dict], seconds: list[dict], load: dict
     }
 
 
-def run_set(model, tokenizer, draft, rows, bench, aux_ids: list[int]) -> dict:
+def run_set(model, tokenizer, draft, rows, bench, aux_ids: list[int], algorithm) -> dict:
     """Speculative and baseline generation of every row, timed, in this process."""
     meter = LoadMeter()  # other processes' CPU use while each side was timed
     measured = [
-        measure_prompt(model, tokenizer, draft, row, i, bench, aux_ids, meter)
+        measure_prompt(model, tokenizer, draft, row, i, bench, aux_ids, meter, algorithm)
         for i, row in enumerate(tqdm(rows, desc="prompts", unit="prompt"))
     ]
     records, seconds = [m[0] for m in measured], [m[1] for m in measured]
@@ -114,7 +119,7 @@ def sampler(bench, index: int, device):
     )
 
 
-def warm_up(model, tokenizer, draft, row, bench, aux_ids: list[int]) -> None:
+def warm_up(model, tokenizer, draft, row, bench, aux_ids: list[int], algorithm) -> None:
     """One untimed pass of both paths (allocator, kernels, lazy init)."""
     from draftsmith.bench.specdec import greedy_generate, prompt_ids, speculative_generate, stop_ids
     from draftsmith.data.prompts import prompt_turns
@@ -123,13 +128,13 @@ def warm_up(model, tokenizer, draft, row, bench, aux_ids: list[int]) -> None:
     stops = stop_ids(model, tokenizer)
     n = min(bench.max_new_tokens, 16)
     sp, bs = (sampler(bench, 0, model.device) for _ in range(2))
-    speculative_generate(model, draft, ids, n, stops, bench.num_steps, aux_ids, sp)
+    speculative_generate(model, draft, ids, n, stops, bench.num_steps, aux_ids, sp, algorithm)
     greedy_generate(model, ids, n, stops, bs)
 
 
-def load_models(target_dir: Path, draft_dir: Path, target_dtype: str, device: str):
+def load_models(target_dir: Path, draft_dir: Path, target_dtype: str, device: str, algorithm=None):
     """(target, tokenizer, draft) in `target_dtype` (target.dtype), the draft checked against the
-    target it must serve."""
+    target it must serve (`algorithm`: its spec where the caller resolved it)."""
     from draftsmith.algorithms.export import ExportError, load_export
     from draftsmith.config.checks import aux_layer_ids
     from draftsmith.targets.model import TargetError, load_target
@@ -137,7 +142,7 @@ def load_models(target_dir: Path, draft_dir: Path, target_dtype: str, device: st
     dtype = getattr(torch, target_dtype)
     try:
         model, tokenizer = load_target(target_dir, dtype=dtype, device=device)
-        draft = load_export(draft_dir).to(device=device, dtype=dtype)
+        draft = load_export(draft_dir, spec=algorithm).to(device=device, dtype=dtype)
     except (ExportError, TargetError) as e:
         raise SystemExit(str(e)) from None
     tc, dc = model.config, draft.config
@@ -203,7 +208,7 @@ def pass_floor(target_bytes: int, draft_bytes: int, num_steps: int, spec) -> dic
     return {"draft_share": share, "draft_forwards": forwards, "floor": 1 + forwards * share}
 
 
-def prepare(model, tokenizer, drafter, bench, device: str, warm_row: dict) -> dict:
+def prepare(model, tokenizer, drafter, bench, device: str, warm_row: dict, algorithm) -> dict:
     """Route the linear layers (on a CPU) and warm both paths up on `warm_row`; the facts the
     report needs of the loaded draft: routes, aux ids, draft vocab size, the linear layers'
     bytes of the target and the draft (for pass_floor)."""
@@ -213,7 +218,7 @@ def prepare(model, tokenizer, drafter, bench, device: str, warm_row: dict) -> di
         "draft_vocab_size": drafter.config.draft_vocab_size,
         "linear_bytes": {"target": linear_bytes(model), "draft": linear_bytes(drafter)},
     }
-    warm_up(model, tokenizer, drafter, warm_row, bench, facts["aux_ids"])
+    warm_up(model, tokenizer, drafter, warm_row, bench, facts["aux_ids"], algorithm)
     return facts
 
 

@@ -93,18 +93,19 @@ def worker_main(spec: dict, tasks, results) -> None:
     try:
         # the parent logged the job's wait policy (inherited); this process's thread count:
         torch.set_num_threads(spec["threads"])
+        algorithm = spec["algorithm"]
         model, tokenizer, drafter = load_models(
-            Path(spec["target"]), Path(spec["draft"]), spec["dtype"], "cpu"
+            Path(spec["target"]), Path(spec["draft"]), spec["dtype"], "cpu", algorithm
         )
         bench = spec["bench"]
-        facts = prepare(model, tokenizer, drafter, bench, "cpu", spec["warm_row"])
+        facts = prepare(model, tokenizer, drafter, bench, "cpu", spec["warm_row"], algorithm)
         aux_ids = facts["aux_ids"]
         results.put(("ready", index, facts))
         meters: dict[str, LoadMeter] = {}
         for name, i, row in iter(tasks.get, None):
             meter = meters.setdefault(name, LoadMeter(job=spec["job_pid"]))
             record, seconds = measure_prompt(
-                model, tokenizer, drafter, row, i, bench, aux_ids, meter
+                model, tokenizer, drafter, row, i, bench, aux_ids, meter, algorithm
             )
             results.put(("prompt", name, i, record, seconds))
         results.put(("done", index, {name: m.state() for name, m in meters.items()}))
@@ -152,7 +153,7 @@ def collect(sets: dict, results, procs) -> tuple[dict, dict, dict]:
     return got, meters, facts
 
 
-def run_in_workers(sets: dict, job, target, draft, workers: int, threads: int) -> tuple:
+def run_in_workers(sets: dict, job, target, draft, workers: int, threads: int, spec) -> tuple:
     """(measurements per set, facts of worker 0): the sets measured by `workers` processes of
     threads // workers threads each."""
     import multiprocessing
@@ -170,6 +171,7 @@ def run_in_workers(sets: dict, job, target, draft, workers: int, threads: int) -
         "bench": job.bench,
         "job_pid": os.getpid(),
         "warm_row": next(iter(sets.values()))[0],
+        "algorithm": spec,  # the draft's spec (it pickles: its parts travel as module paths)
     }
     procs = [
         ctx.Process(target=worker_main, args=({**base, "index": i}, tasks, results), daemon=True)
@@ -196,13 +198,14 @@ def run_in_workers(sets: dict, job, target, draft, workers: int, threads: int) -
     return measured, facts
 
 
-def run_in_process(sets: dict, job, target, draft, device: str) -> tuple:
+def run_in_process(sets: dict, job, target, draft, device: str, spec) -> tuple:
     """(measurements per set, facts): the sets measured in this process."""
     bench = job.bench
-    model, tokenizer, drafter = load_models(Path(target), Path(draft), job.target.dtype, device)
-    facts = prepare(model, tokenizer, drafter, bench, device, next(iter(sets.values()))[0])
+    dtype = job.target.dtype
+    model, tokenizer, drafter = load_models(Path(target), Path(draft), dtype, device, spec)
+    facts = prepare(model, tokenizer, drafter, bench, device, next(iter(sets.values()))[0], spec)
     measured = {
-        name: run_set(model, tokenizer, drafter, rows, bench, facts["aux_ids"])
+        name: run_set(model, tokenizer, drafter, rows, bench, facts["aux_ids"], spec)
         for name, rows in sets.items()
     }
     return measured, facts
@@ -232,9 +235,9 @@ def bench_sets(sets: dict, job, *, target, draft, spec, threads: int):
     log.info("bench processes: %d (%s)", workers, why)
     cpu = announce(log, "bench timing", job.target.dtype, "target.dtype", device)
     if workers > 1:
-        measured, facts = run_in_workers(sets, job, target, draft, workers, threads)
+        measured, facts = run_in_workers(sets, job, target, draft, workers, threads, spec)
     else:
-        measured, facts = run_in_process(sets, job, target, draft, device)
+        measured, facts = run_in_process(sets, job, target, draft, device, spec)
     log.info("aux ids %s; device %s", facts["aux_ids"], device)
     info = {
         "backend": "hf",

@@ -31,7 +31,9 @@ from pathlib import Path
 
 import torch
 
+from draftsmith import algorithms
 from draftsmith.algorithms.offline import for_run as offline_estimate
+from draftsmith.algorithms.spec import AlgorithmSpec
 from draftsmith.config.settings import JobSettings
 from draftsmith.config.settings import job as job_settings
 from draftsmith.hidden.segments import plan_segmented, segment_of, step_span
@@ -149,7 +151,7 @@ def start_from(run_dir: Path, key: str, draft, opt, prev: Path | None, first: in
     return pos
 
 
-def train_segment(job: JobSettings, args, progress: Progress) -> None:
+def train_segment(job: JobSettings, args, progress: Progress, spec: AlgorithmSpec) -> None:
     """Run one (epoch, segment) and write its checkpoint to args.out."""
     facts = cpu_facts()
     device = pick_device(args.device)
@@ -158,7 +160,7 @@ def train_segment(job: JobSettings, args, progress: Progress) -> None:
         job.train.precision, device.type, facts, precision_probe(job, args.target, facts)
     )
     shard_paths = sorted(args.shards)
-    inputs = check_inputs(job, shard_paths, args.vocab, args.target, 0)
+    inputs = check_inputs(job, shard_paths, args.vocab, args.target, 0, spec)
     key = segment_key(
         job.given, shard_paths, args.vocab, args.target, precision, args.segment, args.prev
     )
@@ -204,9 +206,9 @@ def train_segment(job: JobSettings, args, progress: Progress) -> None:
     log.info("segment %s done at step %d -> %s", args.segment, pos.step, args.out)
 
 
-def export_last(job: JobSettings, args) -> None:
+def export_last(job: JobSettings, args, spec: AlgorithmSpec) -> None:
     """The draft of the last segment's checkpoint, exported as draftsmith.train.loop exports."""
-    inputs = frozen_inputs(job, args.vocab, args.target)
+    inputs = frozen_inputs(job, args.vocab, args.target, spec)
     draft, opt = build_draft(job, inputs, torch.device("cpu"))
     meta = load_checkpoint(args.ckpt, draft, opt)
     if meta["step"] != meta["total_steps"]:
@@ -269,11 +271,12 @@ def main(argv: list[str] | None = None) -> None:
     if not job.train.segment_rows:
         raise SystemExit("--cfg: train.segment_rows is not set (segment mode needs it)")
     set_threads(args.threads)
+    spec = algorithms.get(job.draft.algorithm)  # resolved once, here, for the command
     if args.command == "export":
-        export_last(job, args)
+        export_last(job, args, spec)
         return
     progress = Progress()
     release_gpu_hosts()  # the capture server's GPUs, held while it waits for the next segment
     with stop_promptly("draftsmith.train.loop", lambda sig: log_stop(progress)):
         bound_cpu_memory()
-        train_segment(job, args, progress)
+        train_segment(job, args, progress, spec)

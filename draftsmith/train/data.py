@@ -24,7 +24,6 @@ import torch
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
-from draftsmith import algorithms
 from draftsmith.algorithms.batches import teacher_ok
 from draftsmith.algorithms.offline import split_rows
 from draftsmith.algorithms.spec import AlgorithmSpec
@@ -164,11 +163,17 @@ class Data:
 
 
 def check_inputs(
-    job: JobSettings, shard_paths: list[Path], vocab_path: Path, target_dir: Path, rank
+    job: JobSettings,
+    shard_paths: list[Path],
+    vocab_path: Path,
+    target_dir: Path,
+    rank,
+    spec: AlgorithmSpec,
 ) -> Inputs:
     """Target pieces, vocabulary and shards, with layer ids and target checked against the
-    manifests and each shard's bytes checked against its checksum (rank 0, `prove_shards`)."""
-    frozen = frozen_inputs(job, vocab_path, target_dir)
+    manifests and each shard's bytes checked against its checksum (rank 0, `prove_shards`).
+    `spec`: the draft's algorithm, resolved once by the stage that runs the training."""
+    frozen = frozen_inputs(job, vocab_path, target_dir, spec)
     d2t = frozen.d2t
     expect = {"aux_layer_ids": frozen.aux_ids, "hidden_size": int(frozen.target_cfg["hidden_size"])}
     if frozen.fingerprint is not None:
@@ -188,7 +193,9 @@ def check_inputs(
     return frozen
 
 
-def frozen_inputs(job: JobSettings, vocab_path: Path, target_dir: Path) -> Inputs:
+def frozen_inputs(
+    job: JobSettings, vocab_path: Path, target_dir: Path, spec: AlgorithmSpec
+) -> Inputs:
     """What training reads besides the shards: target config and pieces, the vocabulary
     (checked against draft.vocab_size), the target's fingerprint; `shards` left empty."""
     whole = json.loads((target_dir / "config.json").read_text())
@@ -204,8 +211,7 @@ def frozen_inputs(job: JobSettings, vocab_path: Path, target_dir: Path) -> Input
     fingerprint = None
     if meta_file.exists():
         fingerprint = json.loads(meta_file.read_text())["fingerprint"]
-    algorithm = algorithms.get(job.draft.algorithm)
-    return Inputs(target_cfg, ids, d2t, t2d, heads, fingerprint, [], algorithm)
+    return Inputs(target_cfg, ids, d2t, t2d, heads, fingerprint, [], spec)
 
 
 def prepare_run(

@@ -37,7 +37,6 @@ since the last checkpoint.
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import math
@@ -45,7 +44,6 @@ import os
 import resource
 import shutil
 import time
-from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -62,16 +60,12 @@ from draftsmith.algorithms.export import (
     verifier_ref,
 )
 from draftsmith.algorithms.offline import for_run as offline_estimate
+from draftsmith.algorithms.spec import AlgorithmSpec
 from draftsmith.config.checks import execution_defaults
 from draftsmith.config.settings import JobSettings, TrainSettings
-from draftsmith.config.settings import job as job_settings
 from draftsmith.runtime import heap
 from draftsmith.runtime.files import (
     atomic_path,
-    init_logging,
-    merge_run,
-    parse_cfg,
-    set_threads,
     sha256_file,
     versions,
 )
@@ -79,7 +73,6 @@ from draftsmith.runtime.finite import check_step
 from draftsmith.runtime.hardware import cpu_facts, resolve_precision
 from draftsmith.runtime.progress import ProgressLog
 from draftsmith.runtime.repair import keep_last_good
-from draftsmith.runtime.stopping import stop_promptly
 from draftsmith.targets.layerids import resolve_setting
 from draftsmith.targets.layout import text_config
 from draftsmith.train.checkpoint import (
@@ -301,6 +294,8 @@ def train(
     device: str | None = None,
     progress: Progress | None = None,
     offline_path: Path | None = None,
+    *,
+    spec: AlgorithmSpec,
 ) -> None:
     tcfg = job.train
     facts = cpu_facts()  # before the process group: it queries the CPU (cpuinfo, AMX)
@@ -315,7 +310,7 @@ def train(
         serve_gate(target_dir, job.draft.serve_check, layer_ids(job, target_dir))
     except (ExportError, ValueError) as e:
         raise SystemExit(str(e)) from None
-    inputs = check_inputs(job, shard_paths, vocab_path, target_dir, rank)
+    inputs = check_inputs(job, shard_paths, vocab_path, target_dir, rank, spec)
     if world > 1:
         torch.distributed.barrier()
     key = run_key(job.given, shard_paths, vocab_path, target_dir, precision)
@@ -480,49 +475,3 @@ def recorded(job: JobSettings) -> JobSettings:
     defaults: the record the trainer wrote before the typed settings."""
     train = {**execution_defaults("train"), **job.given["train"]}
     return replace(job, given={**job.given, "train": train})
-
-
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(
-        prog="python -m draftsmith train-rank",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    ap.add_argument("--cfg", required=True, help="JSON of the train, draft and capture sections")
-    ap.add_argument("--shards", nargs="+", required=True, type=Path)
-    ap.add_argument("--vocab", required=True, type=Path)
-    ap.add_argument("--target", required=True, type=Path)
-    ap.add_argument("--out", required=True, type=Path, help="the exported draft directory")
-    ap.add_argument("--metrics", required=True, type=Path)
-    ap.add_argument("--offline", type=Path, help="results/train/offline_acceptance.json")
-    ap.add_argument("--state", type=Path, default=Path("state/train"))
-    ap.add_argument("--threads", type=int, default=0)
-    ap.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda when available")
-    args = ap.parse_args(argv)
-    init_logging("draftsmith.train.loop")
-    cfg = merge_run(parse_cfg(args.cfg), sections=("train",))  # the x-execution train keys
-    job = recorded(job_settings(cfg, ("train", "draft", "capture")))
-    progress = Progress()
-    # under torchrun (WORLD_SIZE > 1) the elastic agent stops its workers itself (SIGTERM, whose
-    # default action ends a rank at once)
-    single = int(os.environ.get("WORLD_SIZE", "1")) == 1
-    guard = (
-        stop_promptly("draftsmith.train.loop", lambda sig: log_stop(progress))
-        if single
-        else nullcontext()
-    )
-    with guard:
-        set_threads(args.threads)
-        bound_cpu_memory()
-        train(
-            job,
-            sorted(args.shards),
-            args.vocab,
-            args.target,
-            args.out,
-            args.metrics,
-            args.state,
-            args.device,
-            progress,
-            args.offline,
-        )

@@ -21,14 +21,13 @@ an own vocabulary, bias terms), and any tensor it would not consume, miss or mis
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from draftsmith.algorithms.artifact import PROVENANCE, WEIGHTS, ExportError
+from draftsmith.algorithms.artifact import PROVENANCE, WEIGHTS, ExportError, read_config
 from draftsmith.algorithms.dflash.model import DFlashConfig, DFlashDraft
 from draftsmith.algorithms.spec import ALGORITHM_KEY
 from draftsmith.runtime.files import atomic_dir, atomic_write_json
@@ -230,7 +229,7 @@ def check_export(out_dir, metrics=None, *, spec=None) -> None:
     for p in (cfg_path, w_path):
         if not p.is_file():
             raise DFlashExportError(f"{p} is missing")
-    c = json.loads(cfg_path.read_text())
+    c = read_config(cfg_path, DFlashExportError)
     problems = config_problems(c)
     if not problems:
         with safe_open(str(w_path), framework="pt") as f:
@@ -274,7 +273,7 @@ def export_draft(
 def load_export(out_dir, *, spec=None) -> DFlashDraft:
     """The exported draft back as a `DFlashDraft` (contract-checked first)."""
     check_export(out_dir)
-    cfg = config_from_json(json.loads((Path(out_dir) / "config.json").read_text()))
+    cfg = config_from_json(read_config(Path(out_dir) / "config.json", DFlashExportError))
     draft = DFlashDraft(cfg)
     draft.load_state_dict(load_file(str(Path(out_dir) / WEIGHTS)), strict=True)
     return draft.eval()

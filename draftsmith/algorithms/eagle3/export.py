@@ -21,7 +21,6 @@ speculators copy is written, the switches a config read back carries.
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
@@ -31,7 +30,13 @@ from safetensors.torch import save_file
 
 import draftsmith.algorithms.eagle3.contract as draft_contract
 import draftsmith.algorithms.eagle3.contract_mla as draft_contract_mla
-from draftsmith.algorithms.artifact import PROVENANCE, WEIGHTS, ExportError, read_provenance
+from draftsmith.algorithms.artifact import (
+    PROVENANCE,
+    WEIGHTS,
+    ExportError,
+    read_config,
+    read_provenance,
+)
 from draftsmith.algorithms.eagle3.contract import full_vocab, sglang_config, vllm_layer_ids
 from draftsmith.algorithms.eagle3.model import DraftConfig, Eagle3Draft
 from draftsmith.algorithms.spec import AlgorithmSpec, foreign_problems
@@ -94,7 +99,7 @@ def check_export(out_dir, metrics=None, *, spec: AlgorithmSpec) -> None:
     whose metrics end non-finite."""
     out = Path(out_dir)
     w_path = out / WEIGHTS
-    c = json.loads((out / "config.json").read_text())
+    c = read_config(out / "config.json")
     problems = config_problems(c, spec)
     if not problems:
         problems = tensor_problems(c, w_path)
@@ -229,7 +234,7 @@ def speculators_problems(spec_dir: Path, c: dict) -> list[str]:
     cfg_path, w_path = spec_dir / "config.json", spec_dir / WEIGHTS
     if not (cfg_path.is_file() and w_path.is_file()):
         return [f"{spec_dir}: config.json or {WEIGHTS} is missing"]
-    s = json.loads(cfg_path.read_text())
+    s = read_config(cfg_path)
     ids = vllm_layer_ids(c["eagle_config"]["eagle_aux_hidden_state_layer_ids"])
     out = []
     if s.get("eagle_aux_hidden_state_layer_ids") != ids:
@@ -261,7 +266,7 @@ def load_export(out_dir, *, spec: AlgorithmSpec) -> Eagle3Draft:
     from safetensors.torch import load_file
 
     check_export(out_dir, spec=spec)
-    c = json.loads((Path(out_dir) / "config.json").read_text())
+    c = read_config(Path(out_dir) / "config.json")
     cfg = contract(c).config_from_sglang(c, spec)
     draft = Eagle3Draft(cfg)
     state = load_file(str(Path(out_dir) / WEIGHTS))
