@@ -37,7 +37,6 @@ since the last checkpoint.
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import math
@@ -68,6 +67,7 @@ from draftsmith.config.settings import job as job_settings
 from draftsmith.runtime import heap
 from draftsmith.runtime.files import (
     atomic_path,
+    command_parser,
     init_logging,
     merge_run,
     parse_cfg,
@@ -483,11 +483,7 @@ def recorded(job: JobSettings) -> JobSettings:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(
-        prog="python -m draftsmith train-rank",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    ap = command_parser("train-rank", __doc__)
     ap.add_argument("--cfg", required=True, help="JSON of the train, draft and capture sections")
     ap.add_argument("--shards", nargs="+", required=True, type=Path)
     ap.add_argument("--vocab", required=True, type=Path)
