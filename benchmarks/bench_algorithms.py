@@ -43,7 +43,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
-from bench_default import copy_tracked, git_info, machine  # noqa: E402
+from bench_job_threads import copy_tracked, fmt, git_info, machine, table  # noqa: E402
 
 from draftsmith.runtime.files import atomic_write_json, atomic_write_text  # noqa: E402
 
@@ -258,10 +258,6 @@ def verdict(x: dict) -> str:
     return ("yes" if v.get("comparable") else "no") + f" ({v.get('why', '')})"
 
 
-def fmt(v, spec: str = ".3f") -> str:
-    return "n/a" if v is None else format(v, spec)
-
-
 def cell(f: dict, spec: str = ".3f") -> str:
     """mean ± sd [min-max] over seeds."""
     if f["mean"] is None:
@@ -361,10 +357,6 @@ def render_md(r: dict) -> str:
     if r["runs"]:
         lines += ["", r["runs"][0]["method"] or ""]
     return "\n".join(lines) + "\n"
-
-
-def table(header: str, rows: list[str]) -> list[str]:
-    return [f"| {header} |", "|---" * (header.count("|") + 1) + "|", *(f"| {r} |" for r in rows)]
 
 
 def plot(r: dict, path: Path) -> bool:

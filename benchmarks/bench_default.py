@@ -30,9 +30,7 @@ import csv
 import json
 import math
 import os
-import platform
 import re
-import shutil
 import subprocess
 import sys
 import time
@@ -40,6 +38,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
+
+from bench_job_threads import copy_tracked, fmt, git_info, machine, table  # noqa: E402
 
 from draftsmith.runtime.files import atomic_write_json, atomic_write_text  # noqa: E402
 
@@ -52,21 +52,6 @@ TSV_COLUMNS = ("s", "h:m:s", "max_rss", "max_vms", "max_uss", "max_pss", "io_in"
 ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
 PEAK_KEY = {"float32": "fp32", "bfloat16": "bf16", "float16": "bf16"}
 PROGRESS = re.compile(r"^\s*\d+ of \d+ steps|^(local)?rule \w+:|^Error|^Finished")
-
-
-def copy_tracked(repo: Path, workdir: Path) -> int:
-    """Copy the files `git ls-files` lists (working-tree contents) into an empty workdir."""
-    if workdir.exists() and any(workdir.iterdir()):
-        raise SystemExit(f"{workdir}: not empty; a fresh run needs an empty work directory")
-    out = subprocess.run(
-        ["git", "-C", str(repo), "ls-files", "-z"], capture_output=True, check=True
-    ).stdout
-    files = [f for f in out.decode().split("\0") if f and os.path.lexists(repo / f)]
-    for rel in files:
-        dest = workdir / rel
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(repo / rel, dest, follow_symlinks=False)
-    return len(files)
 
 
 def run_logged(cmd: list[str], workdir: Path, log: Path) -> float:
@@ -389,44 +374,6 @@ def decisions(run: Path) -> dict:
     for name, text in (bench.get("linear_routes") or {}).items():
         out[f"bench linear layers ({name})"] = text
     return out
-
-
-def git_info(repo: Path) -> dict:
-    """The commit the run's files came from, and whether tracked files differed from it (the
-    results files benchmarks write are not the run's files)."""
-    git = ["git", "-C", str(repo)]
-    commit = subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True)
-    dirty = subprocess.run(
-        [*git, "status", "--porcelain", "-uno", "--", ".", ":(exclude)benchmarks/results"],
-        capture_output=True, text=True,
-    )  # fmt: skip
-    return {"git_commit": commit.stdout.strip(), "git_dirty": bool(dirty.stdout.strip())}
-
-
-def machine(git: dict) -> dict:
-    import torch
-
-    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    names = [ln.split(":", 1)[1].strip() for ln in info.splitlines() if ln.startswith("model name")]
-    cpu = names[0] if names else platform.processor() or platform.machine()
-    from draftsmith.runtime.hardware import cpu_facts
-
-    facts = cpu_facts().as_dict()
-    return {
-        "cpu": cpu,
-        "cpu_facts": facts,
-        "cores": len(os.sched_getaffinity(0)),
-        "torch": torch.__version__,
-        **git,
-    }
-
-
-def fmt(v, spec: str = ".3f") -> str:
-    return "n/a" if v is None else format(v, spec)
-
-
-def table(header: str, rows: list[str]) -> list[str]:
-    return [f"| {header} |", "|---" * (header.count("|") + 1) + "|", *(f"| {r} |" for r in rows)]
 
 
 def pct(x: float, whole: float) -> str:

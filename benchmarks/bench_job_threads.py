@@ -20,8 +20,10 @@ from __future__ import annotations
 
 import argparse
 import os
+import platform
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -158,6 +160,57 @@ def drop_cache(paths) -> None:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         finally:
             os.close(fd)
+
+
+def copy_tracked(repo: Path, workdir: Path) -> int:
+    """Copy the files `git ls-files` lists (working-tree contents) into an empty workdir."""
+    if workdir.exists() and any(workdir.iterdir()):
+        raise SystemExit(f"{workdir}: not empty; a fresh run needs an empty work directory")
+    out = subprocess.run(
+        ["git", "-C", str(repo), "ls-files", "-z"], capture_output=True, check=True
+    ).stdout
+    files = [f for f in out.decode().split("\0") if f and os.path.lexists(repo / f)]
+    for rel in files:
+        dest = workdir / rel
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(repo / rel, dest, follow_symlinks=False)
+    return len(files)
+
+
+def git_info(repo: Path) -> dict:
+    """The commit the run's files came from, and whether tracked files differed from it (the
+    results files benchmarks write are not the run's files)."""
+    git = ["git", "-C", str(repo)]
+    commit = subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True)
+    dirty = subprocess.run(
+        [*git, "status", "--porcelain", "-uno", "--", ".", ":(exclude)benchmarks/results"],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    return {"git_commit": commit.stdout.strip(), "git_dirty": bool(dirty.stdout.strip())}
+
+
+def machine(git: dict) -> dict:
+    import torch
+
+    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    names = [ln.split(":", 1)[1].strip() for ln in info.splitlines() if ln.startswith("model name")]
+    cpu = names[0] if names else platform.processor() or platform.machine()
+    facts = cpu_facts().as_dict()
+    return {
+        "cpu": cpu,
+        "cpu_facts": facts,
+        "cores": len(os.sched_getaffinity(0)),
+        "torch": torch.__version__,
+        **git,
+    }
+
+
+def fmt(v, spec: str = ".3f") -> str:
+    return "n/a" if v is None else format(v, spec)
+
+
+def table(header: str, rows: list[str]) -> list[str]:
+    return [f"| {header} |", "|---" * (header.count("|") + 1) + "|", *(f"| {r} |" for r in rows)]
 
 
 def write_result(name: str, result: dict, render, out: Path | None = None) -> None:

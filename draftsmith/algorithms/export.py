@@ -12,7 +12,6 @@ CLI: `python -m draftsmith export check results/draft`.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -31,6 +30,7 @@ from draftsmith.algorithms.artifact import (
     verifier_ref,
 )
 from draftsmith.algorithms.spec import AlgorithmSpec
+from draftsmith.runtime.files import subcommand_parser
 from draftsmith.targets import serving
 
 __all__ = [
@@ -102,12 +102,7 @@ def load_export(out_dir, spec: AlgorithmSpec | None = None):
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(
-        prog="python -m draftsmith export",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    sub = ap.add_subparsers(dest="cmd", required=True)
+    ap, sub = subcommand_parser("export", __doc__)
     chk = sub.add_parser("check", help="contract-check an exported draft directory")
     chk.add_argument("draft_dir")
     chk.add_argument(

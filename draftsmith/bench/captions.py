@@ -12,9 +12,10 @@ the rule's captions point there. Templates use `{{ run.bench.num_steps }}` and t
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
+
+from draftsmith.runtime.files import command_parser
 
 TEMPLATES = Path(__file__).resolve().parents[2] / "report"
 CAPTIONS = ("summary", "acceptance", "accept_hist", "report_json", "training")
@@ -44,11 +45,7 @@ def write_captions(report: dict, out_dir: str | Path, templates: Path = TEMPLATE
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(
-        prog="python -m draftsmith captions",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    ap = command_parser("captions", __doc__)
     ap.add_argument("--report", type=Path, required=True, help="results/bench/report.json")
     ap.add_argument("--out", type=Path, required=True, help="results/bench/captions")
     args = ap.parse_args(argv)

@@ -6,12 +6,13 @@ python -m draftsmith config-doc --check docs/config.md  # exit 1 when it is stal
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
 
 import yaml
+
+from draftsmith.runtime.files import command_parser
 
 SCHEMA = Path(__file__).resolve().parent / "config.schema.yaml"
 
@@ -55,11 +56,7 @@ def render(schema: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(
-        prog="python -m draftsmith config-doc",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    ap = command_parser("config-doc", __doc__)
     ap.add_argument("--check", type=Path, metavar="CONFIG_MD", help="compare with this file")
     args = ap.parse_args(argv)
     text = render(yaml.safe_load(SCHEMA.read_text()))

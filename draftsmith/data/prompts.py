@@ -26,7 +26,6 @@ CLI (rule data_report): `python -m draftsmith prompts --cfg <json> --out results
 
 from __future__ import annotations
 
-import argparse
 import gzip
 import importlib.util
 import json
@@ -44,6 +43,7 @@ from draftsmith.data.rows import (
     parse_row,
     shape_of_keys,
 )
+from draftsmith.runtime.files import atomic_write_json, command_parser, init_logging, parse_cfg
 
 FORMATS = ("bundled", *SHAPES, "auto")
 BAD_ROWS_LISTED = 5
@@ -335,13 +335,7 @@ def load_humaneval(n: int = 0) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from draftsmith.runtime.files import atomic_write_json, init_logging, parse_cfg
-
-    ap = argparse.ArgumentParser(
-        prog="python -m draftsmith prompts",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    ap = command_parser("prompts", __doc__)
     ap.add_argument("--cfg", required=True, help="JSON with the data section")
     ap.add_argument("--out", required=True, help="results/data/sources.json")
     args = ap.parse_args(argv)

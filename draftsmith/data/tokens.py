@@ -29,11 +29,12 @@ CLI (rule tokenize): `python -m draftsmith tokens --cfg <json> --rows results/da
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import re
 from pathlib import Path
+
+from draftsmith.runtime.files import atomic_path, command_parser, init_logging, parse_cfg
 
 log = logging.getLogger("draftsmith.data.tokens")
 # the reasoning block of a thinking reply, before its answer (Qwen3, DeepSeek-R1, Kimi-K2.5)
@@ -284,8 +285,6 @@ def write_tokens(path, tensors: dict, stats: dict) -> None:
     import numpy as np
     from safetensors.numpy import save_file
 
-    from draftsmith.runtime.files import atomic_path
-
     meta = {"format": "draftsmith.data.tokens/1", "stats": json.dumps(stats)}
     arrays = {k: np.ascontiguousarray(np.asarray(v)) for k, v in tensors.items()}
     with atomic_path(path) as tmp:
@@ -344,13 +343,7 @@ def read_rows_jsonl(path) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from draftsmith.runtime.files import init_logging, parse_cfg
-
-    ap = argparse.ArgumentParser(
-        prog="python -m draftsmith tokens",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    ap = command_parser("tokens", __doc__)
     ap.add_argument("--cfg", required=True, help="JSON with the data section")
     ap.add_argument("--rows", required=True, help="results/data/rows_<a>-<b>.jsonl")
     ap.add_argument("--target", required=True, help="target HF directory (tokenizer)")

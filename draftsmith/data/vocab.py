@@ -21,10 +21,11 @@ CLI (rule vocab): `python -m draftsmith vocab --cfg <json> --target results/targ
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 from pathlib import Path
+
+from draftsmith.runtime.files import atomic_path, command_parser, init_logging, parse_cfg
 
 log = logging.getLogger("draftsmith.data.vocab")
 
@@ -113,8 +114,6 @@ def check_vocab(d2t, t2d) -> None:
 def save_vocab(path, vocab: dict, meta: dict) -> None:
     from safetensors.torch import save_file
 
-    from draftsmith.runtime.files import atomic_path
-
     with atomic_path(path) as tmp:
         save_file(vocab, str(tmp), metadata={"format": "draftsmith.data.vocab/1", **meta})
 
@@ -144,13 +143,7 @@ def target_vocab_size(target_dir) -> int:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from draftsmith.runtime.files import init_logging, parse_cfg
-
-    ap = argparse.ArgumentParser(
-        prog="python -m draftsmith vocab",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    ap = command_parser("vocab", __doc__)
     ap.add_argument("--cfg", required=True, help="JSON with the draft section")
     ap.add_argument("--target", required=True, help="target HF directory (config.json)")
     ap.add_argument("--out", required=True, help="results/vocab/vocab.safetensors")

@@ -14,7 +14,6 @@ shards still to build do not fit.
 
 from __future__ import annotations
 
-import argparse
 import json
 import shutil
 import struct
@@ -22,7 +21,7 @@ import sys
 from pathlib import Path
 
 from draftsmith.config.checks import aux_layer_count, range_name
-from draftsmith.runtime.files import atomic_write_json, parse_cfg
+from draftsmith.runtime.files import atomic_write_json, command_parser, parse_cfg
 
 
 class PlanError(ValueError):
@@ -208,11 +207,7 @@ def offline_summary(plan: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(
-        prog="python -m draftsmith plan",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    ap = command_parser("plan", __doc__)
     ap.add_argument("--cfg", required=True, help="JSON with the `capture` section")
     ap.add_argument("--target", type=Path, required=True)
     ap.add_argument("--out", type=Path, required=True, help="results/hidden/plan.json")

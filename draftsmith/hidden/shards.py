@@ -34,7 +34,6 @@ mode implies, so a compact shard can never be misread as plain states.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import struct
@@ -45,7 +44,7 @@ import numpy as np
 import torch
 
 from draftsmith.hidden.storage import StorageError, StoredStates, check_layout
-from draftsmith.runtime.files import crc32_buffer, sha256_file
+from draftsmith.runtime.files import crc32_buffer, sha256_file, subcommand_parser
 
 CONVENTION = "sglang:output_of_layer"
 NORM = "post"
@@ -306,12 +305,7 @@ def verify_dir(directory, delete: bool = False) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(
-        prog="python -m draftsmith shards",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    sub = ap.add_subparsers(dest="cmd", required=True)
+    ap, sub = subcommand_parser("shards", __doc__)
     v = sub.add_parser("verify", help="check sha256 and structure of every shard in a directory")
     v.add_argument("directory", type=Path)
     v.add_argument(

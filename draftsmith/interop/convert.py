@@ -30,7 +30,6 @@ another mode (e.g. one captured with `final: trained` into float8 + top-k, on a 
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import re
@@ -55,6 +54,7 @@ from draftsmith.interop.common import (
     write_shard,
     write_sidecar,
 )
+from draftsmith.runtime.files import subcommand_parser
 
 SPECFORGE_GROUP = 2000
 
@@ -240,12 +240,7 @@ def to_specforge(shard_path: Path, out: Path, group: int) -> int:
 def main(argv: list[str] | None = None) -> None:
     from draftsmith.interop import speculators as sp
 
-    ap = argparse.ArgumentParser(
-        prog="python -m draftsmith convert",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    sub = ap.add_subparsers(dest="cmd", required=True)
+    ap, sub = subcommand_parser("convert", __doc__)
     for name in ("to-speculators", "to-specforge"):
         p = sub.add_parser(name, help=f"write a draftsmith shard in {name[3:]}'s layout")
         p.add_argument(

@@ -6,6 +6,7 @@ DAG-build time with only the standard library and pyyaml.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import fcntl
 import glob
@@ -29,6 +30,23 @@ def init_logging(name: str) -> logging.Logger:
         stream=sys.stderr,
     )
     return logging.getLogger(name)
+
+
+def command_parser(command: str, doc: str | None, **kwargs) -> argparse.ArgumentParser:
+    """The parser of `python -m draftsmith <command>`: its module's docstring `doc` as the
+    description, laid out as written."""
+    return argparse.ArgumentParser(
+        prog=f"python -m draftsmith {command}",
+        description=doc,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        **kwargs,
+    )
+
+
+def subcommand_parser(command: str, doc: str | None, dest: str = "cmd"):
+    """`command_parser` with a required subcommand (named in `dest`): (parser, its subparsers)."""
+    ap = command_parser(command, doc)
+    return ap, ap.add_subparsers(dest=dest, required=True)
 
 
 def fsync_dir(path: Path) -> None:

@@ -44,6 +44,7 @@ from draftsmith.runtime.files import (
     atomic_path,
     atomic_write_json,
     atomic_write_text,
+    command_parser,
     init_logging,
     merge_run,
     parse_cfg,
@@ -416,11 +417,7 @@ def plot_training(records: list[dict], path: Path) -> None:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(
-        prog="python -m draftsmith bench",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    ap = command_parser("bench", __doc__)
     ap.add_argument("--cfg", required=True, help="JSON with the bench, data and target sections")
     ap.add_argument("--draft", required=True, type=Path, help="results/draft")
     ap.add_argument("--target", required=True, type=Path, help="results/target")

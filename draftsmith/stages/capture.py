@@ -22,7 +22,6 @@ the same kind of message instead of a traceback, and the temp file is removed.
 
 from __future__ import annotations
 
-import argparse
 import errno
 import shutil
 from pathlib import Path
@@ -34,7 +33,7 @@ from draftsmith.config.checks import parse_range
 from draftsmith.hidden.capture_base import CaptureError
 from draftsmith.hidden.shards import STORAGE_DTYPES, ShardError
 from draftsmith.hidden.storage import Storage, StorageError
-from draftsmith.runtime.files import init_logging, merge_run, parse_cfg, versions
+from draftsmith.runtime.files import command_parser, init_logging, merge_run, parse_cfg, versions
 
 DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 
@@ -104,11 +103,7 @@ def draft_vocab_ids(storage: Storage, vocab: Path | None):
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(
-        prog="python -m draftsmith capture",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    ap = command_parser("capture", __doc__)
     ap.add_argument("--cfg", required=True, help="JSON with the `capture` and `target` sections")
     ap.add_argument(
         "--tokens", type=Path, required=True, help="results/tokens/rows_<a>-<b>.safetensors"

@@ -28,14 +28,13 @@ compatibility layer on, here and in the server launcher `draftsmith.engines.sgla
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
 from pathlib import Path
 
 from draftsmith.engines.sglang_cpu import ROLE as SGLANG_CPU_ROLE
-from draftsmith.runtime.files import atomic_write_bytes, atomic_write_json
+from draftsmith.runtime.files import atomic_write_bytes, atomic_write_json, subcommand_parser
 from draftsmith.runtime.pins import (  # noqa: F401  (EnvError, read_pins, stamp_key: this command's API)
     EnvError,
     canonical,
@@ -175,12 +174,7 @@ def sglang_cpu_check(role: str, python: str) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(
-        prog="python -m draftsmith env",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    sub = p.add_subparsers(dest="cmd", required=True)
+    p, sub = subcommand_parser("env", __doc__)
     c = sub.add_parser("check", help="prove an interpreter matches a role's pins (validate_env)")
     c.add_argument("--role", required=True, help="role name (envs/<role>.txt)")
     c.add_argument("--pins", type=Path, required=True, help="envs/<role>.txt")

@@ -13,11 +13,11 @@ CLI (rule regenerate): `python -m draftsmith regenerate --cfg <json> --range row
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 
 from draftsmith.data.regenerate import MissingAnswerError, copy_answers, dropped_ids
+from draftsmith.runtime.files import command_parser
 
 log = logging.getLogger("draftsmith.stages.regenerate")
 
@@ -105,11 +105,7 @@ def main(argv: list[str] | None = None) -> None:
         versions,
     )
 
-    ap = argparse.ArgumentParser(
-        prog="python -m draftsmith regenerate",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    ap = command_parser("regenerate", __doc__)
     ap.add_argument("--cfg", required=True, help="JSON with the data and regenerate sections")
     ap.add_argument("--range", required=True, help="rows_<a>-<b>")
     ap.add_argument("--target", required=True, help="target HF directory")

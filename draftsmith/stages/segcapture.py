@@ -25,7 +25,6 @@ no capture uses it.
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import logging
@@ -35,7 +34,7 @@ import sys
 from pathlib import Path
 
 from draftsmith.hidden.shards import manifest_path
-from draftsmith.runtime.files import atomic_write_json, init_logging, sha256_file
+from draftsmith.runtime.files import atomic_write_json, command_parser, init_logging, sha256_file
 
 log = logging.getLogger("draftsmith.stages.capture")
 HEADER_KEY = "__metadata__"
@@ -137,12 +136,7 @@ def capture_argv(argv: list[str] | None, args) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(
-        prog="python -m draftsmith segment-capture",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        add_help=False,
-    )
+    ap = command_parser("segment-capture", __doc__, add_help=False)
     ap.add_argument("--reference-dir", type=Path, default=Path("state/segments"))
     ap.add_argument("--server-dir", type=Path, default=Path("state/servers"))
     ap.add_argument("--last-capture", action="store_true")

@@ -21,7 +21,6 @@ checkpoint. `export` turns the last checkpoint into the SGLang draft like drafts
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import logging
@@ -45,6 +44,7 @@ from draftsmith.runtime.files import (
     remove_stale_temps,
     set_threads,
     sha256_file,
+    subcommand_parser,
     versions,
 )
 from draftsmith.runtime.hardware import cpu_facts, resolve_precision
@@ -235,12 +235,7 @@ def export_last(job: JobSettings, args, spec: AlgorithmSpec) -> None:
 
 
 def parse_args(argv):
-    ap = argparse.ArgumentParser(
-        prog="python -m draftsmith segment-train",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    sub = ap.add_subparsers(dest="command", required=True)
+    ap, sub = subcommand_parser("segment-train", __doc__, dest="command")
     for name in ("train", "export"):
         p = sub.add_parser(name)
         p.add_argument("--cfg", required=True, help="JSON of the train, draft and capture sections")

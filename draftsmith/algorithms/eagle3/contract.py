@@ -112,11 +112,20 @@ def config_from_sglang(c: dict, spec: AlgorithmSpec) -> DraftConfig:
     problems = config_problems(c)
     if problems:
         raise ContractError("; ".join(problems))
+    return draft_config(
+        c,
+        spec,
+        num_key_value_heads=c.get("num_key_value_heads", c["num_attention_heads"]),
+        head_dim=c.get("head_dim", c["hidden_size"] // c["num_attention_heads"]),
+    )
+
+
+def draft_config(c: dict, spec: AlgorithmSpec, **heads) -> DraftConfig:
+    """The DraftConfig of checked config.json `c`'s fields every EAGLE-3 contract shares, for
+    algorithm `spec`; `heads`: the contract's own (key/value heads, head width, attention)."""
     return DraftConfig(
         hidden_size=c["hidden_size"],
         num_attention_heads=c["num_attention_heads"],
-        num_key_value_heads=c.get("num_key_value_heads", c["num_attention_heads"]),
-        head_dim=c.get("head_dim", c["hidden_size"] // c["num_attention_heads"]),
         intermediate_size=c["intermediate_size"],
         vocab_size=c["vocab_size"],
         draft_vocab_size=c["draft_vocab_size"],
@@ -129,6 +138,7 @@ def config_from_sglang(c: dict, spec: AlgorithmSpec) -> DraftConfig:
         hidden_act=c.get("hidden_act", "silu"),
         algorithm=spec.name,
         **spec.draft,
+        **heads,
     )
 
 

@@ -31,6 +31,7 @@ import re
 import draftsmith.algorithms.eagle3.mla as mla
 from draftsmith.algorithms.eagle3.contract import (
     ContractError,
+    draft_config,
     eagle3_config,
     replay_loader,
     switch_params,
@@ -65,23 +66,11 @@ def config_from_sglang(c: dict, spec: AlgorithmSpec) -> DraftConfig:
     problems = config_problems(c)
     if problems:
         raise ContractError("; ".join(problems))
-    return DraftConfig(
-        hidden_size=c["hidden_size"],
-        num_attention_heads=c["num_attention_heads"],
+    return draft_config(
+        c,
+        spec,
         num_key_value_heads=c["num_attention_heads"],
         head_dim=c["v_head_dim"],
-        intermediate_size=c["intermediate_size"],
-        vocab_size=c["vocab_size"],
-        draft_vocab_size=c["draft_vocab_size"],
-        aux_layer_ids=list(c["eagle_config"]["eagle_aux_hidden_state_layer_ids"]),
-        target_hidden_size=c.get("target_hidden_size", c["hidden_size"]),
-        rms_norm_eps=c["rms_norm_eps"],
-        rope_theta=c["rope_theta"],
-        rope_scaling=c.get("rope_scaling"),
-        max_position_embeddings=c["max_position_embeddings"],
-        hidden_act=c["hidden_act"],
-        algorithm=spec.name,
-        **spec.draft,
         attention="mla",
         mla={k: c[k] for k in mla.KEYS},
     )
