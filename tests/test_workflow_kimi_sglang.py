@@ -258,7 +258,7 @@ def test_sglang_serves_the_checkpoint_as_shipped_through_its_processor(projects,
 
     from draftsmith.bench.specdec import greedy_generate, prompt_ids
     from draftsmith.data.prompts import prompt_turns
-    from draftsmith.engines import sglang_cpu
+    from draftsmith.engines.sglang import cpu as sglang_cpu
     from draftsmith.engines.server import ServerSpec, Supervisor
     from draftsmith.targets.model import load_target
 
