@@ -38,8 +38,8 @@ sys.path.insert(0, str(ROOT))
 from bench_job_threads import write_result  # noqa: E402
 
 from draftsmith.data.regenerate import regenerate  # noqa: E402
-from draftsmith.engines.hf.engine import HFGenerator  # noqa: E402
 from draftsmith.engines.hf.attention import use_decode_attention  # noqa: E402
+from draftsmith.engines.hf.engine import HFGenerator  # noqa: E402
 from draftsmith.runtime import gemm  # noqa: E402
 from draftsmith.runtime.files import set_threads  # noqa: E402
 from draftsmith.runtime.hardware import cpu_facts  # noqa: E402

@@ -123,8 +123,8 @@ def capture_job(role: str) -> dict:
 
 def patched_times(args, spec, tokens, job, work, dump_dir, expect, rows) -> dict:
     """Alternating plain and capture passes on one patched server in capture mode."""
-    from draftsmith.engines.sglang import capture as sc
     from draftsmith.engines.server import Supervisor
+    from draftsmith.engines.sglang import capture as sc
 
     n_rows = tokens["row_offsets"].numel() - 1
     times = {"plain": [], "capture": []}
@@ -166,8 +166,8 @@ def stock_spec(job, target: Path, ids: list[int], dump_dir: Path):
 
 def stock_times(args, stock, tokens, job, dump_dir, expect, rows) -> list[float]:
     """Plain passes on the stock server."""
-    from draftsmith.engines.sglang import capture as sc
     from draftsmith.engines.server import Supervisor
+    from draftsmith.engines.sglang import capture as sc
 
     times = []
     with Supervisor(stock, retries=0) as sup:

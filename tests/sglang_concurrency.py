@@ -26,8 +26,8 @@ from pathlib import Path
 from safetensors.torch import load_file
 
 from draftsmith.config import settings
-from draftsmith.engines.sglang import capture as sc
 from draftsmith.engines.server import Supervisor
+from draftsmith.engines.sglang import capture as sc
 from draftsmith.engines.sglang.patch import load_patched
 from draftsmith.hidden.writer import ShardWriter
 

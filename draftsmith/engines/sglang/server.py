@@ -23,8 +23,8 @@ import sys
 from pathlib import Path
 
 from draftsmith.config.settings import SGLangSettings
-from draftsmith.engines.sglang import cpu as sglang_cpu
 from draftsmith.engines.server import ServerSpec
+from draftsmith.engines.sglang import cpu as sglang_cpu
 from draftsmith.runtime.lifeline import ENV as RUN_ENV
 from draftsmith.runtime.serverhosts import ROOT as SERVERS
 
