@@ -29,7 +29,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from draftsmith.engines.hf import capture_shard, pad_rows  # noqa: E402
+from draftsmith.engines.hf.engine import capture_shard, pad_rows  # noqa: E402
 from draftsmith.hidden.capture_base import plan_batches  # noqa: E402
 from draftsmith.runtime.hardware import cpu_facts  # noqa: E402
 

@@ -118,7 +118,7 @@ def decode_all(args, cfg: dict, clock, ks: list[int], rows: list) -> dict:
 
     from draftsmith.bench import specdec
     from draftsmith.data.prompts import prompt_turns
-    from draftsmith.engines.hf import load_models
+    from draftsmith.engines.hf.engine import load_models
 
     model, tokenizer, draft = load_models(
         Path(args.target), Path(args.draft), cfg["target"]["dtype"], "cpu"

@@ -4,7 +4,7 @@ One process, the embedded target (SmolLM2-135M-Instruct, `results/target`) and a
 default's shape: the trained export at `--draft` when it exists, else a randomly initialised
 EAGLE-3 draft built from the target's config as training builds one (one decoder layer, a
 `--draft-vocab`-token head; cost does not depend on the weights, acceptance does). The target's
-linear layers are routed two ways, as the bench stage does (`draftsmith.engines.hf_bench.
+linear layers are routed two ways, as the bench stage does (`draftsmith.engines.hf.bench.
 route_linears`): `before`, F.linear or the transposed product at every row count; `after`, the
 verification's K + 1 rows may also take oneDNN's prepacked form. Per repetition, both ways
 alternating (the order flipped every repetition), each of a few fixed chat prompts is decoded
@@ -68,7 +68,7 @@ def random_draft(model, vocab: int, aux_ids: list[int]):
 
 def load(args):
     """(target, tokenizer, draft, where the draft came from)."""
-    from draftsmith.engines.hf_bench import load_models
+    from draftsmith.engines.hf.bench import load_models
     from draftsmith.targets.model import load_target
 
     if (Path(args.draft) / "config.json").exists():
@@ -95,7 +95,7 @@ def install(routing: dict) -> None:
 
 def routings(model, draft, k: int) -> dict:
     """{way: (target routing, summary)}; the draft routed once (the same both ways)."""
-    from draftsmith.engines.hf_bench import route_linears
+    from draftsmith.engines.hf.bench import route_linears
 
     out = {}
     for way in WAYS:

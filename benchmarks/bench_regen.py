@@ -81,7 +81,7 @@ def run_variants(args, model, tokenizer, prompts) -> list[dict]:
     """Regenerate the prompts at every (batch size, dtype) variant; the first is the baseline."""
     import torch
 
-    from draftsmith.engines.hf import HFGenerator
+    from draftsmith.engines.hf.engine import HFGenerator
 
     clock = time.process_time if args.clock == "cpu" else time.perf_counter
     variants = [(int(b), "float32") for b in args.batch_sizes.split(",")]

@@ -3,7 +3,7 @@
 Loads a finished default run's target (`--from-run`, results/target), left-pads `--rows` prompts
 of random ids (100 tokens, padding of 0 to 59 tokens per row) and generates `--new` tokens per
 row greedily, as the regenerate stage does, with the model's own `sdpa` attention and with
-draftsmith.engines.hf_attention (one query per row as two batched products over the grouped
+draftsmith.engines.hf.attention (one query per row as two batched products over the grouped
 heads), in bfloat16 and in float32, the two alternating, best of `--reps`. Reports the wall time
 of each, the speed of the decode attention against sdpa, and how many generated rows are
 identical (they differ in rounding only; in bfloat16 a near tie can flip a token and the rest
@@ -28,7 +28,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from draftsmith.engines.hf_attention import use_decode_attention  # noqa: E402
+from draftsmith.engines.hf.attention import use_decode_attention  # noqa: E402
 from draftsmith.runtime.files import atomic_write_json, atomic_write_text, set_threads  # noqa: E402
 from draftsmith.runtime.hardware import cpu_facts  # noqa: E402
 from draftsmith.targets.model import load_target  # noqa: E402

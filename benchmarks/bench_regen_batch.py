@@ -38,8 +38,8 @@ sys.path.insert(0, str(ROOT))
 from bench_job_threads import write_result  # noqa: E402
 
 from draftsmith.data.regenerate import regenerate  # noqa: E402
-from draftsmith.engines.hf import HFGenerator  # noqa: E402
-from draftsmith.engines.hf_attention import use_decode_attention  # noqa: E402
+from draftsmith.engines.hf.attention import use_decode_attention  # noqa: E402
+from draftsmith.engines.hf.engine import HFGenerator  # noqa: E402
 from draftsmith.runtime import gemm  # noqa: E402
 from draftsmith.runtime.files import set_threads  # noqa: E402
 from draftsmith.runtime.hardware import cpu_facts  # noqa: E402
@@ -95,7 +95,7 @@ def render(result: dict) -> str:
         f"CPU {result['cpu']}, {result['threads']} threads; the default's target in "
         f"{result['dtype']}; the {result['rows']} conversations of {RANGE} (every user turn, "
         "follow-ups included), 96 new tokens at most per reply (greedy), decode attention of "
-        f"draftsmith.engines.hf_attention; best of {result['reps']} round(s); 1-min load "
+        f"draftsmith.engines.hf.attention; best of {result['reps']} round(s); 1-min load "
         f"average {result['load_before']:.2f} -> {result['load_after']:.2f}.",
         "",
         "| cache | batch | linear layers | s | speed | new tokens | batches | identical "

@@ -163,7 +163,7 @@ def main() -> None:
 
     from draftsmith.bench import specdec
     from draftsmith.data.prompts import load_sources
-    from draftsmith.engines.hf import load_models
+    from draftsmith.engines.hf.engine import load_models
     from draftsmith.runtime.files import atomic_write_json, atomic_write_text, set_threads, versions
 
     set_threads(args.threads)

@@ -51,7 +51,7 @@ def plain_pass(url: str, rc, rows: list[int], concurrency: int) -> float:
 
 
 def capture_pass(sup, tokens, job, out: Path, dump_dir: Path, expect, rows, concurrency) -> float:
-    from draftsmith.engines import sglang_capture as sc
+    from draftsmith.engines.sglang import capture as sc
     from draftsmith.hidden.writer import ShardWriter
 
     class Bar:
@@ -89,7 +89,7 @@ def parse_args() -> argparse.Namespace:
 
 def build_overlay(work: Path) -> dict:
     """The patched sglang overlay under work; its build record (patch id)."""
-    from draftsmith.engines.sglang_patch import build
+    from draftsmith.engines.sglang.patch import build
 
     (work / "pins.txt").write_text("sglang==0.5.23\n")
     patch_dir = ROOT / "patches" / "sglang-0.5.23"
@@ -123,8 +123,8 @@ def capture_job(role: str) -> dict:
 
 def patched_times(args, spec, tokens, job, work, dump_dir, expect, rows) -> dict:
     """Alternating plain and capture passes on one patched server in capture mode."""
-    from draftsmith.engines import sglang_capture as sc
     from draftsmith.engines.server import Supervisor
+    from draftsmith.engines.sglang import capture as sc
 
     n_rows = tokens["row_offsets"].numel() - 1
     times = {"plain": [], "capture": []}
@@ -148,7 +148,7 @@ def patched_times(args, spec, tokens, job, work, dump_dir, expect, rows) -> dict
 
 def stock_spec(job, target: Path, ids: list[int], dump_dir: Path):
     """The stock server: the same launch without the overlay, the dump dir and capture mode."""
-    from draftsmith.engines import sglang_capture as sc
+    from draftsmith.engines.sglang import capture as sc
 
     stock = sc.capture_server_spec(job, target, 1, ids, dump_dir, "")
     stock_cmd = stock.command
@@ -166,8 +166,8 @@ def stock_spec(job, target: Path, ids: list[int], dump_dir: Path):
 
 def stock_times(args, stock, tokens, job, dump_dir, expect, rows) -> list[float]:
     """Plain passes on the stock server."""
-    from draftsmith.engines import sglang_capture as sc
     from draftsmith.engines.server import Supervisor
+    from draftsmith.engines.sglang import capture as sc
 
     times = []
     with Supervisor(stock, retries=0) as sup:
@@ -181,7 +181,7 @@ def stock_times(args, stock, tokens, job, dump_dir, expect, rows) -> list[float]
 
 def measure(args, tokens, ids: list[int], hidden: int) -> dict:
     """Seconds of every pass: plain and capture (patched server), stock_plain (stock server)."""
-    from draftsmith.engines import sglang_capture as sc
+    from draftsmith.engines.sglang import capture as sc
 
     n_rows = tokens["row_offsets"].numel() - 1
     lengths = (tokens["row_offsets"][1:] - tokens["row_offsets"][:-1]).tolist()

@@ -33,7 +33,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench_job_threads import drop_cache  # noqa: E402
 
-from draftsmith.engines.hf import (  # noqa: E402
+from draftsmith.engines.hf.engine import (  # noqa: E402
     capture_shard,
     decoder_parts,
     forward_states,
@@ -48,7 +48,7 @@ from draftsmith.interop.speculators import to_speculators  # noqa: E402
 CAPTURE_RSS = """
 import sys, torch
 sys.path.insert(0, {root!r})
-from draftsmith.engines.hf import capture_shard
+from draftsmith.engines.hf.engine import capture_shard
 from draftsmith.targets.model import load_target
 torch.set_num_threads({threads})
 model, _ = load_target({target!r})

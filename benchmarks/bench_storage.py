@@ -129,7 +129,7 @@ def shard_manifest(f: Path, rows: int, fingerprint: str, n_layers: int, ids: lis
 def capture_run(results: Path, work: Path, cfg: dict, token_files: list, modes: list) -> dict:
     from draftsmith.config.checks import aux_layer_ids
     from draftsmith.data.vocab import load_vocab
-    from draftsmith.engines.hf import forward_states, pad_rows
+    from draftsmith.engines.hf.engine import forward_states, pad_rows
     from draftsmith.targets.model import fingerprint, load_target, target_config
 
     target = results / "target"
@@ -416,7 +416,7 @@ def heldout_tau(run: Path, results: Path, cfg: dict, threads: int) -> dict:
     from draftsmith.bench.specdec import prompt_ids, speculative_generate, stop_ids, summarize
     from draftsmith.config.settings import job
     from draftsmith.data.prompts import prompt_turns
-    from draftsmith.engines.hf import load_models
+    from draftsmith.engines.hf.engine import load_models
     from draftsmith.stages.bench import load_sets
 
     done = run / "tau.json"

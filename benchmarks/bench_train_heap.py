@@ -12,7 +12,7 @@ there to stop). The drafts written must be byte-identical: the threshold moves m
 results.
 
 With `--stage capture` it does the same for the run's first capture job (`python -m draftsmith
-capture` with the hf engine, draftsmith.engines.hf.CAPTURE_HEAP): glibc's own dynamic
+capture` with the hf engine, draftsmith.engines.hf.engine.CAPTURE_HEAP): glibc's own dynamic
 thresholds against the fixed ones given as `mmap:trim` MiB pairs, the capture's own timing
 (its log line) per run, and the shards must be byte-identical.
 
@@ -130,7 +130,7 @@ def capture_args(run: Path, out: Path) -> list[str]:
 
 def capture_child(setting: str, args: list[str]) -> None:
     """Run the capture with `setting` ("glibc": the thresholds left alone, else "mmap:trim")."""
-    import draftsmith.engines.hf as hf
+    import draftsmith.engines.hf.engine as hf
     import draftsmith.runtime.heap as heap
     from draftsmith.cli import main as cli
 

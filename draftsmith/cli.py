@@ -20,7 +20,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "regenerate": ("stages.regenerate", "regenerate a row range's replies with the target"),
     "tokens": ("data.tokens", "tokenize a row range under the chat template, with its loss mask"),
     "vocab": ("data.vocab", "count token frequencies and write the draft vocabulary map"),
-    "sglang-patch": ("engines.sglang_patch", "install and verify the patched SGLang"),
+    "sglang-patch": ("engines.sglang.patch", "install and verify the patched SGLang"),
     "plan": ("hidden.plan", "plan capture: shard sizes, disk and memory, before any job"),
     "capture": ("stages.capture", "capture one shard's hidden states from the target"),
     "shards": ("hidden.shards", "verify or inspect hidden-state shards"),
@@ -34,7 +34,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "convert": ("interop.convert", "convert drafts and data from and to SpecForge, speculators"),
     "config-doc": ("config.doc", "write or check docs/config.md from the schema"),
     "shared-server": ("engines.sharedserver", "host one engine server for a whole run"),
-    "sglang-selfcheck": ("engines.sglang_cpu.selfcheck", "check SGLang's CPU layer loads"),
+    "sglang-selfcheck": ("engines.sglang.cpu.selfcheck", "check SGLang's CPU layer loads"),
 }
 
 

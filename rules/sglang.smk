@@ -3,7 +3,7 @@
 # PYTHONPATH). Refuses an SGLang other than the role's pin, or an install whose patched files
 # are not the pinned wheel's. Every capture job depends on patched.json (rules/hidden.smk).
 
-from draftsmith.engines.sglang_patch import rule_inputs as patch_inputs
+from draftsmith.engines.sglang.patch import rule_inputs as patch_inputs
 
 
 rule patch_sglang:

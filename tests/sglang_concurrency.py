@@ -26,9 +26,9 @@ from pathlib import Path
 from safetensors.torch import load_file
 
 from draftsmith.config import settings
-from draftsmith.engines import sglang_capture as sc
 from draftsmith.engines.server import Supervisor
-from draftsmith.engines.sglang_patch import load_patched
+from draftsmith.engines.sglang import capture as sc
+from draftsmith.engines.sglang.patch import load_patched
 from draftsmith.hidden.writer import ShardWriter
 
 PREFILL = re.compile(r"Prefill batch.*#new-seq: (\d+),.*#queue-req: (\d+)")

@@ -16,7 +16,7 @@ import signal
 import sys
 import threading
 
-from draftsmith.engines import sglang_capture as sc
+from draftsmith.engines.sglang import capture as sc
 from draftsmith.stages import capture
 
 FAULTS = json.loads(os.environ.get("DRAFTSMITH_FAULTS", "{}"))

@@ -43,15 +43,15 @@ ALLOWED = {
         "the registry: each name's folder, and the keys that tell an export written before it "
         "recorded its algorithm",
     ),
-    "draftsmith/engines/sglang_capture.py": (
+    "draftsmith/engines/sglang/capture.py": (
         {"eagle3"},
         "SGLang captures aux states through its EAGLE3 mode, whatever the draft's algorithm",
     ),
-    "draftsmith/engines/sglang.py": (
+    "draftsmith/engines/sglang/engine.py": (
         {"eagle3"},
         "the report's server keys and log name, kept so reports compare across versions",
     ),
-    "draftsmith/engines/sglang_cpu/*": (
+    "draftsmith/engines/sglang/cpu/*": (
         {"eagle3"},
         "SGLang's own module and class names the CPU layer patches",
     ),

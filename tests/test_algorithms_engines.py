@@ -31,7 +31,7 @@ from test_algorithms import export, tiny
 
 from draftsmith.algorithms.eagle3.model import KVCache
 from draftsmith.algorithms.export import load_export
-from draftsmith.engines.sglang_cpu import server_env
+from draftsmith.engines.sglang.cpu import server_env
 
 pytestmark = pytest.mark.slow
 

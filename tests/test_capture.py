@@ -12,7 +12,7 @@ from safetensors.torch import save_file
 from wf import planned_jobs, snakemake, tiny_config, with_defaults, write_config
 
 from draftsmith.config.checks import aux_layer_ids
-from draftsmith.engines.hf import capture_shard, forward_states, pad_rows
+from draftsmith.engines.hf.engine import capture_shard, forward_states, pad_rows
 from draftsmith.hidden.capture_base import plan_batches
 from draftsmith.hidden.shards import open_shard
 from draftsmith.stages.capture import main

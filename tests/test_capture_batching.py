@@ -4,7 +4,7 @@ A shard captured with rows batched together (capture.batch_tokens large) must ho
 tensors of the same rows captured one per batch (batch_tokens 1): token ids, loss masks, aux and
 final states (or the top-k teacher), bit for bit. Padding must not leak into a real token's
 states: the pad id changes nothing. `pad_rows` rounds the padded length to a multiple of 16,
-which is what makes torch's CPU kernels give identical bits (engines/hf.py, PAD_MULTIPLE);
+which is what makes torch's CPU kernels give identical bits (engines/hf/engine.py, PAD_MULTIPLE);
 without it rows differed by up to 2e-6 in float32. A mixture-of-experts target in a float32
 forward is the measured exception (an ulp or two, pinned by the last test).
 """
@@ -15,7 +15,7 @@ import pytest
 import torch
 from test_capture import random_tokens
 
-from draftsmith.engines.hf import PAD_MULTIPLE, capture_shard, forward_states, pad_rows
+from draftsmith.engines.hf.engine import PAD_MULTIPLE, capture_shard, forward_states, pad_rows
 from draftsmith.hidden.capture_base import plan_batches
 from draftsmith.hidden.shards import _read_header, open_shard
 from draftsmith.hidden.storage import Storage

@@ -8,7 +8,7 @@ import shutil
 import pytest
 import torch
 
-from draftsmith.engines.hf import capture_shard
+from draftsmith.engines.hf.engine import capture_shard
 from draftsmith.hidden.shards import manifest_path, open_shard
 from draftsmith.interop.common import ConvertError, apply_norm, final_norm, load_legacy, remove_norm
 from draftsmith.interop.convert import main, specforge_path

@@ -6,9 +6,10 @@ and the `Snakefile`: identifiers and string literals, not comments or docstrings
 an engine when one of its words (split at `_`, `.`, `-`, spaces, ...) is an engine's name (the
 keys of `draftsmith.engines.ENGINES`). It may do so only in:
 
-- the engine's own files: `draftsmith/engines/<name>.py`, `draftsmith/engines/<name>_*.py`
-  and `rules/<name>.smk` (rules that build the engine's own inputs, e.g. the capture patch),
-  and the Snakefile's `include: "rules/<name>.smk"`;
+- the engine's own files: its folder `draftsmith/engines/<name>/` (its engine module and
+  helpers, e.g. SGLang's capture patch and CPU layer) and `rules/<name>.smk` (rules that build
+  the engine's own inputs, e.g. the capture patch), and the Snakefile's
+  `include: "rules/<name>.smk"`;
 - the registry, `draftsmith/engines/__init__.py`, and its table below the engines,
   `draftsmith/config/engines.py` (backend name -> module);
 - the places `ALLOWED` lists, each with its reason.
@@ -35,14 +36,6 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # path pattern (relative to the root) -> (engine names it may use, why)
 ALLOWED = {
-    "draftsmith/engines/sglang_cpu/*": (
-        {"sglang"},
-        "the SGLang CPU compatibility layer: part of the engine's role sglang-cpu",
-    ),
-    "draftsmith/engines/sglang_patch.py": (
-        {"sglang"},
-        "the CLI of rule patch_sglang (rules/sglang.smk): the engine's capture input",
-    ),
     "draftsmith/stages/env.py": (
         {"sglang"},
         "validate_env's self-check of the SGLang CPU layer for role sglang-cpu",
@@ -162,11 +155,7 @@ def named_engines(text: str, engines) -> set[str]:
 
 
 def own_files(engine: str) -> tuple[str, ...]:
-    return (
-        f"draftsmith/engines/{engine}.py",
-        f"draftsmith/engines/{engine}_*.py",
-        f"rules/{engine}.smk",
-    )
+    return (f"draftsmith/engines/{engine}/*", f"rules/{engine}.smk")
 
 
 def may_name(rel: str, engine: str, text: str) -> bool:

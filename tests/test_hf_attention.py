@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from draftsmith.engines.hf_attention import DECODE, grouped_decode, use_decode_attention
+from draftsmith.engines.hf.attention import DECODE, grouped_decode, use_decode_attention
 
 
 def reference(q, k, v, mask, scale):
@@ -67,7 +67,7 @@ def test_generation_through_decode_attention_matches_sdpa():
     use_decode_attention(model)
     assert model.config._attn_implementation == DECODE
     calls = []
-    import draftsmith.engines.hf_attention as ha
+    import draftsmith.engines.hf.attention as ha
 
     own = ha.grouped_decode
     try:

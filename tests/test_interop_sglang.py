@@ -139,8 +139,8 @@ def test_sglang_sampling_on_cpu_verifies_greedily(trained):
     (eagle_utils._verify_uses_greedy is true on CPU), so a speculative output whose sampled
     prefill token is greedy's is greedy's whole (greedy: our engine's outputs, which the
     served-equality matrix shows SGLang's equal). A new SGLang version fails here on purpose:
-    check the behaviour again and update engines/sglang.py's CPU_GREEDY_VERIFY."""
-    from draftsmith.engines.sglang import CPU_GREEDY_VERIFY
+    check the behaviour again and update engines/sglang/engine.py's CPU_GREEDY_VERIFY."""
+    from draftsmith.engines.sglang.engine import CPU_GREEDY_VERIFY
 
     python = role_python("sglang-cpu")
     bench = {**BENCH, "concurrency": [1, 4], "backend": "sglang"}
@@ -203,14 +203,14 @@ def server_args(log: str, name: str) -> dict[str, str]:
 def test_sglang_sampling_counters_consistent(trained):
     """Temperature 0.2 through SGLang's bench stage on the trained draft (PROMPTS, 32 tokens,
     one request at a time): the outputs are not compared (sampled), the run says it sampled
-    and that SGLang 0.5.23 verifies greedily on CPU (engines/sglang.py's CPU_GREEDY_VERIFY),
+    and that SGLang 0.5.23 verifies greedily on CPU (engines/sglang/engine.py's CPU_GREEDY_VERIFY),
     and SGLang's per-request counters are consistent (trained.assert_sound_counters) with a tau
     over 1: the draft's proposals are accepted in a sampled run. Why 0.2: on CPU only the
     prefill's token is sampled, and this tiny target is nearly flat at 1.0 (its first token's
     top probability 0.04 to 0.56 on PROMPTS), so at 1.0 nearly every output starts off the
     path the draft was trained on (measured: 1 proposal accepted in 91 passes on 4 prompts);
     at 0.2 (top probability 0.49 to 1.0) most start on it."""
-    from draftsmith.engines.sglang import CPU_GREEDY_VERIFY
+    from draftsmith.engines.sglang.engine import CPU_GREEDY_VERIFY
 
     hot = {**BENCH, "temperature": 0.2, "top_p": 1.0}
     run = sglang_bench(trained, hot, PROMPTS)

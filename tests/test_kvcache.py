@@ -7,7 +7,7 @@ from test_hf_attention import tiny_gqa_model
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from draftsmith.engines.hf_attention import use_decode_attention
+from draftsmith.engines.hf.attention import use_decode_attention
 from draftsmith.runtime.kvcache import SlabLayer, slab_cache
 
 

@@ -149,7 +149,7 @@ def test_other_layouts_and_refusals(tmp_path):
 def test_hf_capture_of_a_wrapped_target_equals_the_plain_one(pair, tmp_path):
     """The capture CLI (engine hf) on the wrapped model: shards with the same states bit for
     bit, while the wrapper's vision tensors are never read into the model."""
-    from draftsmith.engines.hf import decoder_parts
+    from draftsmith.engines.hf.engine import decoder_parts
     from draftsmith.stages.capture import main
     from draftsmith.targets.model import load_target
 

@@ -34,7 +34,7 @@ from test_mla import YARN, tiny_mla
 
 from draftsmith.algorithms.eagle3 import contract_mla as draft_contract_mla
 from draftsmith.algorithms.export import export_draft, load_export
-from draftsmith.engines.sglang_cpu import server_env
+from draftsmith.engines.sglang.cpu import server_env
 
 pytestmark = pytest.mark.slow
 

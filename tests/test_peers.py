@@ -118,7 +118,7 @@ def test_export_gives_our_logits_through_peer_loaders(project, tmp_path):
 @pytest.fixture(scope="module")
 def shard(project, tmp_path_factory):
     """A captured bf16 shard of 3 rows (global rows 0..2) from the tiny target."""
-    from draftsmith.engines.hf import capture_shard
+    from draftsmith.engines.hf.engine import capture_shard
     from draftsmith.targets.model import fingerprint
 
     root, target, model = project

@@ -74,7 +74,7 @@ def test_a_logged_bar_counts_in_the_bar_and_the_log(caplog):
 
 
 def test_sglang_regeneration_logs_replies_done_of_total_and_rate(monkeypatch, caplog):
-    from draftsmith.engines import sglang
+    from draftsmith.engines.sglang import engine as sglang
 
     class Tokenizer:
         def apply_chat_template(self, turns, **_):
@@ -104,7 +104,7 @@ def test_sglang_regeneration_logs_replies_done_of_total_and_rate(monkeypatch, ca
 
 
 def test_sglang_capture_counts_rows_through_the_logged_bar(caplog):
-    from draftsmith.engines.sglang_capture import run_rows
+    from draftsmith.engines.sglang.capture import run_rows
 
     class Rows:
         writer = SimpleNamespace(manifest={"row_range": [0, 6]})
@@ -179,12 +179,12 @@ def test_training_logs_its_progress(tmp_path, caplog, one_thread):
 
 
 def test_hf_regeneration_logs_its_progress(tiny_target, caplog, one_thread):
-    """engines/hf.py: `regenerate: <done>/<prompts> prompts (...)` after each batch."""
+    """engines/hf/engine.py: `regenerate: <done>/<prompts> prompts (...)` after each batch."""
     import torch
     from test_regenerate import PROMPTS
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from draftsmith.engines.hf import HFGenerator
+    from draftsmith.engines.hf.engine import HFGenerator
 
     tok = AutoTokenizer.from_pretrained(tiny_target)
     model = AutoModelForCausalLM.from_pretrained(tiny_target, dtype=torch.float32).eval()
@@ -200,10 +200,10 @@ def test_hf_regeneration_logs_its_progress(tiny_target, caplog, one_thread):
 
 
 def test_hf_capture_logs_its_progress(tiny_target, tmp_path, caplog, one_thread):
-    """engines/hf.py: `capture <range>: <done>/<rows> rows (...)` as the batches finish."""
+    """engines/hf/engine.py: `capture <range>: <done>/<rows> rows (...)` as the batches finish."""
     from test_capture import load, random_tokens
 
-    from draftsmith.engines.hf import capture_shard
+    from draftsmith.engines.hf.engine import capture_shard
 
     model = load(tiny_target)
     tokens = random_tokens(model.config.vocab_size, [7, 19, 4, 11, 16], seed=3)

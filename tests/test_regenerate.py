@@ -9,7 +9,7 @@ import pytest
 from wf import with_defaults
 
 from draftsmith.data.regenerate import MissingAnswerError, copy_answers, dropped_ids, regenerate
-from draftsmith.engines.hf import HFGenerator
+from draftsmith.engines.hf.engine import HFGenerator
 
 
 def _conv(cid, *turns):

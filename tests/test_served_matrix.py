@@ -235,7 +235,7 @@ def sglang_dflash_launch(tmp_path: Path) -> tuple[int, str]:
 
     from draftsmith.algorithms.dflash.export import export_draft
     from draftsmith.algorithms.dflash.model import DFlashConfig, DFlashDraft
-    from draftsmith.engines.sglang_cpu import LAUNCH_ARGS, server_env
+    from draftsmith.engines.sglang.cpu import LAUNCH_ARGS, server_env
     from draftsmith.targets.tinymodel import make_tiny_target
 
     target = make_tiny_target(tmp_path / "target", num_layers=4, hidden_size=128)

@@ -21,7 +21,7 @@ import roles
 import torch
 from wf import with_defaults
 
-from draftsmith.engines.sglang_capture import DumpError, ids_crc32, read_dump
+from draftsmith.engines.sglang.capture import DumpError, ids_crc32, read_dump
 
 ROOT = Path(__file__).resolve().parents[1]
 PATCH = ROOT / "patches" / "sglang-0.5.23" / "draftsmith-capture.patch"
@@ -305,7 +305,7 @@ def test_tiny_deepseek_v3_through_the_cpu_server(tmp_path_factory, capture_setup
     """A 6-layer DeepSeek-V3-shaped model (MLA, MoE, YaRN rope as in DeepSeek-V3 and Kimi-K2.5)
     in the patched server on CPU: SGLang's deepseek_v2 loads, the patch records the captured
     layers (ids [1, 2, 4] -> inputs of [2, 3, 5]) and, with `torch_native` registered in
-    SGLang's DeepSeek attention dispatch (draftsmith.engines.sglang_cpu.mla), every forward takes the
+    SGLang's DeepSeek attention dispatch (draftsmith.engines.sglang.cpu.mla), every forward takes the
     absorbed MLA path: the shard equals the hf capture of the same rows. Stock SGLang 0.5.23
     fails the first prefill here (`Expected size for first two dimensions of batch2 tensor`:
     its MHA prefill path reads MLA's latent KV cache)."""
@@ -359,7 +359,7 @@ def test_dump_server_refuses_radix_cache_and_chunked_prefill(capture_setup, tmp_
 import json, sys
 from pathlib import Path
 from draftsmith.config import settings
-from draftsmith.engines import sglang_capture as sc
+from draftsmith.engines.sglang import capture as sc
 from draftsmith.engines.server import ServerError, Supervisor
 job = settings.stage_job(json.loads(sys.argv[1]), "capture")
 spec = sc.capture_server_spec(job, Path(sys.argv[2]), 1, {AUX_IDS!r}, Path(sys.argv[3]),
@@ -393,7 +393,7 @@ except ServerError as e:
 def test_capture_launch_never_lets_a_prompt_be_prefilled_in_part():
     """What keeps the dump server from meeting SGLang's refusal above: the capture launch always
     turns the radix cache and chunked prefill off, and prefills one row per forward."""
-    from draftsmith.engines.sglang_capture import ONE_ROW_PER_FORWARD, capture_args
+    from draftsmith.engines.sglang.capture import ONE_ROW_PER_FORWARD, capture_args
 
     args = capture_args([1, 2, 4])
     assert "--disable-radix-cache" in args

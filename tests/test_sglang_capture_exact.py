@@ -141,7 +141,7 @@ def test_the_capture_launch_prefills_one_row_per_forward(tmp_path):
     prefill forward, after `sglang.extra_args`, so that a user's own value there loses (SGLang
     parses its flags with argparse: the last one wins)."""
     from draftsmith.config import settings
-    from draftsmith.engines.sglang_capture import capture_server_spec
+    from draftsmith.engines.sglang.capture import capture_server_spec
 
     cfg = with_defaults({
         "capture": {"backend": "sglang", "role": "sglang-cpu"},

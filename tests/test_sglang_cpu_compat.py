@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from draftsmith.engines.sglang_cpu import LAUNCH_ARGS, OVERLAY, server_env
-from draftsmith.engines.sglang_cpu.kernels import (
+from draftsmith.engines.sglang.cpu import LAUNCH_ARGS, OVERLAY, server_env
+from draftsmith.engines.sglang.cpu.kernels import (
     FULL_MASK,
     QLEN_ONLY,
     assign_draft_cache_locs_contiguous_cpu,
@@ -198,7 +198,7 @@ def test_server_env_puts_overlay_first_and_turns_the_cpu_engine_on():
 
 
 def test_torchvision_schemas_are_declared_once():
-    from draftsmith.engines.sglang_cpu.hook import (
+    from draftsmith.engines.sglang.cpu.hook import (
         TORCHVISION_SCHEMAS,
         _has_schema,
         declare_torchvision_ops,
@@ -215,7 +215,7 @@ def test_mla_registration_answers_sglangs_own_mla_choice():
     and keeps a registration SGLang made itself."""
     from types import SimpleNamespace
 
-    from draftsmith.engines.sglang_cpu import mla
+    from draftsmith.engines.sglang.cpu import mla
 
     def fresh():
         class Registry:
@@ -247,7 +247,7 @@ def test_mla_registration_answers_sglangs_own_mla_choice():
 
 
 def test_the_hook_patches_sglangs_deepseek_dispatch_module():
-    from draftsmith.engines.sglang_cpu import hook
+    from draftsmith.engines.sglang.cpu import hook
 
     assert hook.MLA_REGISTRY in hook.PATCHED_MODULES
     assert hook.MLA_REGISTRY == "sglang.srt.models.deepseek_common.attention_backend_handler"
@@ -259,7 +259,7 @@ def test_the_mla_draft_shares_the_embedding_without_a_cuda_synchronize():
     and leaves torch.cuda.synchronize as it was."""
     from types import SimpleNamespace
 
-    from draftsmith.engines.sglang_cpu import hook, mla
+    from draftsmith.engines.sglang.cpu import hook, mla
 
     class Draft:
         def set_embed(self, embed):

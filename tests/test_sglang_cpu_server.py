@@ -29,7 +29,7 @@ from wf import ROOT
 from draftsmith.algorithms.eagle3.model import DraftConfig, Eagle3Draft
 from draftsmith.algorithms.export import export_draft, target_embedding, verifier_ref
 from draftsmith.engines.server import ServerSpec, Supervisor, http_json, server_processes
-from draftsmith.engines.sglang_cpu import LAUNCH_ARGS, OVERLAY, server_env
+from draftsmith.engines.sglang.cpu import LAUNCH_ARGS, OVERLAY, server_env
 from draftsmith.stages.env import check
 from draftsmith.targets.tinymodel import make_tiny_target
 

@@ -15,8 +15,8 @@ from draftsmith import algorithms
 from draftsmith.bench.figures import set_figures
 from draftsmith.config import settings
 from draftsmith.engines import implements
-from draftsmith.engines import sglang as eng
-from draftsmith.engines.sglang_server import server_spec
+from draftsmith.engines.sglang import engine as eng
+from draftsmith.engines.sglang.server import server_spec
 from draftsmith.runtime.files import merge_run
 
 SGLANG = {"tp_size": 2, "extra_args": ["--max-total-tokens", "4096"], "port": 0}
@@ -35,7 +35,7 @@ def cfg(role: str) -> settings.JobSettings:
 
 def test_the_engine_gets_its_section_typed_with_the_run_settings():
     s = cfg("sglang").engine
-    assert isinstance(s, eng.SETTINGS)
+    assert isinstance(s, settings.SGLangSettings)
     assert {k: settings.plain(getattr(s, k)) for k in {**SGLANG, **RUN}} == {**SGLANG, **RUN}
     assert s.idle_timeout == 3600 and s.shared_server == "auto"  # not given: the schema's
     with pytest.raises(SystemExit, match="--cfg has no 'sglang' section"):
@@ -47,7 +47,7 @@ def test_sglang_implements_regenerate_and_bench():
 
 
 def test_gpu_role_launches_stock_sglang(tmp_path, monkeypatch):
-    monkeypatch.delitem(sys.modules, "draftsmith.engines.sglang_cpu", raising=False)
+    monkeypatch.delitem(sys.modules, "draftsmith.engines.sglang.cpu", raising=False)
     spec = server_spec(cfg("sglang"), "regenerate", target=tmp_path, threads=4)
     argv = spec.command(12345)
     assert argv[:3] == [sys.executable, "-m", "sglang.launch_server"]
@@ -56,7 +56,7 @@ def test_gpu_role_launches_stock_sglang(tmp_path, monkeypatch):
     assert argv[-2:] == ["--max-total-tokens", "4096"]
     assert "--device" not in argv and "--dtype" not in argv  # the checkpoint's dtype on GPUs
     assert "SGLANG_USE_CPU_ENGINE" not in spec.env and "PYTHONPATH" not in spec.env
-    assert "draftsmith.engines.sglang_cpu" not in sys.modules  # never imported for a GPU role
+    assert "draftsmith.engines.sglang.cpu" not in sys.modules  # never imported for a GPU role
 
 
 def test_pythonpath_entries_go_first(tmp_path, monkeypatch):
@@ -71,7 +71,7 @@ def test_cpu_role_gets_the_compatibility_layer(tmp_path):
     spec = server_spec(cfg("sglang-cpu"), "regenerate", target=tmp_path, threads=2)  # tp 2
     argv = spec.command(1)
     assert spec.env["SGLANG_USE_CPU_ENGINE"] == "1"
-    assert spec.env["PYTHONPATH"].split(":")[0].endswith("draftsmith/engines/sglang_cpu/overlay")
+    assert spec.env["PYTHONPATH"].split(":")[0].endswith("draftsmith/engines/sglang/cpu/overlay")
     assert argv[argv.index("--device") + 1] == "cpu"
     assert argv[argv.index("--dtype") + 1] == "float32"
 

@@ -99,7 +99,7 @@ def test_overlay_patched_files_real_rest_symlinked(tmp_path):
     assert set(record["files"]) == {"sglang/mod.py", "sglang/x_dump.py"}
     assert len(record["patch_hash"]) == 64
 
-    from draftsmith.engines.sglang_patch import PatchError, load_patched
+    from draftsmith.engines.sglang.patch import PatchError, load_patched
 
     cwd = os.getcwd()
     os.chdir(tmp_path)
@@ -146,7 +146,7 @@ def test_refuses_patch_that_does_not_apply(tmp_path):
 
 def test_pristine_hashes_cover_every_changed_file():
     """Every file the real patch changes has the pinned wheel's hash; only the dump is new."""
-    from draftsmith.engines.sglang_patch import patch_files, read_pristine
+    from draftsmith.engines.sglang.patch import patch_files, read_pristine
 
     touched = patch_files(sorted(PATCH_DIR.glob("*.patch")))
     pristine = read_pristine(PATCH_DIR / "pristine.sha256")

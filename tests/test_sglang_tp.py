@@ -1,7 +1,7 @@
 """Capture through the patched SGLang CPU server at `sglang.tp_size` 2: two ranks, one dump writer.
 
 The fast tests check how a CPU server of several ranks shares its job's threads and cores
-(`draftsmith.engines.sglang_cpu.rank_threads`, which `server_spec` applies) and what it refuses.
+(`draftsmith.engines.sglang.cpu.rank_threads`, which `server_spec` applies) and what it refuses.
 The slow test (`slow` + `sglang`) captures the same tiny target's rows with `tp_size` 1 and 2
 and compares both shards with the hf shard within the capture tests' tolerance; a hook in every
 server process records each dump written, with its process and TP rank, so the test sees that
@@ -22,7 +22,7 @@ import torch
 from test_sglang_capture import AUX_IDS, CPU_SERVER_ARGS, assert_same_shard, prepare
 from wf import with_defaults
 
-from draftsmith.engines import sglang_cpu
+from draftsmith.engines.sglang import cpu as sglang_cpu
 
 ROOT = Path(__file__).resolve().parents[1]
 ROWS = 6  # rows_000010-000016
@@ -63,7 +63,7 @@ sys.meta_path.insert(0, Finder())
 # The capture stage, with the hook's folder put first on the server's PYTHONPATH.
 CLIENT = """
 import os, sys
-from draftsmith.engines import sglang_capture as sc
+from draftsmith.engines.sglang import capture as sc
 from draftsmith.stages import capture
 real = sc.capture_server_spec
 def capture_server_spec(*a, **kw):
@@ -100,7 +100,7 @@ def test_server_spec_binds_the_ranks_of_a_cpu_server(tmp_path):
         "sglang": {"tp_size": 2},
     })  # fmt: skip
     job = settings.stage_job(cfg, "capture")
-    from draftsmith.engines.sglang_server import server_spec
+    from draftsmith.engines.sglang.server import server_spec
 
     cpus = sorted(os.sched_getaffinity(0))
     if len(cpus) < 2:

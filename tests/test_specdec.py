@@ -125,7 +125,7 @@ def test_packed_verification_routes_only_the_verify_rows_and_stays_lossless(targ
     everywhere: only the target's verification rows (num_steps + 1) take it, greedy's single
     row and the draft keep F.linear/transposed; the outputs still equal greedy's and the
     accepted lengths are those of the unrouted run."""
-    from draftsmith.engines.hf_bench import route_linears
+    from draftsmith.engines.hf.bench import route_linears
     from draftsmith.runtime import gemm
 
     if gemm.pack(torch.zeros(4, 4), 3) is None:
@@ -427,7 +427,7 @@ def test_bench_workers_measure_what_one_process_does(target, tiny_target, tmp_pa
 
 
 def test_bench_worker_count():
-    from draftsmith.engines.hf_bench_pool import worker_count
+    from draftsmith.engines.hf.bench_pool import worker_count
 
     gib = 2**30
     assert worker_count("auto", "cpu", 2, 24, gib, 20 * gib)[0] == 2
@@ -448,7 +448,7 @@ def test_a_failing_bench_worker_ends_the_job_with_its_error(target, tiny_target,
 
     from draftsmith import algorithms
     from draftsmith.config import settings
-    from draftsmith.engines.hf_bench_pool import bench_sets
+    from draftsmith.engines.hf.bench_pool import bench_sets
 
     model, _ = target
     argv, _ = _bench_inputs(tmp_path, tiny_target, model, num_heldout=2)
@@ -473,7 +473,7 @@ def test_pass_floor_counts_linear_bytes_once_and_a_block_drafter_once():
     storage: counted as the linear layer, not twice) and skips embeddings; a chain drafter's
     floor counts num_steps forwards, a block drafter's (DFlash) one."""
     from draftsmith import algorithms
-    from draftsmith.engines.hf_bench import linear_bytes, pass_floor
+    from draftsmith.engines.hf.bench import linear_bytes, pass_floor
 
     class Toy(torch.nn.Module):
         def __init__(self, width: int, tied: bool):

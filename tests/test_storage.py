@@ -397,7 +397,7 @@ def test_capture_fp8_topk_matches_model(tiny_target, tmp_path):
     """capture_shard in the compact mode: top-k of the model's own logits, float8 aux states."""
     from transformers import AutoModelForCausalLM
 
-    from draftsmith.engines.hf import capture_shard, forward_states
+    from draftsmith.engines.hf.engine import capture_shard, forward_states
 
     model = AutoModelForCausalLM.from_pretrained(tiny_target, dtype=torch.float32).eval()
     g = torch.Generator().manual_seed(3)

@@ -225,7 +225,7 @@ def test_hf_regeneration_renders_with_the_switch(tiny_target):
     """The hf engine's prompts carry the switch (regenerate.thinking disabled)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from draftsmith.engines.hf import HFGenerator
+    from draftsmith.engines.hf.engine import HFGenerator
 
     tok = AutoTokenizer.from_pretrained(tiny_target)
     tok.chat_template = QWEN3

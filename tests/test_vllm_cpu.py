@@ -1,7 +1,7 @@
 """Fast checks of what the vLLM CPU path needs from a Kimi-K2.5-wrapped target, without vLLM:
 the tiny wrapper ships what vLLM's Kimi-K2.5 class reads before it serves text
 (draftsmith.targets.tinymodel.wrap_target), and the kernel-scan stand-in
-(draftsmith.engines.vllm_cpu._rebind_kernels) swaps kernels where vLLM's own scan does while
+(draftsmith.engines.vllm.cpu._rebind_kernels) swaps kernels where vLLM's own scan does while
 skipping an object whose `__getattr__` answers `__dict__`, as llvmlite's `ffi.lib` does. The
 serving itself: tests/test_served_matrix.py and tests/test_engines_mla.py (vLLM role)."""
 
@@ -12,7 +12,7 @@ import shutil
 import sys
 import types
 
-from draftsmith.engines import vllm_cpu
+from draftsmith.engines.vllm import cpu as vllm_cpu
 from draftsmith.targets.tinymodel import make_tiny_target, wrap_target
 
 # what vLLM 0.32.0's fused Kimi-K2.5 image processor reads from media_proc_cfg

@@ -77,8 +77,8 @@ def test_the_wheel_holds_every_subpackage_and_its_data(installed):
     )
     assert set(want) <= set(out["mods"]), sorted(set(want) - set(out["mods"]))
     for name in ("config/config.schema.yaml", "data/prompts.jsonl",
-                 "engines/sglang_cpu/overlay/sitecustomize.py",
-                 "engines/sglang_cpu/overlay/sgl_kernel/__init__.py"):  # fmt: skip
+                 "engines/sglang/cpu/overlay/sitecustomize.py",
+                 "engines/sglang/cpu/overlay/sgl_kernel/__init__.py"):  # fmt: skip
         assert name in out["data"], (name, out["data"])
 
 

@@ -258,8 +258,8 @@ def test_sglang_serves_the_checkpoint_as_shipped_through_its_processor(projects,
 
     from draftsmith.bench.specdec import greedy_generate, prompt_ids
     from draftsmith.data.prompts import prompt_turns
-    from draftsmith.engines import sglang_cpu
     from draftsmith.engines.server import ServerSpec, Supervisor
+    from draftsmith.engines.sglang import cpu as sglang_cpu
     from draftsmith.targets.model import load_target
 
     python, src = role_python("sglang-cpu"), projects["src"]

@@ -78,7 +78,7 @@ def tiny_data(root: Path, target: dict) -> tuple[Path, Path]:
 
     from draftsmith.bench.specdec import greedy_generate, prompt_ids, stop_ids
     from draftsmith.data.prompts import prompt_turns
-    from draftsmith.engines.hf import capture_shard
+    from draftsmith.engines.hf.engine import capture_shard
     from draftsmith.targets.model import fingerprint, write_meta
     from draftsmith.targets.tinymodel import CORPUS, make_tiny_target
 

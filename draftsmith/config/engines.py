@@ -13,11 +13,11 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1]
 
-# backend name -> module
+# backend name -> its engine module (draftsmith/engines/<name>/engine.py)
 ENGINES = {
-    "hf": "draftsmith.engines.hf",
-    "sglang": "draftsmith.engines.sglang",
-    "vllm": "draftsmith.engines.vllm",
+    "hf": "draftsmith.engines.hf.engine",
+    "sglang": "draftsmith.engines.sglang.engine",
+    "vllm": "draftsmith.engines.vllm.engine",
 }
 
 # stage -> the function an engine defines for it
@@ -32,8 +32,8 @@ ENTRY_POINTS = {
 NEEDS = {
     # the config section of the engine's own settings (a server's): its keys that change
     # results (the schema's non-x-execution ones) are params of every job that uses the engine,
-    # and the module's SETTINGS, a frozen dataclass of the section's keys, types it for the
-    # engine (job.engine, own_settings); None: it has none
+    # and the section's frozen dataclass (draftsmith.config.settings.ENGINE_SECTIONS) types it
+    # for the engine (job.engine, own_settings); None: it has none
     "settings": None,
     # GPUs one job of a GPU role takes: a number, or "section.key" naming the config key that
     # says (a server's tensor-parallel size); train's GPUs are train.nproc whatever the engine

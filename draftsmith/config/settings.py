@@ -15,7 +15,7 @@ before the typed settings.
 
 The engine seam (draftsmith.engines) hands an engine the job's `JobSettings`: its stage's
 section, `target` and, as `engine`, the engine's own settings section (its WORKFLOW's
-"settings", typed by the dataclass its module names as `SETTINGS`, filled the same way; the
+"settings", typed by its dataclass in `ENGINE_SECTIONS`, filled the same way; the
 x-execution keys among them arrive through DRAFTSMITH_RUN, merged before typing). `stage_job`
 builds that for a stage CLI.
 """
@@ -182,8 +182,8 @@ SECTIONS = {
     "target": TargetSettings,
     "regenerate": RegenerateSettings,
 }
-# the engines' own sections (an engine's WORKFLOW "settings" names one; its module's SETTINGS is
-# this class)
+# the dataclass of each engine's own section: an engine declares its section once, as its
+# WORKFLOW's "settings" (read without importing it), and gets it typed by the class here
 ENGINE_SECTIONS = {"sglang": SGLangSettings}
 
 
@@ -233,16 +233,32 @@ def stage_job(cfg: dict, stage: str, schema: dict | None = None, *, absent=()) -
     return job(cfg, (stage, "target"), schema, absent=absent, stage=stage)
 
 
-def engine_section(cfg: dict, backend: str, schema: dict):
-    """The typed own settings section of engine `backend` (its WORKFLOW "settings", typed by
-    ENGINE_SECTIONS), required in `cfg`; None when the engine has none or `backend` is no engine
-    (the stage's engine() call names that error)."""
-    from draftsmith.config.engines import ENGINES, needs
+def engine_settings(backend: str):
+    """(section, dataclass) of engine `backend`'s own settings: the section its WORKFLOW declares
+    as "settings" and the class ENGINE_SECTIONS holds for it (the engine's module is not
+    imported); None when it has none or `backend` is no engine (engine() names that error)."""
+    from draftsmith.config.engines import ENGINES, EngineError, needs
 
     name = needs(backend)["settings"] if backend in ENGINES else None
     if name is None:
         return None
-    cls = ENGINE_SECTIONS[name]
+    cls = ENGINE_SECTIONS.get(name)
+    if cls is None:
+        raise EngineError(
+            f"{ENGINES[backend]}: WORKFLOW names the settings section {name!r}, which has no "
+            "dataclass in draftsmith.config.settings.ENGINE_SECTIONS"
+        )
+    return name, cls
+
+
+def engine_section(cfg: dict, backend: str, schema: dict):
+    """The typed own settings section of engine `backend` (engine_settings), required in `cfg`;
+    None when the engine has none or `backend` is no engine (the stage's engine() call names
+    that error)."""
+    own = engine_settings(backend)
+    if own is None:
+        return None
+    name, cls = own
     if name not in cfg:
         raise SystemExit(f"--cfg has no {name!r} section (the settings of the {backend} engine)")
     return fill(cls, cfg[name], schema["properties"][name], name)

@@ -28,15 +28,18 @@ is asked of the engine named by the stage's `backend` key, through one function 
 `job` is the job's typed settings (`draftsmith.config.settings.stage_job`, a frozen `JobSettings`,
 every key the schema's default where the job was not given it): the stage's section
 (`job.regenerate`, `job.capture`, `job.bench`), `job.target`, and `job.engine`, the engine's own
-settings section (WORKFLOW "settings", typed by the dataclass its module names as `SETTINGS`;
-None for an engine without one). The run settings of `--run` (server ports, timeouts, retries,
+settings section (WORKFLOW "settings", the one place an engine declares it, typed by the
+section's dataclass in `draftsmith.config.settings.ENGINE_SECTIONS`; None for an engine without
+one). The run settings of `--run` (server ports, timeouts, retries,
 capture.concurrency: the schema's x-execution keys, outside params, see `common.merge_run`) are
 merged into their sections before typing, so they arrive there too. `job.given` holds the
 sections as received (what reports and provenance record), and keys that are no config, such
 as segment capture's `capture_server` (draftsmith.stages.segcapture).
 
-An engine is one module here that defines the functions of the stages it implements, and one
-line of `ENGINES`; docs/architecture.md ("Adding an engine") has the whole recipe (the schema's
+An engine is one folder here, `engines/<name>/`, whose `engine.py` defines the functions of the
+stages it implements (its other modules are its own helpers), and one line of `ENGINES`
+(draftsmith.config.engines); engine-neutral server infrastructure stays beside the folders
+(`server.py`, `sharedserver.py`). docs/architecture.md ("Adding an engine") has the whole recipe (the schema's
 backend enums, a role where it needs its own packages). The registry imports an engine's module
 only when a stage asks for it (the Snakefile, which imports the package at DAG-build time,
 never does).
@@ -104,19 +107,12 @@ def implements(backend: str) -> list[str]:
 
 def own_settings(backend: str):
     """(section, dataclass) of engine `backend`'s own settings: its WORKFLOW's "settings" section
-    and the frozen dataclass its module names as `SETTINGS` (imports the module); None when it
-    has none or `backend` is no engine (engine() names that error)."""
-    module = ENGINES.get(backend)
-    section = needs(backend)["settings"] if module else None
-    if section is None:
-        return None
-    cls = getattr(importlib.import_module(module), "SETTINGS", None)
-    if cls is None:
-        raise EngineError(
-            f"{module}: WORKFLOW names the settings section {section!r} but the module has no "
-            "SETTINGS dataclass of its keys"
-        )
-    return section, cls
+    and the config layer's dataclass of it (draftsmith.config.settings.engine_settings, which
+    imports no engine); None when it has none or `backend` is no engine (engine() names that
+    error)."""
+    from draftsmith.config.settings import engine_settings
+
+    return engine_settings(backend)
 
 
 def load_tokenizer(stage: str, job, target):

@@ -9,7 +9,7 @@ again when the next op writes it. Fixing the thresholds (`settle`) trades reside
 those faults; each stage that does so names what it measured:
 
 - training (draftsmith.train.loop.MMAP_THRESHOLD), benchmarks/bench_train_heap.py;
-- capture with the hf engine (draftsmith.engines.hf.CAPTURE_HEAP), the same benchmark
+- capture with the hf engine (draftsmith.engines.hf.engine.CAPTURE_HEAP), the same benchmark
   (`--stage capture`).
 
 The settings change where memory comes from, never a result (the benchmark checks the bytes

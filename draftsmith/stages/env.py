@@ -20,10 +20,10 @@ Pin files may carry directive lines, `# draftsmith: <word>` (a comment to pip):
   whole runtime closure itself. Used where a package's own metadata pins what cannot run here
   (envs/sglang-cpu.txt: sglang pins a CUDA torch; the role runs it on the CPU torch build).
 
-For role `sglang-cpu` (`draftsmith.engines.sglang_cpu.ROLE`, the one fact that switches the CPU
-compatibility layer on, here and in the server launcher `draftsmith.engines.sglang_server`),
+For role `sglang-cpu` (`draftsmith.engines.sglang.cpu.ROLE`, the one fact that switches the CPU
+compatibility layer on, here and in the server launcher `draftsmith.engines.sglang.server`),
 `check` also proves, in the role's interpreter, that sglang imports with the layer active
-(draftsmith.engines.sglang_cpu.selfcheck).
+(draftsmith.engines.sglang.cpu.selfcheck).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ import os
 import subprocess
 from pathlib import Path
 
-from draftsmith.engines.sglang_cpu import ROLE as SGLANG_CPU_ROLE
+from draftsmith.engines.sglang.cpu import ROLE as SGLANG_CPU_ROLE
 from draftsmith.runtime.files import atomic_write_bytes, atomic_write_json, subcommand_parser
 from draftsmith.runtime.pins import (  # noqa: F401  (EnvError, read_pins, stamp_key: this command's API)
     EnvError,
@@ -140,8 +140,8 @@ def check(role: str, pins_file: Path, python: str, gpus: int) -> dict:
 
 
 def sglang_cpu_check(role: str, python: str) -> dict:
-    """Run draftsmith.engines.sglang_cpu.selfcheck in the role's interpreter, in the server's environment."""
-    from draftsmith.engines.sglang_cpu import server_env
+    """Run draftsmith.engines.sglang.cpu.selfcheck in the role's interpreter, in the server's environment."""
+    from draftsmith.engines.sglang.cpu import server_env
 
     try:
         proc = subprocess.run(
@@ -165,9 +165,9 @@ def sglang_cpu_check(role: str, python: str) -> dict:
     if result["problems"]:
         raise EnvError(
             f"role {role!r}: SGLang imports in {python}, but the CPU compatibility layer "
-            "(draftsmith/engines/sglang_cpu) is not active:\n  "
+            "(draftsmith/engines/sglang/cpu) is not active:\n  "
             + "\n  ".join(result["problems"])
-            + "\nThe server must run with draftsmith.engines.sglang_cpu.server_env() (its overlay first on "
+            + "\nThe server must run with draftsmith.engines.sglang.cpu.server_env() (its overlay first on "
             "PYTHONPATH, SGLANG_USE_CPU_ENGINE=1)."
         )
     return result

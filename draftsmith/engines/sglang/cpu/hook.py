@@ -8,10 +8,10 @@ PYTHONPATH). It does two things and imports nothing from sglang itself:
    torchvision wheel (a CUDA build whose compiled ops cannot load next to CPU torch) would
    otherwise miss when its Python part registers fake kernels for them at import;
 2. installs a post-import hook: when SGLang's `torch_native_backend` or `draft_utils` module has
-   been executed, `draftsmith.engines.sglang_cpu.attention.install` patches it (EAGLE support); when
-   its DeepSeek attention registry has, `draftsmith.engines.sglang_cpu.mla.register` adds
+   been executed, `draftsmith.engines.sglang.cpu.attention.install` patches it (EAGLE support); when
+   its DeepSeek attention registry has, `draftsmith.engines.sglang.cpu.mla.register` adds
    `torch_native` to it (MLA targets); when its MLA draft's model file has,
-   `draftsmith.engines.sglang_cpu.mla.install_draft` drops the draft's CUDA synchronize (MLA drafts).
+   `draftsmith.engines.sglang.cpu.mla.install_draft` drops the draft's CUDA synchronize (MLA drafts).
 """
 
 from __future__ import annotations
@@ -60,12 +60,12 @@ def _has_schema(name: str) -> bool:
 
 def _patch(name: str, module) -> None:
     if name == MLA_REGISTRY:
-        importlib.import_module("draftsmith.engines.sglang_cpu.mla").register(module)
+        importlib.import_module("draftsmith.engines.sglang.cpu.mla").register(module)
         return
     if name == MLA_DRAFT:
-        importlib.import_module("draftsmith.engines.sglang_cpu.mla").install_draft(module)
+        importlib.import_module("draftsmith.engines.sglang.cpu.mla").install_draft(module)
         return
-    attention = importlib.import_module("draftsmith.engines.sglang_cpu.attention")
+    attention = importlib.import_module("draftsmith.engines.sglang.cpu.attention")
     if not hasattr(attention, "install"):
         return  # attention itself is importing torch_native_backend; it installs when done
     attention.install(module if name.endswith("draft_utils") else None)

@@ -1,6 +1,6 @@
 """Prove, inside the sglang-cpu interpreter, that SGLang imports with the compatibility layer on.
 
-Run with `draftsmith.engines.sglang_cpu.server_env()` (validate_env does so):
+Run with `draftsmith.engines.sglang.cpu.server_env()` (validate_env does so):
 
     python -m draftsmith sglang-selfcheck
 
@@ -19,7 +19,7 @@ from pathlib import Path
 
 
 def selfcheck() -> dict:
-    from draftsmith.engines.sglang_cpu import OVERLAY
+    from draftsmith.engines.sglang.cpu import OVERLAY
 
     out: dict = {"problems": []}
     problems = out["problems"]
@@ -35,8 +35,8 @@ def selfcheck() -> dict:
     except Exception as e:  # the message is the result
         problems.append(f"import failed: {type(e).__name__}: {e}")
         return out
-    from draftsmith.engines.sglang_cpu import mla
-    from draftsmith.engines.sglang_cpu.attention import MARK
+    from draftsmith.engines.sglang.cpu import mla
+    from draftsmith.engines.sglang.cpu.attention import MARK
 
     out["sglang"] = sglang.__version__
     out["torchvision"] = torchvision.__version__

@@ -3,9 +3,9 @@ against plain greedy decoding of the target, both timed in this process, batch s
 bench.temperature > 0, speculative sampling against plain sampling (`draftsmith.algorithms.sampling`).
 It returns raw measurements; `draftsmith.bench.figures` computes the figures.
 
-These are the measurements of one process; `draftsmith.engines.hf_bench_pool` runs them in this
+These are the measurements of one process; `draftsmith.engines.hf.bench_pool` runs them in this
 process or spread over worker processes (its `bench_sets` is the registry's entry point, which
-`draftsmith.engines.hf` re-exports with `load_models`).
+`draftsmith.engines.hf.engine` re-exports with `load_models`).
 """
 
 from __future__ import annotations

@@ -96,7 +96,7 @@ def server_env(
     (`rank_threads`), unless `base` already sets SGLANG_CPU_OMP_THREADS_BIND.
     """
     env = dict(os.environ if base is None else base)
-    path = [str(OVERLAY), str(OVERLAY.parents[3])]
+    path = [str(OVERLAY), str(OVERLAY.parents[4])]  # the overlay, the repository root
     if env.get("PYTHONPATH"):
         path.append(env["PYTHONPATH"])
     if tp_size > 1:

@@ -44,12 +44,12 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from draftsmith.engines.sglang_server import job_server, server_spec, shared_server
+from draftsmith.engines.sglang.server import job_server, server_spec, shared_server
 from draftsmith.hidden.capture_base import CaptureError
 from draftsmith.hidden.writer import ShardWriter
 from draftsmith.runtime.progress import LoggedBar, ProgressLog
 
-log = logging.getLogger("draftsmith.engines.sglang_capture")
+log = logging.getLogger("draftsmith.engines.sglang.capture")
 
 DUMP_MAGIC = b"DSDUMP01"
 DUMP_FORMAT = "draftsmith-dump-1"
@@ -143,7 +143,7 @@ def capture_server_spec(job, target, threads: int, ids, dump_dir: Path, overlay:
 
 def capture_server(job, target, threads: int, ids, overlay: str, stack: contextlib.ExitStack):
     """(server, dump dir) of one capture job, entered on `stack`: a lease on the stage's shared
-    server (draftsmith.engines.sglang_server.shared_server) with the dump dir of its host, else a
+    server (draftsmith.engines.sglang.server.shared_server) with the dump dir of its host, else a
     server of the job's own with a dump dir of its own."""
     from draftsmith.engines.sharedserver import SCRATCH
 
@@ -311,7 +311,7 @@ def capture_range(
     """The capture stage through the patched SGLang server (`job`: the JobSettings of the
     engine seam, draftsmith.engines); returns the shard's manifest (draft_ids: unused, this
     engine refuses top-k teachers)."""
-    from draftsmith.engines.sglang_patch import load_patched
+    from draftsmith.engines.sglang.patch import load_patched
     from draftsmith.hidden.storage import Storage
 
     if patched is None:

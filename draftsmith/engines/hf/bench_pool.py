@@ -11,7 +11,7 @@ prompts are fewer or the memory cannot hold a copy of the target per process; on
 Each worker loads the target and the draft, measures its own linear-layer routes at its own
 thread count (draftsmith.runtime.gemm) and warms up, then takes prompts from a shared queue
 until none is left. A prompt's speculative and plain runs are timed back to back in the same
-worker (`hf_bench.measure_prompt`), so a speedup compares two runs under the same conditions;
+worker (`bench.measure_prompt`), so a speedup compares two runs under the same conditions;
 the set's figures add up every prompt's seconds, so its tokens/s are those of one process. What
 is measured is the same as in one process: the same prompts, seeds and order of the two sides
 per prompt. A worker's load meter counts the whole job's processes as its own, so the sibling
@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from draftsmith.engines.hf_bench import (
+from draftsmith.engines.hf.bench import (
     load_models,
     measure_prompt,
     method_text,

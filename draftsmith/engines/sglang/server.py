@@ -1,5 +1,5 @@
 """The SGLang server of one job, for the `sglang` engine's stages (regenerate, bench) and its
-capture engine alike (`draftsmith.engines.sglang`, `draftsmith.engines.sglang_capture`).
+capture engine alike (`draftsmith.engines.sglang.engine`, `draftsmith.engines.sglang.capture`).
 
 `server_spec` describes the launch: `python -m sglang.launch_server` in the job's own (the
 role's) interpreter, `sglang.tp_size`, `sglang.port`, `sglang.extra_args`, the target's
@@ -7,12 +7,12 @@ role's) interpreter, `sglang.tp_size`, `sglang.port`, `sglang.extra_args`, the t
 section as the engine gets it (`job.engine`, draftsmith.config.settings: every key filled, the run
 settings among them from DRAFTSMITH_RUN, else at the schema's defaults).
 
-Role `sglang-cpu` (`CPU_ROLE`, which is `draftsmith.engines.sglang_cpu.ROLE`: the one fact that switches
+Role `sglang-cpu` (`CPU_ROLE`, which is `draftsmith.engines.sglang.cpu.ROLE`: the one fact that switches
 the CPU compatibility layer on, here and in `validate_env`'s self-check): the launcher adds the
-layer's environment (`draftsmith.engines.sglang_cpu.server_env`: SGLANG_USE_CPU_ENGINE=1, its overlay
+layer's environment (`draftsmith.engines.sglang.cpu.server_env`: SGLANG_USE_CPU_ENGINE=1, its overlay
 first on PYTHONPATH) and launch flags, and serves in `target.dtype` (float32 by default, as the hf
 engine computes on CPU). Any other role launches stock SGLang: the overlay is never put on its
-path (`draftsmith.engines.sglang_cpu` itself is constants and path helpers; it imports neither torch nor
+path (`draftsmith.engines.sglang.cpu` itself is constants and path helpers; it imports neither torch nor
 sglang).
 """
 
@@ -23,8 +23,8 @@ import sys
 from pathlib import Path
 
 from draftsmith.config.settings import SGLangSettings
-from draftsmith.engines import sglang_cpu
 from draftsmith.engines.server import ServerSpec
+from draftsmith.engines.sglang import cpu as sglang_cpu
 from draftsmith.runtime.lifeline import ENV as RUN_ENV
 from draftsmith.runtime.serverhosts import ROOT as SERVERS
 

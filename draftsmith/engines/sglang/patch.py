@@ -266,7 +266,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--overlay", type=Path, required=True, help="results/sglang/overlay")
     ap.add_argument("--out", type=Path, required=True, help="results/sglang/patched.json")
     args = ap.parse_args(argv)
-    log = init_logging("draftsmith.engines.sglang_patch")
+    log = init_logging("draftsmith.engines.sglang.patch")
     try:
         record = build(args.pins, args.patches, args.pristine, args.overlay, args.out)
     except (PatchError, py_compile.PyCompileError, OSError) as e:

@@ -15,7 +15,7 @@ on SGLang's own CPU (`intel_amx`) backend, whose compiled kernels are not availa
   0..s, i.e. req_to_token[b, seq_len + r * num_steps + k] (SGLang's draft KV layout,
   `generate_draft_decode_kv_indices`).
 - `install(...)`: patches the two classes so the above is used. Called from the import hook in
-  `draftsmith.engines.sglang_cpu.hook` when SGLang's modules load, inside SGLang processes only.
+  `draftsmith.engines.sglang.cpu.hook` when SGLang's modules load, inside SGLang processes only.
 
 Imports sglang at module level: never import it outside the sglang-cpu role's interpreter.
 """

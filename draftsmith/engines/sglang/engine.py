@@ -14,9 +14,9 @@ API would apply the server's idea of the template (and its reasoning / tool pars
 returns text only, so neither agreement with hf nor hit-the-limit accounting could be checked
 token for token.
 
-capture: `draftsmith.engines.sglang_capture` (a patched server dumps each row's states).
+capture: `draftsmith.engines.sglang.capture` (a patched server dumps each row's states).
 
-The server of a job is described by `draftsmith.engines.sglang_server.server_spec` (shared with
+The server of a job is described by `draftsmith.engines.sglang.server.server_spec` (shared with
 the capture engine): for role `sglang-cpu` it adds the CPU compatibility layer's environment and
 launch flags; any other role launches stock SGLang.
 """
@@ -31,8 +31,8 @@ from pathlib import Path
 
 from draftsmith.data.regenerate import new_stats
 from draftsmith.engines.server import Supervisor, http_json, run_requests
-from draftsmith.engines.sglang_capture import capture_range  # noqa: F401 (the capture stage)
-from draftsmith.engines.sglang_server import (
+from draftsmith.engines.sglang.capture import capture_range  # noqa: F401 (the capture stage)
+from draftsmith.engines.sglang.server import (
     CPU_ROLE,
     SGLangSettings,
     job_server,
@@ -54,8 +54,6 @@ WORKFLOW = {
     "gpus_why": "one SGLang server, sglang.tp_size {n}",
     "inputs": {"capture": {"patched": "results/sglang/patched.json"}},
 }
-# the `sglang` section as this engine's jobs get it (job.engine, draftsmith.engines.own_settings)
-SETTINGS = SGLangSettings
 
 
 def generate(url: str, payload: dict, timeout: float) -> dict:
@@ -78,7 +76,7 @@ def load_tokenizer(target, role: str, trust_remote_code: bool = False):
     if role == CPU_ROLE:
         # the role's torchvision is a CUDA build that transformers imports on the way to the
         # tokenizer: its op schemas come from the compatibility layer here too
-        from draftsmith.engines.sglang_cpu.hook import declare_torchvision_ops
+        from draftsmith.engines.sglang.cpu.hook import declare_torchvision_ops
 
         declare_torchvision_ops()
     from transformers import AutoTokenizer
