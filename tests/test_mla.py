@@ -345,8 +345,8 @@ def test_training_an_mla_draft_on_a_deepseek_v3_target(tmp_path):
     shards' widths: the loss drops, the export passes the MLA contract and reads back."""
     from test_train import TRAIN, make_inputs, read_metrics, train_args
 
-    from draftsmith.targets.tinymodel import make_tiny_target
     from draftsmith.stages.train import main
+    from draftsmith.targets.tinymodel import make_tiny_target
 
     inputs = make_inputs(tmp_path / "in", n_shards=1, rows=12, aux_ids=[1, 2, 4])
     ours = json.loads((inputs["target"] / "config.json").read_text())
