@@ -183,6 +183,10 @@ def test_bundled_set_is_varied_and_valid():
 
 @pytest.mark.parametrize("n, h", [(14, 3), (10, 9), (296, 40), (7, 1), (5, 0)])
 def test_heldout_rows_are_distinct_sorted_and_spread(n, h):
+    """Held-out rows are evenly spaced, not the file's tail nor a seeded shuffle: a user's tail
+    is often unlike the rest (multi-turn rows or one source appended last), and a shuffle needs a
+    seed and moves every row when one is added. Even spacing depends only on the row count,
+    represents every part of every source, and keeps the training rows in file order."""
     idx = heldout_indices(n, h)
     assert len(idx) == h and idx == sorted(set(idx)) and all(0 <= i < n for i in idx)
     if h > 1:  # spread: no gap more than twice the even spacing, and not all in the tail
