@@ -502,11 +502,11 @@ def bench_sets(sets: dict, job, *, target, draft, spec, threads: int):
     if role_gpus(job, "bench"):  # the run's idle servers give back their GPUs first
         release_gpu_hosts()
     base, base_stats = serve_sets(plain, sets_ids, sampling, bench, s, speculative=False)
-    spec, spec_stats = serve_sets(eagle, sets_ids, sampling, bench, s, speculative=True)
+    answers, spec_stats = serve_sets(eagle, sets_ids, sampling, bench, s, speculative=True)
     results = {}
     for name in sets:
         b = {c: v for (n, c), v in base.items() if n == name}
-        sp = {c: v for (n, c), v in spec.items() if n == name}
+        sp = {c: v for (n, c), v in answers.items() if n == name}
         ids = [r["id"] for r in sets[name]]
         results[name] = set_levels(sets_ids[name], ids, b, sp, stops, bench)
     for name, raw in results.items():
