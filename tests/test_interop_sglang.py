@@ -130,6 +130,8 @@ def test_gemma3_served_losslessly_with_sglangs_own_states(tmp_path, monkeypatch)
     "no CI-sized version: the pin needs greedy references from our engine and the sampled "
     "server at two concurrency levels, about 5 minutes on 2 cores, and with fewer prompts "
     "too few sampled starts equal greedy's to pin anything; CI covers the rest: "
+    "test_served_matrix.py::test_sglang_sampled_tree_is_sound_and_greedy_past_the_prefill (at temperature 0.2, one request at a time: "
+    "outputs starting on greedy's token equal greedy's), "
     "test_vllm.py::test_vllm_sampling_counters_consistent (sampled counters and tau through "
     "vLLM's bench stage), test_served_matrix.py (greedy at concurrency 1 and 4)"
 )
@@ -166,8 +168,9 @@ def test_sglang_sampling_on_cpu_verifies_greedily(trained):
           [r["tau"] for r in run["res"]["s"]["by_concurrency"]])  # fmt: skip
 
 
-# CI-sized: sampling and tree drafting through SGLang's bench stage (two server starts each: a
-# plain and a speculative one), one request at a time
+# Sampling and tree drafting through SGLang's bench stage (two server starts each: a plain and a
+# speculative one), one request at a time; CI's one run of both, a tree at temperature 0.2 on
+# the served matrix's draft: test_served_matrix.py
 
 CI_PROMPTS = PROMPTS[:4]
 CI_BENCH = {**BENCH, "max_new_tokens": 24}
@@ -193,12 +196,13 @@ def server_args(log: str, name: str) -> dict[str, str]:
 
 
 @pytest.mark.extended(
-    reason="proves: SGLang's bench stage sampled at temperature 0.2 on a trained draft keeps "
-    "its per-request counters consistent and accepts proposals (tau over 1); no CI-sized "
-    "version: a draft trained for it and two server starts, 5-7 minutes on 2 cores, beyond "
-    "CI's budget beside the SGLang step's other servers; CI covers the rest: "
-    "test_vllm.py::test_vllm_sampling_counters_consistent (the same checks through vLLM), "
-    "test_served_matrix.py (SGLang's bench stage at temperature 0)"
+    reason="proves: SGLang's bench stage sampled at temperature 0.2 with a chain (bench.topk "
+    "1) keeps its per-request counters consistent and accepts proposals (tau over 1); no "
+    "CI-sized version: CI's sampled SGLang run is a tree's, and a chain's would add two server "
+    "starts (a draft trained for it too: 5-7 minutes on 2 cores here), beyond CI's budget; "
+    "CI covers the rest: test_served_matrix.py::test_sglang_sampled_tree_is_sound_and_greedy_past_the_prefill "
+    "(the same checks on a tree), test_vllm.py::test_vllm_sampling_counters_consistent (the "
+    "same checks through vLLM), test_served_matrix.py (SGLang's chain at temperature 0)"
 )
 def test_sglang_sampling_counters_consistent(trained):
     """Temperature 0.2 through SGLang's bench stage on the trained draft (PROMPTS, 32 tokens,
@@ -226,10 +230,12 @@ def test_sglang_sampling_counters_consistent(trained):
 
 
 @pytest.mark.extended(
-    reason="proves: SGLang runs a tree (bench.topk 2, 6 draft tokens) from our draft with "
-    "outputs equal to greedy, its own logged arguments showing the tree; no CI-sized "
-    "version: a draft trained for it and two server starts, 4-6 minutes on 2 cores, beyond "
-    "CI's budget beside the SGLang step's other servers; CI covers the rest: "
+    reason="proves: SGLang's tree (bench.topk 2, 6 draft tokens) at temperature 0 gives every "
+    "output equal to the plain server's greedy one, whatever SGLang's verification of "
+    "sampled requests; no CI-sized version: two more server starts (a draft trained for it "
+    "too: 4-6 minutes on 2 cores here), beyond CI's budget; CI covers the rest: "
+    "test_served_matrix.py::test_sglang_sampled_tree_is_sound_and_greedy_past_the_prefill (the tree by the server's "
+    "logged arguments, outputs that start on greedy's sampled token equal greedy's), "
     "test_sglang_engine.py::test_speculative_args (the tree flags from bench.topk), "
     "test_served_matrix.py (chains served at our acceptance)"
 )

@@ -18,6 +18,10 @@ A refused cell: the workflow refuses the pair at parse time with a message namin
 and where the refusal is the engine's (SGLang 0.5.23 has no DFlash path on CPU), the engine
 itself is started and refuses with its own message.
 
+SGLang's tree drafting and sampling, on the Llama-style EAGLE-3 cell's draft (trained here
+anyway): one bench stage run, a tree at temperature 0.2, its greedy references our engine's
+figures for that draft (test_sglang_sampled_tree_is_sound_and_greedy_past_the_prefill).
+
 Each cell prints one verdict line (`CELL <id>: ...`); .ci/run runs this file in one pytest
 process (`-m served`), so each draft is trained once for both engines.
 """
@@ -30,11 +34,14 @@ from pathlib import Path
 import pytest
 from roles import role_python
 from test_interop_sglang import SGLANG as INTEROP_SGLANG
+from test_interop_sglang import server_args
 from test_sglang_capture import CPU_SERVER_ARGS
 from trained import (
     IDS,
     PROMPTS,
+    ROOT,
     assert_same_acceptance,
+    assert_sound_counters,
     chain_acceptance,
     run_bench,
     train_tiny_project,
@@ -270,3 +277,60 @@ def test_sglang_refuses_dflash_with_its_own_message(tmp_path):
     code, out = sglang_dflash_launch(tmp_path)
     assert code != 0 and SGLANG_DFLASH_REFUSAL in out, out[-3000:]
     print(f"CELL dflash-llama-sglang: SGLang refuses: {SGLANG_DFLASH_REFUSAL}")
+
+
+# SGLang's tree drafting and sampling, CI-sized: one bench stage run (SGLang's bench stage always
+# starts two servers, a plain and a speculative one) of a tree at temperature 0.2
+
+# bench.topk 2: a tree of 6 draft tokens over BENCH's 3 steps
+TREE = {"topk": 2, "num_draft_tokens": 6}
+SAMPLED = {"temperature": 0.2, "top_p": 1.0}
+
+
+def test_sglang_sampled_tree_is_sound_and_greedy_past_the_prefill(drafts):
+    """The eagle3-llama cell's draft through SGLang's bench stage with bench.topk 2 (6 draft
+    tokens) at temperature 0.2, PROMPTS, 32 tokens, one request at a time.
+
+    Tree: the speculative server ran a tree (its own resolved arguments as it logs them:
+    speculative_eagle_topk 2, speculative_num_draft_tokens 6; SGLang resolves a topk-1 launch
+    to a chain of num_steps + 1 tokens). Sampled: the run says it sampled and that SGLang
+    0.5.23 verifies greedily on CPU (engines/sglang.py's CPU_GREEDY_VERIFY), and its
+    per-request counters are consistent (trained.assert_sound_counters) with a tau over 1.
+    Lossless: with greedy verification only the prefill's token is sampled, so every output
+    that starts with greedy's first token (our engine's outputs for this draft, which the
+    eagle3-llama-sglang cell shows SGLang's plain greedy equal) is greedy's whole: the tree's
+    verification committed the target's own tokens. Why 0.2: most outputs start on greedy's
+    token, the path the draft was trained on (the same tiny target as
+    test_interop_sglang.py::test_sglang_sampling_counters_consistent, whose docstring gives
+    its first tokens' probabilities). The extended tests in test_interop_sglang.py run the tree at temperature 0 against the
+    plain server's outputs and the sampled chain."""
+    from draftsmith.engines.sglang import CPU_GREEDY_VERIFY
+
+    ours = drafts.figures("eagle3", "llama")
+    root = drafts.project("eagle3", "llama")
+    bench = {**BENCH, **SGLANG_BENCH, **TREE, **SAMPLED}
+    cfg = {"bench": bench, "sglang": SGLANG, "target": {"dtype": "float32"}}
+    run = run_bench(root, "sglang", "results/draft", cfg, role_python("sglang-cpu"))
+    res, info = run["res"]["s"], run["info"]
+    logged = server_args(run["log"], "sglang-eagle3")
+    assert logged["speculative_eagle_topk"] == "2", logged
+    assert logged["speculative_num_draft_tokens"] == "6", logged
+    args = info["speculative_args"]
+    assert args[args.index("--speculative-eagle-topk") + 1] == "2", args
+    assert res["identical_outputs"] is None, res  # sampled: equal in distribution only
+    assert info["sampling"]["temperature"] == 0.2, info
+    assert info["engine_notes"] == [CPU_GREEDY_VERIFY], info
+    assert "sglang==0.5.23\n" in (ROOT / "envs" / "sglang-cpu.txt").read_text(), (
+        "another SGLang: check CPU_GREEDY_VERIFY again"
+    )
+    k = BENCH["num_steps"]
+    assert_sound_counters(res, k, len(PROMPTS), BENCH["max_new_tokens"], "sglang sampled tree")
+    assert res["tau"] > 1.0, res
+    greedy = {p["id"]: p["output_ids"] for p in ours["per_prompt"]}
+    on_path = [p for p in res["per_prompt"] if p["output_ids"][:1] == greedy[p["id"]][:1]]
+    assert on_path, "no sampled prefill token equal to greedy's: nothing compared"
+    for p in on_path:
+        assert p["output_ids"] == greedy[p["id"]], (p["id"], p["output_ids"], greedy[p["id"]])
+    print(f"CELL sglang tree topk 2 at temperature 0.2: {len(on_path)}/{len(PROMPTS)} outputs "
+          f"start on greedy's token and equal greedy; tau {res['tau']:.4f}, passes "
+          f"{res['verify_passes']}, histogram {res['accept_len_hist']}")  # fmt: skip
