@@ -38,7 +38,7 @@ pytestmark = [
     pytest.mark.extended(
         reason="proves: on SLURM the range jobs of a group submission share one server, a job "
         "step of the group's allocation; no CI-sized version: two SGLang server starts under "
-        "SLURM, 5-10 minutes on 2 cores; CI covers the rest: "
+        "SLURM, 4-10 minutes on 2 cores (249 s measured); CI covers the rest: "
         "test_slurm.py (the grouped submissions), test_workflow_kimi_sglang.py (one server per "
         "stage in a local run)"
     ),
