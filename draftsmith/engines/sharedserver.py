@@ -14,9 +14,9 @@ settings, nor one of another run), holds:
 
 - `spec.json`: what to launch (written by the job that starts the host);
 - `host.json`: written by the host only, atomically: its pid, its run (`owner`, the Snakemake
-  process of the jobs, DRAFTSMITH_JOB_PARENT), the server's url, `state` (starting, ready,
-  failed, stopped), `generation` (one per launch), the start-up seconds of each launch and the
-  GPUs the server holds;
+  process of the jobs, DRAFTSMITH_JOB_PARENT; on SLURM the allocation), the server's url,
+  `state` (starting, ready, failed, stopped), `generation` (one per launch), the start-up
+  seconds of each launch and the GPUs the server holds;
 - `start.lock`: flock held by a job while it finds or starts the host and takes its lease, and
   by the host while it decides to stop, so a job never leases a host that is stopping;
 - `users.lock`: every job using the server holds a shared flock on it, which the kernel drops
@@ -36,8 +36,10 @@ GPUs that Snakemake does not count only while it is idle between two jobs. Befor
 server of its own or leases another stage's, and before training starts, the run's idle hosts
 that hold GPUs are stopped and waited for (draftsmith.runtime.serverhosts.release_gpu_hosts).
 On SLURM each job, each job of a group submission too, is a job step of its own under a
-Snakemake process of its own, and SLURM ends a step's processes with it: there a host serves one
-range job and ends with it, never left behind (docs/scale.md).
+Snakemake process of its own, and SLURM ends a step's processes with it: there the host is a
+step of its own that the allocation owns (`owner` slurm<job id>, draftsmith.runtime.slurmstep),
+so the range jobs of one group submission lease one server, and it ends with the allocation
+(docs/scale.md).
 """
 
 from __future__ import annotations
@@ -65,6 +67,7 @@ from draftsmith.engines.server import (
     ServerSpec,
     Terminated,
 )
+from draftsmith.runtime import slurmstep
 from draftsmith.runtime.files import atomic_write_json, flocked
 from draftsmith.runtime.serverhosts import (
     idle,
@@ -94,10 +97,10 @@ def spec_key(spec: ServerSpec) -> str:
     return hashlib.sha256(json.dumps(template(spec), sort_keys=True).encode()).hexdigest()[:16]
 
 
-def run_dir_name(spec: ServerSpec, owner: int) -> str:
-    """`<key>-<node>-<run pid>`: one directory per server settings and run, so two runs (two
-    SLURM jobs on two nodes sharing the project's filesystem) never meet in
-    one host's files."""
+def run_dir_name(spec: ServerSpec, owner: int | str) -> str:
+    """`<key>-<node>-<owner>` (owner: the run's pid, or `slurm<job id>` for a SLURM allocation):
+    one directory per server settings and run, so two runs (two SLURM jobs on two nodes sharing
+    the project's filesystem) never meet in one host's files."""
     return f"{spec_key(spec)}-{socket.gethostname().split('.')[0]}-{owner}"
 
 
@@ -106,10 +109,11 @@ class SharedServer:
     alive, restart, stats). `last`: this job is a capture of the run's last segment index;
     `gpus`: the GPUs the server holds (0 on a CPU role)."""
 
-    def __init__(self, spec: ServerSpec, root: Path, *, owner: int, idle_timeout: float,
+    def __init__(self, spec: ServerSpec, root: Path, *, owner: int | str, idle_timeout: float,
                  retries: int, last: bool = False, scratch_root: str = "",
                  gpus: int = 0):  # fmt: skip
-        self.spec, self.owner, self.last, self.gpus = spec, int(owner), last, int(gpus)
+        owner = owner if slurmstep.is_allocation(owner) else int(owner)
+        self.spec, self.owner, self.last, self.gpus = spec, owner, last, int(gpus)
         self.dir = Path(root) / run_dir_name(spec, self.owner)
         self.settings = {"idle_timeout": float(idle_timeout), "retries": int(retries),
                          "scratch_root": scratch_root or tempfile.gettempdir()}  # fmt: skip
@@ -170,24 +174,30 @@ class SharedServer:
         )
 
     def _start_host(self) -> None:
+        step = slurmstep.is_allocation(self.owner)  # a step of its own for the allocation
+        full_env = slurmstep.without_lifeline(self.spec.env) if step else self.spec.env
         atomic_write_json(
             self.dir / "spec.json",
-            {**template(self.spec), "full_env": self.spec.env, "owner": self.owner,
+            {**template(self.spec), "full_env": full_env, "owner": self.owner,
              "startup_timeout": self.spec.startup_timeout, "grace": self.spec.grace,
              "health_path": self.spec.health_path, "gpus": self.gpus, **self.settings},
         )  # fmt: skip
         (self.dir / "host.json").unlink(missing_ok=True)
         package_root = str(Path(__file__).resolve().parents[2])
         path = os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))
+        argv = [sys.executable, "-m", "draftsmith", "shared-server", "host", str(self.dir)]
+        env = {**os.environ, "PYTHONPATH": path}
+        if step:
+            argv, env = slurmstep.step_launch(argv, env, self.owner, gpus=self.gpus,
+                                              name=f"{self.spec.name}-server")  # fmt: skip
         with open(self.dir / "host.log", "ab") as out:
             proc = subprocess.Popen(
-                [sys.executable, "-m", "draftsmith", "shared-server", "host", str(self.dir)],
-                env={**os.environ, "PYTHONPATH": path},
-                stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                argv, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
                 start_new_session=True,  # outlives this job; the run's end stops it
             )  # fmt: skip
         self.started_host, self._host = True, proc
-        log.info("%s: started the run's server host (pid %d)", self.spec.name, proc.pid)
+        log.info("%s: started the run's server host (pid %d%s)", self.spec.name, proc.pid,
+                 ", a SLURM step" if argv[0] == "srun" else "")  # fmt: skip
 
     def _wait(self, done) -> dict:
         """host.json once `done(info)`; ServerError when the host failed or is gone."""

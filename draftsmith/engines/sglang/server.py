@@ -25,6 +25,7 @@ from pathlib import Path
 from draftsmith.config.settings import SGLangSettings
 from draftsmith.engines.server import ServerSpec
 from draftsmith.engines.sglang import cpu as sglang_cpu
+from draftsmith.runtime import slurmstep
 from draftsmith.runtime.lifeline import ENV as RUN_ENV
 from draftsmith.runtime.serverhosts import ROOT as SERVERS
 
@@ -99,13 +100,15 @@ def shared_server(job) -> dict | None:
     `auto`; a job without DRAFTSMITH_RUN has the schema's `auto`, so its own) and the job runs
     under a Snakemake process (DRAFTSMITH_JOB_PARENT: no run to share with otherwise). Segment
     mode's captures name the directory and whether they are the last (`capture_server` in the
-    job's --cfg, set by draftsmith.stages.segcapture)."""
+    job's --cfg, set by draftsmith.stages.segcapture). Inside a SLURM allocation's step the
+    allocation owns the server instead (draftsmith.runtime.slurmstep): the range jobs of one group
+    submission share it."""
     owner = os.environ.get(RUN_ENV, "")
     if job.engine.shared_server != "run" or not owner.isdigit():
         return None
     asked = job.given.get("capture_server") or {}
     return {"dir": asked.get("dir", str(SERVERS)), "last": asked.get("last", False),
-            "owner": int(owner)}  # fmt: skip
+            "owner": slurmstep.allocation() or int(owner)}  # fmt: skip
 
 
 def job_server(job, stage: str, spec: ServerSpec, stack, *, share: bool = True, scratch=""):
