@@ -294,7 +294,7 @@ def test_sglang_sampled_tree_is_sound_and_greedy_past_the_prefill(drafts):
     Tree: the speculative server ran a tree (its own resolved arguments as it logs them:
     speculative_eagle_topk 2, speculative_num_draft_tokens 6; SGLang resolves a topk-1 launch
     to a chain of num_steps + 1 tokens). Sampled: the run says it sampled and that SGLang
-    0.5.23 verifies greedily on CPU (engines/sglang.py's CPU_GREEDY_VERIFY), and its
+    0.5.23 verifies greedily on CPU (engines/sglang/engine.py's CPU_GREEDY_VERIFY), and its
     per-request counters are consistent (trained.assert_sound_counters) with a tau over 1.
     Lossless: with greedy verification only the prefill's token is sampled, so every output
     that starts with greedy's first token (our engine's outputs for this draft, which the
@@ -304,7 +304,7 @@ def test_sglang_sampled_tree_is_sound_and_greedy_past_the_prefill(drafts):
     test_interop_sglang.py::test_sglang_sampling_counters_consistent, whose docstring gives
     its first tokens' probabilities). The extended tests in test_interop_sglang.py run the tree at temperature 0 against the
     plain server's outputs and the sampled chain."""
-    from draftsmith.engines.sglang import CPU_GREEDY_VERIFY
+    from draftsmith.engines.sglang.engine import CPU_GREEDY_VERIFY
 
     ours = drafts.figures("eagle3", "llama")
     root = drafts.project("eagle3", "llama")
