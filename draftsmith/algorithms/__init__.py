@@ -21,12 +21,12 @@ no other algorithm's, except the shared EAGLE-3 draft layers, and never this reg
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from importlib import import_module
 from pathlib import Path
 
 from draftsmith.algorithms.spec import ALGORITHM_KEY, AlgorithmSpec, foreign_problems
+from draftsmith.runtime.files import read_json_object
 
 DEFAULT = "eagle3"
 # draft.algorithm value -> the module (folder) whose SPEC describes it
@@ -96,23 +96,13 @@ def open_draft(draft: str | Path) -> OpenDraft:
     as that export): its config.json read and its algorithm resolved (of_export). AlgorithmError
     names the file where it is missing, not JSON or of no algorithm here."""
     path = Path(draft)
-    c = read_config(path / "config.json")
+    c = read_json_object(path / "config.json", AlgorithmError, "draft config")
     if "speculators_model_type" in c and (path.parent / "config.json").is_file():
-        c = read_config(path.parent / "config.json")
+        c = read_json_object(path.parent / "config.json", AlgorithmError, "draft config")
     try:
         return OpenDraft(path, c, of_export(c))
     except AlgorithmError as e:
         raise AlgorithmError(f"{path}/config.json: {e}") from None
-
-
-def read_config(file: Path) -> dict:
-    try:
-        c = json.loads(file.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise AlgorithmError(f"{file}: not a readable draft config ({e})") from None
-    if not isinstance(c, dict):
-        raise AlgorithmError(f"{file}: not a draft config (a JSON {type(c).__name__})")
-    return c
 
 
 def export_problems(c: dict) -> list[str]:

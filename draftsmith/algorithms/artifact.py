@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from draftsmith.runtime.files import read_json_object
 from draftsmith.targets import layerids, serving
 from draftsmith.targets.families import family_facts
 from draftsmith.targets.layout import LayoutError, read_pieces
@@ -32,14 +33,8 @@ class ExportError(ValueError):
 
 def read_config(path: Path, error: type[ExportError] = ExportError) -> dict:
     """An exported draft's JSON file (its config.json) as a dict; `error` naming the file where
-    it cannot be read or is not a JSON object."""
-    try:
-        c = json.loads(Path(path).read_text())
-    except (OSError, ValueError) as e:
-        raise error(f"{path}: not a readable draft config ({e})") from None
-    if not isinstance(c, dict):
-        raise error(f"{path}: not a draft config (a JSON {type(c).__name__}, not an object)")
-    return c
+    it cannot be read or is not a JSON object (runtime.files.read_json_object)."""
+    return read_json_object(path, error, "draft config")
 
 
 def read_provenance(draft_dir) -> dict:

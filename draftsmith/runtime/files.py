@@ -189,6 +189,18 @@ def sha256_file(path: str | os.PathLike, chunk: int = 1 << 22) -> str:
     return h.hexdigest()
 
 
+def read_json_object(path, error: type[Exception] = ValueError, what: str = "JSON object") -> dict:
+    """The JSON object in file `path`; `error` naming the file (as a `what`) where it cannot be
+    read, is not JSON or is not an object."""
+    try:
+        obj = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as e:  # UnicodeDecodeError, JSONDecodeError: ValueErrors
+        raise error(f"{path}: not a readable {what} ({e})") from None
+    if not isinstance(obj, dict):
+        raise error(f"{path}: not a {what} (a JSON {type(obj).__name__}, not an object)")
+    return obj
+
+
 def parse_cfg(text: str) -> dict:
     """The config sections a rule passes as `--cfg` (JSON, schema-validated at parse time)."""
     try:
