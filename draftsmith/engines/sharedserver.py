@@ -197,7 +197,7 @@ class SharedServer:
             )  # fmt: skip
         self.started_host, self._host = True, proc
         log.info("%s: started the run's server host (pid %d%s)", self.spec.name, proc.pid,
-                 ", a SLURM step" if argv[0] == "srun" else "")  # fmt: skip
+                 ", a SLURM step" if step else "")  # fmt: skip
 
     def _wait(self, done) -> dict:
         """host.json once `done(info)`; ServerError when the host failed or is gone."""
