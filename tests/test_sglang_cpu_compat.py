@@ -195,6 +195,11 @@ def test_server_env_puts_overlay_first_and_turns_the_cpu_engine_on():
     assert env["SGLANG_USE_CPU_ENGINE"] == "1" and env["OMP_NUM_THREADS"] == "2"
     assert env["HOME"] == "/h"
     assert "torch_native" in LAUNCH_ARGS
+    # no crash diagnostics on CPU (a 5 s sleep at every stop), unless the caller asks for them
+    assert env["SGLANG_PYSPY_DUMP_BEFORE_CRASH"] == env["SGLANG_CUDA_COREDUMP_BEFORE_CRASH"] == "0"
+    assert (
+        server_env({"SGLANG_PYSPY_DUMP_BEFORE_CRASH": "1"})["SGLANG_PYSPY_DUMP_BEFORE_CRASH"] == "1"
+    )
 
 
 def test_torchvision_schemas_are_declared_once():

@@ -53,6 +53,15 @@ LAUNCH_ARGS = (
 
 BIND_ENV = "SGLANG_CPU_OMP_THREADS_BIND"
 
+# SGLang's crash diagnostics (a py-spy dump and a CUDA core dump of the schedulers) run whenever a
+# scheduler process ends before the launcher, which is how every stop of a server's process group
+# looks to it; they begin with a 5-second sleep "to let GPU activity settle". On the CPU role there
+# is no CUDA and no py-spy in the venv, so they are the sleep alone, paid at every stop.
+NO_CRASH_DIAGNOSTICS = {
+    "SGLANG_PYSPY_DUMP_BEFORE_CRASH": "0",
+    "SGLANG_CUDA_COREDUMP_BEFORE_CRASH": "0",
+}
+
 
 def cpu_groups(cpus: list[int]) -> str:
     """One SGLANG_CPU_OMP_THREADS_BIND group: "4-7" for consecutive cores, else "1,3,5"."""
@@ -89,7 +98,8 @@ def rank_threads(threads: int, tp_size: int, cpus: list[int] | None = None) -> t
 def server_env(
     base: dict[str, str] | None = None, threads: int = 1, tp_size: int = 1
 ) -> dict[str, str]:
-    """Environment for an SGLang process of the CPU role: CPU engine on, overlay first on path.
+    """Environment for an SGLang process of the CPU role: CPU engine on, overlay first on path,
+    no crash diagnostics (NO_CRASH_DIAGNOSTICS).
 
     `threads` sets OMP_NUM_THREADS (1 per server is steadier on shared cores); with `tp_size` > 1
     the threads are split between the ranks and each rank is bound to its share of the cores
@@ -102,6 +112,8 @@ def server_env(
     if tp_size > 1:
         threads, bind = rank_threads(threads, tp_size)
         env.setdefault(BIND_ENV, bind)
+    for key, value in NO_CRASH_DIAGNOSTICS.items():
+        env.setdefault(key, value)  # a caller's own setting stands
     env.update(
         SGLANG_USE_CPU_ENGINE="1",
         PYTHONPATH=os.pathsep.join(path),
