@@ -410,3 +410,24 @@ def test_a_training_run_resolves_the_algorithm_once(inputs, tmp_path, monkeypatc
     run_train(inputs, tmp_path, cfg_json(max_steps=2))
     assert (tmp_path / "draft" / "model.safetensors").exists()
     assert calls == ["eagle3"], calls
+
+
+def test_the_stop_message_names_the_checkpoint_on_disk_not_yet_recorded(tmp_path, caplog):
+    """A stop that lands between a checkpoint's rename into place and the loop's record of it
+    says the rerun resumes from that checkpoint (as it does: a rerun reads the disk)."""
+    from draftsmith.train.loop import Progress, log_stop
+
+    run_dir = tmp_path / "7171c78200fe6dc2"
+    for step, key in ((4, run_dir.name), (8, "another-run")):
+        (run_dir / f"step-{step:06d}").mkdir(parents=True)
+        (run_dir / f"step-{step:06d}" / "meta.json").write_text(json.dumps({"key": key}))
+    (run_dir / ".tmp-step-000012-x").mkdir()  # a checkpoint being written: not one yet
+    with caplog.at_level("WARNING", logger="draftsmith.train.loop"):
+        log_stop(Progress(step=5, saved_step=None, run_dir=run_dir))
+    assert "a rerun resumes from checkpoint step 4 in" in caplog.text, caplog.text
+    caplog.clear()
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with caplog.at_level("WARNING", logger="draftsmith.train.loop"):
+        log_stop(Progress(step=2, run_dir=empty))
+    assert "a rerun resumes from no checkpoint yet" in caplog.text, caplog.text

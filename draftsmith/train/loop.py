@@ -459,7 +459,15 @@ def log_stop(pos: Progress) -> None:
     if pos.run_dir is None:
         log.warning("stopped before training started; a rerun starts from the beginning")
         return
-    saved = "no checkpoint yet" if pos.saved_step is None else f"checkpoint step {pos.saved_step}"
+    # what a rerun loads is on disk: a checkpoint renamed into place just before the stop counts,
+    # though this run had not yet recorded it in `pos` (the stop can land between the two)
+    try:
+        ckpt = latest_checkpoint(pos.run_dir, pos.run_dir.name)
+        saved = "no checkpoint yet" if ckpt is None else f"checkpoint step {int(ckpt.name[5:])}"
+    except (OSError, ValueError):  # the directory changing under the listing: say what is known
+        saved = (
+            "no checkpoint yet" if pos.saved_step is None else f"checkpoint step {pos.saved_step}"
+        )
     log.warning(
         "stopped at step %d: a rerun resumes from %s in %s (%.0f s of work since)",
         pos.step,
