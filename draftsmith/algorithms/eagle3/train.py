@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import torch
 
-from draftsmith.algorithms.eagle3 import warmstart
 from draftsmith.algorithms.eagle3.model import DraftConfig, Eagle3Draft
 from draftsmith.algorithms.eagle3.ttt import (
     TTTObjective,
@@ -24,6 +23,7 @@ from draftsmith.algorithms.eagle3.ttt import (
     step_weights,
     teacher_positions,
 )
+from draftsmith.algorithms.eagle3.warmstart import init_layer, read_source
 from draftsmith.targets.families import effective_norm_weight
 
 
@@ -52,10 +52,8 @@ def build_draft(job, inputs) -> Eagle3Draft:
             draft.norm.weight.copy_(effective_norm_weight(inputs.heads["norm"], inputs.target_cfg))
     if job.draft.init_layer_from_target:
         try:
-            index, pieces = warmstart.read_source(
-                inputs.target_dir, inputs.target_cfg, inputs.aux_ids
-            )
-            warmstart.init_layer(draft, index, pieces, inputs.target_cfg)
+            index, pieces = read_source(inputs.target_dir, inputs.target_cfg, inputs.aux_ids)
+            init_layer(draft, index, pieces, inputs.target_cfg)
         except ValueError as e:
             raise SystemExit(f"error: {e}") from None
     return draft
