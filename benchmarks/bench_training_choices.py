@@ -5,7 +5,8 @@ held-out and HumanEval tau, acceptance by position, training top-1 accuracy at d
     nice -n 19 python benchmarks/bench_training_choices.py [--workdir DIR] [--from-run DIR]
         [--variants baseline init_layer_from_target] [--seeds 0 1 2] [--max-steps N]
         [--heldout N] [--humaneval N] [--max-new-tokens N] [--cores N]
-    python benchmarks/bench_training_choices.py --summarize-only      (re-render from the JSON)
+    python benchmarks/bench_training_choices.py --summarize-only      (re-render from the JSON,
+        adding the runs still training: their step, loss and acc0 beside the baseline's)
 
 The runs are benchmarks/bench_algorithms.py's (its `prepare_base` builds the shards and the
 vocabulary once in DIR/base; its `one_run` trains and benchmarks one seed in a copy of it with
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 from pathlib import Path
 
@@ -52,6 +54,74 @@ def train_seconds(work: Path) -> float | None:
         return None
     rows = [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()]
     return sum(m["tokens"] / m["tokens_per_s"] for m in rows if m.get("tokens_per_s")) or None
+
+
+def step_metrics(work: Path) -> list[dict]:
+    """The training records of a run: results/train's when it finished, else the run
+    directory's under state/train (a run still training)."""
+    done = work / "results" / "train" / "metrics.jsonl"
+    found = [done] if done.is_file() else sorted(work.glob("state/train/*/metrics.jsonl"))
+    if not found:
+        return []
+    return [json.loads(ln) for ln in found[0].read_text().splitlines() if ln.strip()]
+
+
+def in_progress(workdir: Path, runs: list[dict]) -> list[dict]:
+    """Runs started but not finished: the step their training reached and, at that step, its
+    loss and training acc0 (mean of the last 10 steps) beside the baseline's of the same seed."""
+    have = {(x["variant"], x["seed"]) for x in runs}
+    out = []
+    for variant in VARIANTS:
+        for work in sorted(workdir.glob(f"{variant}_s*")):
+            seed = int(work.name.rsplit("_s", 1)[1])
+            mine = step_metrics(work)
+            if (variant, seed) in have or not mine:
+                continue
+            base = step_metrics(workdir / f"{BASELINE}_s{seed}")[: len(mine)]
+            out.append(
+                {
+                    "variant": variant,
+                    "seed": seed,
+                    "steps": len(mine),
+                    "at_step": {k: window(v) for k, v in ((variant, mine), (BASELINE, base))},
+                }
+            )
+    return out
+
+
+def window(metrics: list[dict], last: int = 10) -> dict | None:
+    """Mean loss and acc0 over the last `last` records (None when there are not that many)."""
+    if len(metrics) < last:
+        return None
+    tail = metrics[-last:]
+    return {
+        "loss": statistics.fmean(m["loss"] for m in tail),
+        "acc0": statistics.fmean(m["acc_per_pos"][0] for m in tail),
+    }
+
+
+def partial_lines(r: dict) -> list[str]:
+    """The md section of the runs that had not finished when the file was written."""
+    if not r.get("in_progress"):
+        return []
+    rows = []
+    for x in r["in_progress"]:
+        mine, base = x["at_step"][x["variant"]], x["at_step"][BASELINE]
+        rows.append(
+            f"{x['variant']} | {x['seed']} | {x['steps']} | "
+            f"{fmt(mine and mine['loss'], '.2f')} / {fmt(base and base['loss'], '.2f')} | "
+            f"{fmt(mine and mine['acc0'])} / {fmt(base and base['acc0'])}"
+        )
+    return [
+        "",
+        "Not finished when this file was written (training still running; no tau): the step "
+        "its training reached, and there the mean of the last 10 steps of its loss and "
+        "training acc0 beside the baseline's of the same seed at the same steps:",
+        "",
+        *table(
+            "variant | seed | step | loss (variant / baseline) | acc0 (variant / baseline)", rows
+        ),
+    ]
 
 
 def summarize(runs: list[dict]) -> dict:
@@ -155,6 +225,7 @@ def render_md(r: dict) -> str:
         "| wall s (train + bench) | load before / after",
         rows,
     )
+    lines += partial_lines(r)
     if r["runs"]:
         lines += ["", r["runs"][0]["method"] or ""]
     return "\n".join(lines) + "\n"
@@ -189,6 +260,7 @@ def main(argv=None) -> None:
     out, name = Path(args.out), f"training_choices_{cpu_facts().kind}"
     if args.summarize_only:
         r = json.loads((out / f"{name}.json").read_text())
+        r["in_progress"] = in_progress(Path(args.workdir), r["runs"])
         write(r, out, name)
         return
     base = Path(args.workdir) / "base"
