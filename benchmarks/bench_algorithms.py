@@ -128,6 +128,12 @@ def figures_of(report: dict, metrics: list[dict]) -> dict:
     return fig
 
 
+def last_acc0(metrics: list[dict], last: int = 10) -> float | None:
+    """Training top-1 accuracy at draft position 0, mean over the last `last` steps."""
+    accs = [m["acc_per_pos"][0] for m in metrics[-last:] if m.get("acc_per_pos")]
+    return statistics.fmean(accs) if accs else None
+
+
 def run_cmd(cmd: list[str], cwd: Path, log: Path) -> float:
     """Run cmd in cwd (output to log); wall seconds; a failure names the log."""
     print("$", " ".join(cmd), f"(in {cwd}, log {log})", flush=True)
@@ -170,8 +176,9 @@ def prepare_base(args, base: Path) -> dict:
     }
 
 
-def run_config(args, algorithm: str, seed: int) -> list[str]:
-    """The --config overrides of one run: only algorithm and seed differ between runs."""
+def run_config(args, algorithm: str, seed: int, draft: dict | None = None) -> list[str]:
+    """The --config overrides of one run: only algorithm and seed differ between runs (and
+    `draft`, more draft keys, for benchmarks/bench_training_choices.py's variants)."""
     train = {"seed": seed, "max_steps": args.max_steps}
     bench = {
         "heldout_size": args.heldout,
@@ -180,15 +187,18 @@ def run_config(args, algorithm: str, seed: int) -> list[str]:
         "smoke": True,
     }
     return [
-        f"draft={json.dumps({'algorithm': algorithm})}",
+        f"draft={json.dumps({'algorithm': algorithm, **(draft or {})})}",
         f"train={json.dumps(train)}",
         f"bench={json.dumps(bench)}",
     ]
 
 
-def one_run(args, base: Path, algorithm: str, seed: int) -> dict:
-    """Train and benchmark one (algorithm, seed) in a copy of the base sharing its results."""
-    work = Path(args.workdir) / f"{algorithm}_s{seed}"
+def one_run(
+    args, base: Path, algorithm: str, seed: int, draft: dict | None = None, label: str = ""
+) -> dict:
+    """Train and benchmark one (algorithm, seed) in a copy of the base sharing its results
+    (`draft`: more draft keys; `label`: the work directory's name before the seed)."""
+    work = Path(args.workdir) / f"{label or algorithm}_s{seed}"
     if work.exists():
         shutil.rmtree(work)
     work.mkdir(parents=True)
@@ -199,7 +209,7 @@ def one_run(args, base: Path, algorithm: str, seed: int) -> dict:
             shutil.copytree(entry, work / entry.name, symlinks=True)
         else:
             shutil.copy2(entry, work / entry.name, follow_symlinks=False)
-    cfg = run_config(args, algorithm, seed)
+    cfg = run_config(args, algorithm, seed, draft)
     load0 = os.getloadavg()[0]
     wall = run_cmd(
         ["snakemake", "--cores", str(args.cores), "results/bench/report.json", "--config", *cfg],
@@ -233,6 +243,7 @@ def one_run(args, base: Path, algorithm: str, seed: int) -> dict:
         "threads": thread_choices(work),
         "work": str(work),
         "figures": figures_of(report, metrics),
+        "train_acc0_last": last_acc0(metrics),
         "sets": sets,
         "method": report.get("method"),
     }

@@ -69,6 +69,7 @@ class DraftSettings:
     attention: str
     vocab_size: int
     init_from_target: bool
+    init_layer_from_target: bool
     serve_check: str
     dflash: DFlashSettings
 

@@ -167,6 +167,23 @@ def read_pieces(
     return {role: read[name] for role, name in want.items()}
 
 
+def read_layer(target_dir: str | Path, index: int, suffixes, layout: Layout | None = None) -> dict:
+    """Tensors of decoder layer `index` as stored, by suffix (`self_attn.q_proj.weight`, ...);
+    a suffix the layer does not hold is left out (the caller names what it needs)."""
+    from safetensors import safe_open
+
+    layout = layout or find_layout(target_dir)
+    names = weight_files(Path(target_dir))
+    prefix = f"{layout.base}layers.{int(index)}."
+    out = {}
+    for suffix in suffixes:
+        name = prefix + suffix
+        if name in names:
+            with safe_open(str(names[name]), framework="pt") as f:
+                out[suffix] = f.get_tensor(name)
+    return out
+
+
 def decoder_modules(model):
     """(base model, its decoder layers) of a loaded transformers LM, plain or multimodal; None
     when neither path holds `.layers` and `.norm`."""

@@ -146,6 +146,7 @@ class Inputs:
     fingerprint: str | None
     shards: list
     algorithm: AlgorithmSpec  # draft.algorithm's spec, resolved once for the run
+    target_dir: Path | None = None  # what a trainer reads more of (draft.init_layer_from_target)
 
 
 @dataclass
@@ -211,7 +212,7 @@ def frozen_inputs(
     fingerprint = None
     if meta_file.exists():
         fingerprint = json.loads(meta_file.read_text())["fingerprint"]
-    return Inputs(target_cfg, ids, d2t, t2d, heads, fingerprint, [], spec)
+    return Inputs(target_cfg, ids, d2t, t2d, heads, fingerprint, [], spec, target_dir)
 
 
 def prepare_run(

@@ -146,8 +146,11 @@ def build_draft(job: JobSettings, inputs: Inputs, device):
     its optimizer."""
     torch.manual_seed(job.train.seed)
     algorithm = inputs.algorithm
-    if job.draft.attention != "llama" and "draft.attention" in algorithm.refuses:
-        raise SystemExit(f"error: {algorithm.refuses['draft.attention']}")  # parse time says so too
+    refused = {"draft.attention": job.draft.attention != "llama"}
+    refused["draft.init_layer_from_target"] = job.draft.init_layer_from_target
+    for key, used in refused.items():  # parse time says so too
+        if used and key in algorithm.refuses:
+            raise SystemExit(f"error: {key}: {algorithm.refuses[key]}")
     draft = algorithm.part("trainer").build_draft(job, inputs).to(device)
     opt = torch.optim.AdamW(draft.parameters(), lr=job.train.lr, weight_decay=0.0)
     return draft, opt

@@ -50,6 +50,9 @@ SPEC = AlgorithmSpec(
         "bench.temperature": "speculative sampling is not implemented for the DFlash block "
         "drafter (greedy only): set bench.temperature 0",
         "draft.attention": "the DFlash draft has no attention variant: set draft.attention llama",
+        "draft.init_layer_from_target": "it initialises the EAGLE-3 draft's one decoder layer; "
+        "DFlash's layers attend over the target's states and their own block, not the "
+        "target layer's inputs: set draft.init_layer_from_target false",
         "train.eval_rows": "the offline acceptance estimate runs EAGLE-3's chain decoder, not "
         "DFlash's block drafter: set train.eval_rows 0",
     },

@@ -23,12 +23,15 @@ from draftsmith.algorithms.eagle3.ttt import (
     step_weights,
     teacher_positions,
 )
+from draftsmith.algorithms.eagle3.warmstart import init_layer, read_source
 from draftsmith.targets.families import effective_norm_weight
 
 
 def build_draft(job, inputs) -> Eagle3Draft:
     """The EAGLE-3 draft for the target (lm_head and norm from the target's with
-    draft.init_from_target); `inputs.algorithm`, the spec, sets the switches (EAGLE-3.1's)."""
+    draft.init_from_target, the decoder layer from one of the target's with
+    draft.init_layer_from_target, draftsmith.algorithms.eagle3.warmstart); `inputs.algorithm`,
+    the spec, sets the switches (EAGLE-3.1's)."""
     try:
         dcfg = DraftConfig.from_target_config(
             inputs.target_cfg,
@@ -47,6 +50,12 @@ def build_draft(job, inputs) -> Eagle3Draft:
             draft.lm_head.weight.copy_(inputs.heads["lm_head"][hot])
             # a Gemma-style target applies its norm as 1 + w; the draft's norm is x * w
             draft.norm.weight.copy_(effective_norm_weight(inputs.heads["norm"], inputs.target_cfg))
+    if job.draft.init_layer_from_target:
+        try:
+            index, pieces = read_source(inputs.target_dir, inputs.target_cfg, inputs.aux_ids)
+            init_layer(draft, index, pieces, inputs.target_cfg)
+        except ValueError as e:
+            raise SystemExit(f"error: {e}") from None
     return draft
 
 

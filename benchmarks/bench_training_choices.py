@@ -1,0 +1,301 @@
+"""A training choice against the embedded default's, several seeds each, on the same rows:
+held-out and HumanEval tau, acceptance by position, training top-1 accuracy at draft position
+0, training seconds; mean and spread over seeds, and whether the choice pays.
+
+    nice -n 19 python benchmarks/bench_training_choices.py [--workdir DIR] [--from-run DIR]
+        [--variants baseline init_layer_from_target] [--seeds 0 1 2] [--max-steps N]
+        [--heldout N] [--humaneval N] [--max-new-tokens N] [--cores N]
+    python benchmarks/bench_training_choices.py --summarize-only      (re-render from the JSON,
+        adding the runs still training: their step, loss and acc0 beside the baseline's)
+
+The runs are benchmarks/bench_algorithms.py's (its `prepare_base` builds the shards and the
+vocabulary once in DIR/base; its `one_run` trains and benchmarks one seed in a copy of it with
+`snakemake --config`), for EAGLE-3, each variant adding its draft keys (VARIANTS) to the
+embedded default; seed-major order, so an interrupted run has every variant at the first
+seeds. After every run, writes benchmarks/results/training_choices_<CPU kind>.{json,md}.
+
+The verdict (RULE): a variant is kept as the default only if its mean held-out tau minus the
+baseline's exceeds the sum of both sample standard deviations over seeds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
+
+from bench_algorithms import mean_sd, one_run, per_position, prepare_base  # noqa: E402
+from bench_job_threads import fmt, git_info, machine, table  # noqa: E402
+
+from draftsmith.runtime.files import atomic_write_json, atomic_write_text  # noqa: E402
+
+ALGORITHM = "eagle3"
+BASELINE = "baseline"
+# variant -> the draft keys it sets over the embedded default
+VARIANTS = {
+    BASELINE: {},
+    "init_layer_from_target": {"init_layer_from_target": True},
+}
+RULE = (
+    "a variant is kept as the default only if its mean held-out tau minus the baseline's "
+    "mean exceeds the sum of both sample standard deviations over seeds"
+)
+
+
+def train_seconds(work: Path) -> float | None:
+    """Summed training step seconds (results/train/metrics.jsonl; loading and export excluded)."""
+    path = work / "results" / "train" / "metrics.jsonl"
+    if not path.is_file():
+        return None
+    rows = [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()]
+    return sum(m["tokens"] / m["tokens_per_s"] for m in rows if m.get("tokens_per_s")) or None
+
+
+def step_metrics(work: Path) -> list[dict]:
+    """The training records of a run: results/train's when it finished, else the run
+    directory's under state/train (a run still training)."""
+    done = work / "results" / "train" / "metrics.jsonl"
+    found = [done] if done.is_file() else sorted(work.glob("state/train/*/metrics.jsonl"))
+    if not found:
+        return []
+    return [json.loads(ln) for ln in found[0].read_text().splitlines() if ln.strip()]
+
+
+def in_progress(workdir: Path, runs: list[dict]) -> list[dict]:
+    """Runs started but not finished: the step their training reached and, at that step, its
+    loss and training acc0 (mean of the last 10 steps) beside the baseline's of the same seed."""
+    have = {(x["variant"], x["seed"]) for x in runs}
+    out = []
+    for variant in VARIANTS:
+        for work in sorted(workdir.glob(f"{variant}_s*")):
+            seed = int(work.name.rsplit("_s", 1)[1])
+            mine = step_metrics(work)
+            if (variant, seed) in have or not mine:
+                continue
+            base = step_metrics(workdir / f"{BASELINE}_s{seed}")[: len(mine)]
+            out.append(
+                {
+                    "variant": variant,
+                    "seed": seed,
+                    "steps": len(mine),
+                    "at_step": {k: window(v) for k, v in ((variant, mine), (BASELINE, base))},
+                }
+            )
+    return out
+
+
+def window(metrics: list[dict], last: int = 10) -> dict | None:
+    """Mean loss and acc0 over the last `last` records (None when there are not that many)."""
+    if len(metrics) < last:
+        return None
+    tail = metrics[-last:]
+    return {
+        "loss": statistics.fmean(m["loss"] for m in tail),
+        "acc0": statistics.fmean(m["acc_per_pos"][0] for m in tail),
+    }
+
+
+def partial_lines(r: dict) -> list[str]:
+    """The md section of the runs that had not finished when the file was written."""
+    if not r.get("in_progress"):
+        return []
+    rows = []
+    for x in r["in_progress"]:
+        mine, base = x["at_step"][x["variant"]], x["at_step"][BASELINE]
+        rows.append(
+            f"{x['variant']} | {x['seed']} | {x['steps']} | "
+            f"{fmt(mine and mine['loss'], '.2f')} / {fmt(base and base['loss'], '.2f')} | "
+            f"{fmt(mine and mine['acc0'])} / {fmt(base and base['acc0'])}"
+        )
+    return [
+        "",
+        "Not finished when this file was written (training still running; no tau): the step "
+        "its training reached, and there the mean of the last 10 steps of its loss and "
+        "training acc0 beside the baseline's of the same seed at the same steps:",
+        "",
+        *table(
+            "variant | seed | step | loss (variant / baseline) | acc0 (variant / baseline)", rows
+        ),
+    ]
+
+
+def summarize(runs: list[dict]) -> dict:
+    """Per variant: figures' mean / spread over seeds, acceptance by position, the verdict."""
+    by: dict[str, list[dict]] = {}
+    for r in runs:
+        by.setdefault(r["variant"], []).append(r)
+    out = {}
+    for name, rs in by.items():
+        out[name] = {
+            "seeds": sorted(r["seed"] for r in rs),
+            "heldout_tau": mean_sd([r["figures"]["heldout_tau"] for r in rs]),
+            "humaneval_tau": mean_sd([r["figures"]["humaneval_tau"] for r in rs]),
+            "train_acc0": mean_sd([r.get("train_acc0_last") for r in rs]),
+            "train_s": mean_sd([r.get("train_s") for r in rs]),
+            "accept_by_pos": {s: per_position(rs, s) for s in ("heldout", "humaneval")},
+        }
+    base = out.get(BASELINE)
+    for name, s in out.items():
+        s["verdict"] = None if name == BASELINE else verdict(s["heldout_tau"], base)
+    return out
+
+
+def verdict(v: dict, base: dict | None) -> dict:
+    """RULE applied to held-out tau: {gain, spread, kept, why}."""
+    if base is None or v["sd"] is None or base["heldout_tau"]["sd"] is None:
+        return {"gain": None, "spread": None, "kept": False, "why": "fewer than 2 seeds each"}
+    b = base["heldout_tau"]
+    gain, spread = v["mean"] - b["mean"], v["sd"] + b["sd"]
+    kept = gain > spread
+    why = f"gain {gain:+.3f} {'>' if kept else '<='} spread {spread:.3f}"
+    return {"gain": gain, "spread": spread, "kept": kept, "why": why}
+
+
+def cell(f: dict, spec: str = ".3f") -> str:
+    if f["mean"] is None:
+        return "n/a"
+    if f["sd"] is None:
+        return fmt(f["mean"], spec)
+    return f"{fmt(f['mean'], spec)} ± {fmt(f['sd'], spec)}"
+
+
+def render_md(r: dict) -> str:
+    m, b, s = r["machine"], r["budget"], r["summary"]
+    kind = m["cpu_facts"]["kind"]
+    lines = [
+        f"# Training choices on the same rows: EAGLE-3, {', '.join(s)} (CPU {kind})",
+        "",
+        f"Script: benchmarks/bench_training_choices.py. CPU {m['cpu']} (kind {kind}), "
+        f"{m['cores']} cores shared with other jobs, all jobs at nice 19; torch {m['torch']}; "
+        f"commit {m['git_commit'][:12]}{' (dirty)' if m['git_dirty'] else ''}. Data: the "
+        f"embedded default's (SmolLM2-135M-Instruct), {r['data_note']}",
+        "",
+        f"Budget per run: train.max_steps {b['max_steps']} (0: the default's 5 epochs), every "
+        "other key at the embedded default but the variant's; bench: "
+        f"{b['heldout']} held-out and {b['humaneval']} HumanEval prompts, "
+        f"{b['max_new_tokens']} new tokens each, hf engine. Seeds {b['seeds']} (train.seed). "
+        f"Runs measured: {len(r['runs'])} of {b['planned']} planned"
+        + ("" if len(r["runs"]) == b["planned"] else " (the table is of those that finished)")
+        + ".",
+        "",
+        "Variants (draft keys over the default): "
+        + "; ".join(f"{k}: {json.dumps(VARIANTS.get(k, {}))}" for k in s)
+        + ".",
+        "",
+        f"Rule: {RULE}.",
+        "",
+        "Mean ± sample standard deviation over seeds. Train acc0: training top-1 accuracy at "
+        "draft position 0, mean of the last 10 steps. Train s: summed training step seconds.",
+        "",
+    ]
+    rows = []
+    for name, a in s.items():
+        v = a["verdict"]
+        word = "baseline" if v is None else ("kept" if v["kept"] else "not kept") + f" ({v['why']})"
+        rows.append(
+            f"{name} | {len(a['seeds'])} | {cell(a['heldout_tau'])} | {cell(a['humaneval_tau'])}"
+            f" | {cell(a['train_acc0'])} | {cell(a['train_s'], '.0f')} | {word}"
+        )
+    lines += table(
+        "variant | seeds | held-out tau | HumanEval tau | train acc0 | train s | verdict", rows
+    )
+    lines += ["", "Acceptance rate by draft position (mean over seeds):", ""]
+    rows = [
+        f"{name} | {set_name} | " + ", ".join(fmt(x) for x in a["accept_by_pos"][set_name])
+        for name, a in s.items()
+        for set_name in ("heldout", "humaneval")
+        if a["accept_by_pos"][set_name]
+    ]
+    lines += table("variant | set | accept by position", rows)
+    lines += ["", "Per run:", ""]
+    rows = [
+        f"{x['variant']} | {x['seed']} | {x['train_steps']} | {fmt(x['figures']['heldout_tau'])}"
+        f" | {fmt(x['figures']['humaneval_tau'])} | {fmt(x.get('train_acc0_last'))}"
+        f" | {fmt(x.get('train_s'), '.0f')} | {x['wall_s']:.0f}"
+        f" | {x['loadavg_1min_before']:.1f} / {x['loadavg_1min_after']:.1f}"
+        for x in r["runs"]
+    ]
+    lines += table(
+        "variant | seed | steps | held-out tau | HumanEval tau | train acc0 | train s "
+        "| wall s (train + bench) | load before / after",
+        rows,
+    )
+    lines += partial_lines(r)
+    if r["runs"]:
+        lines += ["", r["runs"][0]["method"] or ""]
+    return "\n".join(lines) + "\n"
+
+
+def write(r: dict, out: Path, name: str) -> None:
+    r["summary"] = summarize(r["runs"])
+    atomic_write_json(out / f"{name}.json", r)
+    atomic_write_text(out / f"{name}.md", render_md(r))
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--workdir", default=str(ROOT / "benchmarks" / "work" / "training_choices"))
+    p.add_argument("--from-run", help="a finished run of the default whose data to reuse")
+    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
+    p.add_argument("--max-steps", type=int, default=0, help="train.max_steps (0: all epochs)")
+    p.add_argument("--heldout", type=int, default=16)
+    p.add_argument("--humaneval", type=int, default=8)
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--cores", type=int, default=2)
+    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    p.add_argument("--summarize-only", action="store_true")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    from draftsmith.runtime.hardware import cpu_facts
+
+    out, name = Path(args.out), f"training_choices_{cpu_facts().kind}"
+    if args.summarize_only:
+        r = json.loads((out / f"{name}.json").read_text())
+        r["in_progress"] = in_progress(Path(args.workdir), r["runs"])
+        write(r, out, name)
+        return
+    base = Path(args.workdir) / "base"
+    if base.exists():
+        raise SystemExit(f"{base}: exists; a run starts from an empty work directory")
+    base.mkdir(parents=True)
+    data = prepare_base(args, base)
+    note = (
+        f"shards and vocabulary by the workflow in {base} ({data['wall_s']:.0f} s; "
+        + ("rebuilt by Snakemake" if data["rebuilt"] else "Snakemake found them up to date")
+        + ")."
+    )
+    r = {
+        "machine": machine(git_info(ROOT)),
+        "data": data,
+        "data_note": note,
+        "rule": RULE,
+        "budget": {
+            "max_steps": args.max_steps,
+            "heldout": args.heldout,
+            "humaneval": args.humaneval,
+            "max_new_tokens": args.max_new_tokens,
+            "seeds": args.seeds,
+            "planned": len(args.seeds) * len(args.variants),
+        },
+        "runs": [],
+    }
+    for seed in args.seeds:
+        for variant in args.variants:
+            x = one_run(args, base, ALGORITHM, seed, VARIANTS[variant], label=variant)
+            x["variant"], x["train_s"] = variant, train_seconds(Path(x["work"]))
+            r["runs"].append(x)
+            write(r, out, name)
+    write(r, out, name)
+
+
+if __name__ == "__main__":
+    main()
