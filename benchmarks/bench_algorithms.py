@@ -342,14 +342,7 @@ def render_md(r: dict) -> str:
         for algo, a in s.items()
     ]
     lines += table("algorithm | " + " | ".join(FIGURES), rows)
-    lines += ["", "Acceptance rate by draft position (mean over seeds):", ""]
-    rows = [
-        f"{algo} | {set_name} | " + ", ".join(fmt(x) for x in (a["accept_by_pos"][set_name] or []))
-        for algo, a in s.items()
-        for set_name in ("heldout", "humaneval")
-        if a["accept_by_pos"][set_name]
-    ]
-    lines += table("algorithm | set | accept by position", rows)
+    lines += position_lines(s, "algorithm")
     lines += ["", "Per run:", ""]
     rows = [
         f"{x['algorithm']} | {x['seed']} | {x['train_steps']} | "
@@ -368,6 +361,19 @@ def render_md(r: dict) -> str:
     if r["runs"]:
         lines += ["", r["runs"][0]["method"] or ""]
     return "\n".join(lines) + "\n"
+
+
+def position_lines(summary: dict, label: str) -> list[str]:
+    """The acceptance rate by draft position of each summarised entry (`label`: its column
+    name), per set, as markdown lines."""
+    rows = [
+        f"{name} | {set_name} | " + ", ".join(fmt(x) for x in a["accept_by_pos"][set_name])
+        for name, a in summary.items()
+        for set_name in ("heldout", "humaneval")
+        if a["accept_by_pos"][set_name]
+    ]
+    head = ["", "Acceptance rate by draft position (mean over seeds):", ""]
+    return head + table(f"{label} | set | accept by position", rows)
 
 
 def plot(r: dict, path: Path) -> bool:
@@ -419,11 +425,11 @@ def merge(r: dict, others: list[dict]) -> None:
     r["runs"].sort(key=lambda x: (x["seed"], order[x["algorithm"]]))
 
 
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--workdir", default=str(ROOT / "benchmarks" / "work" / "algorithms"))
+def budget_args(p: argparse.ArgumentParser, work: str) -> None:
+    """The options of a seeds-and-budget benchmark over the default's data (this one and
+    bench_training_choices.py): `work`, the work directory's name under benchmarks/work."""
+    p.add_argument("--workdir", default=str(ROOT / "benchmarks" / "work" / work))
     p.add_argument("--from-run", help="a finished run of the default whose data to reuse")
-    p.add_argument("--algorithms", nargs="+", default=list(ALGORITHMS), choices=ALGORITHMS)
     p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     p.add_argument("--max-steps", type=int, default=0, help="train.max_steps (0: all epochs)")
     p.add_argument("--heldout", type=int, default=16)
@@ -432,6 +438,28 @@ def parse_args(argv=None):
     p.add_argument("--cores", type=int, default=2)
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     p.add_argument("--summarize-only", action="store_true")
+
+
+def new_base(args) -> tuple[Path, dict, str]:
+    """The base project in an empty `args.workdir`/base: its shards and vocabulary built
+    (prepare_base), and the sentence that says how."""
+    base = Path(args.workdir) / "base"
+    if base.exists():
+        raise SystemExit(f"{base}: exists; a run starts from an empty work directory")
+    base.mkdir(parents=True)
+    data = prepare_base(args, base)
+    note = (
+        f"shards and vocabulary by the workflow in {base} ({data['wall_s']:.0f} s; "
+        + ("rebuilt by Snakemake" if data["rebuilt"] else "Snakemake found them up to date")
+        + (f", seeded from {data['seeded_from']})." if data.get("seeded_from") else ").")
+    )
+    return base, data, note
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    budget_args(p, "algorithms")
+    p.add_argument("--algorithms", nargs="+", default=list(ALGORITHMS), choices=ALGORITHMS)
     p.add_argument(
         "--merge",
         nargs="*",
@@ -456,16 +484,7 @@ def main(argv=None) -> None:
         write(r, out, name)
         plot(r, out / f"{name}.png")
         return
-    base = Path(args.workdir) / "base"
-    if base.exists():
-        raise SystemExit(f"{base}: exists; a run starts from an empty work directory")
-    base.mkdir(parents=True)
-    data = prepare_base(args, base)
-    note = (
-        f"shards and vocabulary by the workflow in {base} ({data['wall_s']:.0f} s; "
-        + ("rebuilt by Snakemake" if data["rebuilt"] else "Snakemake found them up to date")
-        + (f", seeded from {data['seeded_from']})." if data["seeded_from"] else ").")
-    )
+    base, data, note = new_base(args)
     r = {
         "machine": machine(git_info(ROOT)),
         "data": data,

@@ -29,7 +29,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
-from bench_algorithms import mean_sd, one_run, per_position, prepare_base  # noqa: E402
+from bench_algorithms import (  # noqa: E402
+    budget_args,
+    mean_sd,
+    new_base,
+    one_run,
+    per_position,
+    position_lines,
+)
 from bench_job_threads import fmt, git_info, machine, table  # noqa: E402
 
 from draftsmith.runtime.files import atomic_write_json, atomic_write_text  # noqa: E402
@@ -204,14 +211,7 @@ def render_md(r: dict) -> str:
     lines += table(
         "variant | seeds | held-out tau | HumanEval tau | train acc0 | train s | verdict", rows
     )
-    lines += ["", "Acceptance rate by draft position (mean over seeds):", ""]
-    rows = [
-        f"{name} | {set_name} | " + ", ".join(fmt(x) for x in a["accept_by_pos"][set_name])
-        for name, a in s.items()
-        for set_name in ("heldout", "humaneval")
-        if a["accept_by_pos"][set_name]
-    ]
-    lines += table("variant | set | accept by position", rows)
+    lines += position_lines(s, "variant")
     lines += ["", "Per run:", ""]
     rows = [
         f"{x['variant']} | {x['seed']} | {x['train_steps']} | {fmt(x['figures']['heldout_tau'])}"
@@ -239,17 +239,8 @@ def write(r: dict, out: Path, name: str) -> None:
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--workdir", default=str(ROOT / "benchmarks" / "work" / "training_choices"))
-    p.add_argument("--from-run", help="a finished run of the default whose data to reuse")
+    budget_args(p, "training_choices")
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
-    p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
-    p.add_argument("--max-steps", type=int, default=0, help="train.max_steps (0: all epochs)")
-    p.add_argument("--heldout", type=int, default=16)
-    p.add_argument("--humaneval", type=int, default=8)
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--cores", type=int, default=2)
-    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
-    p.add_argument("--summarize-only", action="store_true")
     return p.parse_args(argv)
 
 
@@ -263,16 +254,7 @@ def main(argv=None) -> None:
         r["in_progress"] = in_progress(Path(args.workdir), r["runs"])
         write(r, out, name)
         return
-    base = Path(args.workdir) / "base"
-    if base.exists():
-        raise SystemExit(f"{base}: exists; a run starts from an empty work directory")
-    base.mkdir(parents=True)
-    data = prepare_base(args, base)
-    note = (
-        f"shards and vocabulary by the workflow in {base} ({data['wall_s']:.0f} s; "
-        + ("rebuilt by Snakemake" if data["rebuilt"] else "Snakemake found them up to date")
-        + ")."
-    )
+    base, data, note = new_base(args)
     r = {
         "machine": machine(git_info(ROOT)),
         "data": data,
