@@ -48,9 +48,11 @@ VARIANTS = {
     BASELINE: {},
     "init_layer_from_target": {"init_layer_from_target": True},
 }
+MIN_SEEDS = 3  # a verdict needs at least this many seeds of the variant and of the baseline
 RULE = (
-    "a variant is kept as the default only if its mean held-out tau minus the baseline's "
-    "mean exceeds the sum of both sample standard deviations over seeds"
+    f"a variant is kept as the default only if, with at least {MIN_SEEDS} seeds each, its mean "
+    "held-out tau minus the baseline's mean exceeds the sum of both sample standard deviations "
+    "over seeds"
 )
 
 
@@ -154,10 +156,13 @@ def summarize(runs: list[dict]) -> dict:
 
 def verdict(v: dict, base: dict | None) -> dict:
     """RULE applied to held-out tau: {gain, spread, kept, why}."""
-    if base is None or v["sd"] is None or base["heldout_tau"]["sd"] is None:
+    b = None if base is None else base["heldout_tau"]
+    if b is None or v["sd"] is None or b["sd"] is None:
         return {"gain": None, "spread": None, "kept": False, "why": "fewer than 2 seeds each"}
-    b = base["heldout_tau"]
     gain, spread = v["mean"] - b["mean"], v["sd"] + b["sd"]
+    if min(v["n"], b["n"]) < MIN_SEEDS:
+        why = f"fewer than {MIN_SEEDS} seeds each (so far: gain {gain:+.3f}, spread {spread:.3f})"
+        return {"gain": gain, "spread": spread, "kept": False, "why": why}
     kept = gain > spread
     why = f"gain {gain:+.3f} {'>' if kept else '<='} spread {spread:.3f}"
     return {"gain": gain, "spread": spread, "kept": kept, "why": why}
