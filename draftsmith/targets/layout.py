@@ -154,34 +154,32 @@ def read_pieces(
     target_dir: str | Path, roles=("embed", "norm", "lm_head"), layout: Layout | None = None
 ) -> dict:
     """Frozen pieces as stored, by role: embed, norm, lm_head (the embedding when tied)."""
-    from safetensors import safe_open
-
     layout = layout or find_layout(target_dir)
-    names = weight_files(Path(target_dir))
     named = {"embed": layout.embed, "norm": layout.norm, "lm_head": layout.lm_head or layout.embed}
     want = {role: named[role] for role in roles}
-    read: dict[str, object] = {}  # a tied head is the embedding tensor itself, read once
-    for name in dict.fromkeys(want.values()):
-        with safe_open(str(names[name]), framework="pt") as f:
-            read[name] = f.get_tensor(name)
-    return {role: read[name] for role, name in want.items()}
+    return read_named(weight_files(Path(target_dir)), want)
 
 
 def read_layer(target_dir: str | Path, index: int, suffixes, layout: Layout | None = None) -> dict:
     """Tensors of decoder layer `index` as stored, by suffix (`self_attn.q_proj.weight`, ...);
     a suffix the layer does not hold is left out (the caller names what it needs)."""
-    from safetensors import safe_open
-
     layout = layout or find_layout(target_dir)
     names = weight_files(Path(target_dir))
     prefix = f"{layout.base}layers.{int(index)}."
-    out = {}
-    for suffix in suffixes:
-        name = prefix + suffix
-        if name in names:
-            with safe_open(str(names[name]), framework="pt") as f:
-                out[suffix] = f.get_tensor(name)
-    return out
+    want = {suffix: prefix + suffix for suffix in suffixes if prefix + suffix in names}
+    return read_named(names, want)
+
+
+def read_named(names: dict[str, Path], want: dict) -> dict:
+    """{key: tensor} for `want` ({key: tensor name}), from the files `names` maps each name to
+    (weight_files); a name wanted under two keys (a tied head) is read once."""
+    from safetensors import safe_open
+
+    read: dict[str, object] = {}
+    for name in dict.fromkeys(want.values()):
+        with safe_open(str(names[name]), framework="pt") as f:
+            read[name] = f.get_tensor(name)
+    return {key: read[name] for key, name in want.items()}
 
 
 def decoder_modules(model):
