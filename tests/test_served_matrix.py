@@ -22,8 +22,10 @@ SGLang's tree drafting and sampling, on the Llama-style EAGLE-3 cell's draft (tr
 anyway): one bench stage run, a tree at temperature 0.2, its greedy references our engine's
 figures for that draft (test_sglang_sampled_tree_is_sound_and_greedy_past_the_prefill).
 
-Each cell prints one verdict line (`CELL <id>: ...`); .ci/run runs this file in one pytest
-process (`-m served`), so each draft is trained once for both engines.
+Each cell prints one verdict line (`CELL <id>: ...`). .ci/run runs this file on two
+pytest-xdist workers grouped by target (`-n 2 --dist loadgroup`, by_target): each draft is
+trained once, by the worker that serves it through both engines, and `-raP` prints the verdict
+lines of the passed tests.
 """
 
 from __future__ import annotations
@@ -86,14 +88,23 @@ def cell_config(algorithm: str, attention: str, engine: str) -> dict:
     )
 
 
+def by_target(attention: str):
+    """The mark that keeps every test of one draft kind's target on one pytest-xdist worker
+    (`--dist loadgroup`): the drafts of a kind share their target's captured data and each
+    draft is trained once, by that worker; the Llama and the MLA targets' tests run side by
+    side on two workers. Without xdist the mark is inert."""
+    return pytest.mark.xdist_group(f"target-{attention}")
+
+
 def cells():
     for algorithm in algorithms.names():
         for attention in ATTENTIONS:
             for engine in ENGINES:
                 why = algorithms.refusals(cell_config(algorithm, attention, engine))
                 yield pytest.param(
-                    algorithm, attention, engine, why, id=f"{algorithm}-{attention}-{engine}"
-                )
+                    algorithm, attention, engine, why, id=f"{algorithm}-{attention}-{engine}",
+                    marks=() if why else by_target(attention),
+                )  # fmt: skip
 
 
 CELLS = list(cells())
@@ -199,6 +210,7 @@ def test_served_cell_accepts_as_ours(drafts, algorithm, attention, engine, why):
     print(verdict(cell, theirs, ours))
 
 
+@by_target("llama")
 @pytest.mark.parametrize("switch", ["fc_norm", "norm_output"])
 def test_control_a_dropped_switch_is_told_apart(drafts, switch):
     """The comparison the served cells make fails for a draft missing one EAGLE-3.1 switch:
@@ -287,6 +299,7 @@ TREE = {"topk": 2, "num_draft_tokens": 6}
 SAMPLED = {"temperature": 0.2, "top_p": 1.0}
 
 
+@by_target("llama")
 def test_sglang_sampled_tree_is_sound_and_greedy_past_the_prefill(drafts):
     """The eagle3-llama cell's draft through SGLang's bench stage with bench.topk 2 (6 draft
     tokens) at temperature 0.2, PROMPTS, 32 tokens, one request at a time.
