@@ -176,10 +176,13 @@ def prepare_base(args, base: Path) -> dict:
     }
 
 
-def run_config(args, algorithm: str, seed: int, draft: dict | None = None) -> list[str]:
+def run_config(
+    args, algorithm: str, seed: int, draft: dict | None = None, train: dict | None = None
+) -> list[str]:
     """The --config overrides of one run: only algorithm and seed differ between runs (and
-    `draft`, more draft keys, for benchmarks/bench_training_choices.py's variants)."""
-    train = {"seed": seed, "max_steps": args.max_steps}
+    `draft` and `train`, more keys of those sections, for benchmarks/bench_training_choices.py's
+    variants)."""
+    train = {**(train or {}), "seed": seed, "max_steps": args.max_steps}
     bench = {
         "heldout_size": args.heldout,
         "humaneval_size": args.humaneval,
@@ -194,10 +197,17 @@ def run_config(args, algorithm: str, seed: int, draft: dict | None = None) -> li
 
 
 def one_run(
-    args, base: Path, algorithm: str, seed: int, draft: dict | None = None, label: str = ""
+    args,
+    base: Path,
+    algorithm: str,
+    seed: int,
+    draft: dict | None = None,
+    label: str = "",
+    train: dict | None = None,
 ) -> dict:
     """Train and benchmark one (algorithm, seed) in a copy of the base sharing its results
-    (`draft`: more draft keys; `label`: the work directory's name before the seed)."""
+    (`draft`, `train`: more keys of those sections; `label`: the work directory's name before
+    the seed)."""
     work = Path(args.workdir) / f"{label or algorithm}_s{seed}"
     if work.exists():
         shutil.rmtree(work)
@@ -209,7 +219,7 @@ def one_run(
             shutil.copytree(entry, work / entry.name, symlinks=True)
         else:
             shutil.copy2(entry, work / entry.name, follow_symlinks=False)
-    cfg = run_config(args, algorithm, seed, draft)
+    cfg = run_config(args, algorithm, seed, draft, train)
     load0 = os.getloadavg()[0]
     wall = run_cmd(
         ["snakemake", "--cores", str(args.cores), "results/bench/report.json", "--config", *cfg],

@@ -10,8 +10,8 @@ held-out and HumanEval tau, acceptance by position, training top-1 accuracy at d
 
 The runs are benchmarks/bench_algorithms.py's (its `prepare_base` builds the shards and the
 vocabulary once in DIR/base; its `one_run` trains and benchmarks one seed in a copy of it with
-`snakemake --config`), for EAGLE-3, each variant adding its draft keys (VARIANTS) to the
-embedded default; seed-major order, so an interrupted run has every variant at the first
+`snakemake --config`), for EAGLE-3, each variant adding its draft and train keys (VARIANTS)
+to the embedded default; seed-major order, so an interrupted run has every variant at the first
 seeds. After every run, writes benchmarks/results/training_choices_<CPU kind>.{json,md}.
 
 The verdict (RULE): a variant is kept as the default only if its mean held-out tau minus the
@@ -43,10 +43,12 @@ from draftsmith.runtime.files import atomic_write_json, atomic_write_text  # noq
 
 ALGORITHM = "eagle3"
 BASELINE = "baseline"
-# variant -> the draft keys it sets over the embedded default
+# variant -> the keys it sets over the embedded default, by section (draft, train)
 VARIANTS = {
     BASELINE: {},
-    "init_layer_from_target": {"init_layer_from_target": True},
+    "init_layer_from_target": {"draft": {"init_layer_from_target": True}},
+    # EAGLE-1's feature noise at the scale speculators trains with
+    "noise_std_0.05": {"train": {"noise_std": 0.05}},
 }
 MIN_SEEDS = 3  # a verdict needs at least this many seeds of the variant and of the baseline
 RULE = (
@@ -195,7 +197,7 @@ def render_md(r: dict) -> str:
         + ("" if len(r["runs"]) == b["planned"] else " (the table is of those that finished)")
         + ".",
         "",
-        "Variants (draft keys over the default): "
+        "Variants (their keys over the default, by section): "
         + "; ".join(f"{k}: {json.dumps(VARIANTS.get(k, {}))}" for k in s)
         + ".",
         "",
@@ -277,7 +279,8 @@ def main(argv=None) -> None:
     }
     for seed in args.seeds:
         for variant in args.variants:
-            x = one_run(args, base, ALGORITHM, seed, VARIANTS[variant], label=variant)
+            keys = VARIANTS[variant]
+            x = one_run(args, base, ALGORITHM, seed, keys.get("draft"), variant, keys.get("train"))
             x["variant"], x["train_s"] = variant, train_seconds(Path(x["work"]))
             r["runs"].append(x)
             write(r, out, name)

