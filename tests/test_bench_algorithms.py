@@ -69,6 +69,17 @@ def test_runs_differ_only_in_algorithm_and_seed():
     assert pa["bench"] == pb["bench"] and pa["bench"]["heldout_size"] == 8
 
 
+def test_a_variant_adds_its_draft_and_train_keys_but_never_its_own_seed():
+    """bench_training_choices' variants set keys of both sections; the run's seed and step
+    budget are the benchmark's, whatever the variant says."""
+    args = ba.parse_args(["--max-steps", "60"])
+    c = ba.run_config(args, "eagle3", 2, {"init_layer_from_target": True},
+                      {"noise_std": 0.05, "seed": 9, "max_steps": 1})  # fmt: skip
+    parsed = {k: json.loads(v) for k, v in (kv.split("=", 1) for kv in c)}
+    assert parsed["draft"] == {"algorithm": "eagle3", "init_layer_from_target": True}
+    assert parsed["train"] == {"noise_std": 0.05, "seed": 2, "max_steps": 60}
+
+
 def test_markdown_states_budget_load_and_every_run():
     runs = [run("eagle3", 0, 1.25), run("eagle3.1", 0, 1.3)]
     for r in runs:
