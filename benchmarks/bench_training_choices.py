@@ -49,6 +49,8 @@ VARIANTS = {
     "init_layer_from_target": {"draft": {"init_layer_from_target": True}},
     # EAGLE-1's feature noise at the scale speculators trains with
     "noise_std_0.05": {"train": {"noise_std": 0.05}},
+    # every position's prediction trained (the prompts' too), not only the assistant's tokens
+    "loss_positions_all": {"train": {"loss_positions": "all"}},
 }
 MIN_SEEDS = 3  # a verdict needs at least this many seeds of the variant and of the baseline
 RULE = (
