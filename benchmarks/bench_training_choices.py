@@ -5,6 +5,8 @@ held-out and HumanEval tau, acceptance by position, training top-1 accuracy at d
     nice -n 19 python benchmarks/bench_training_choices.py [--workdir DIR] [--from-run DIR]
         [--variants baseline init_layer_from_target] [--seeds 0 1 2] [--max-steps N]
         [--heldout N] [--humaneval N] [--max-new-tokens N] [--cores N]
+    python benchmarks/bench_training_choices.py --add --variants V --seeds 2   (more runs into the
+        existing results, on its base)
     python benchmarks/bench_training_choices.py --summarize-only      (re-render from the JSON,
         adding the runs still training: their step, loss and acc0 beside the baseline's)
 
@@ -250,7 +252,39 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     budget_args(p, "training_choices")
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    p.add_argument(
+        "--add",
+        action="store_true",
+        help="add the runs to the results file (same budget; its base in --workdir reused), "
+        "replacing a run of the same variant and seed",
+    )
     return p.parse_args(argv)
+
+
+def measure(args, base: Path, variant: str, seed: int) -> dict:
+    """One variant at one seed: bench_algorithms.one_run with the variant's keys."""
+    keys = VARIANTS[variant]
+    x = one_run(args, base, ALGORITHM, seed, keys.get("draft"), variant, keys.get("train"))
+    x["variant"], x["train_s"] = variant, train_seconds(Path(x["work"]))
+    return x
+
+
+def add_runs(args, out: Path, name: str) -> None:
+    """--add: measure args.variants x args.seeds into the existing results file."""
+    r = json.loads((out / f"{name}.json").read_text())
+    budget = {k: getattr(args, k) for k in ("max_steps", "heldout", "humaneval", "max_new_tokens")}
+    if any(r["budget"][k] != v for k, v in budget.items()):
+        raise SystemExit(f"--add: the results file's budget {r['budget']} is not {budget}")
+    for seed in args.seeds:
+        for variant in args.variants:
+            x = measure(args, Path(args.workdir) / "base", variant, seed)
+            r["runs"] = [y for y in r["runs"] if (y["variant"], y["seed"]) != (variant, seed)]
+            r["runs"].append(x)
+            seeds = sorted({y["seed"] for y in r["runs"]})
+            planned = len(seeds) * len({y["variant"] for y in r["runs"]})
+            r["budget"].update(seeds=seeds, planned=planned)
+            r["in_progress"] = []
+            write(r, out, name)
 
 
 def main(argv=None) -> None:
@@ -262,6 +296,9 @@ def main(argv=None) -> None:
         r = json.loads((out / f"{name}.json").read_text())
         r["in_progress"] = in_progress(Path(args.workdir), r["runs"])
         write(r, out, name)
+        return
+    if args.add:
+        add_runs(args, out, name)
         return
     base, data, note = new_base(args)
     r = {
@@ -281,10 +318,7 @@ def main(argv=None) -> None:
     }
     for seed in args.seeds:
         for variant in args.variants:
-            keys = VARIANTS[variant]
-            x = one_run(args, base, ALGORITHM, seed, keys.get("draft"), variant, keys.get("train"))
-            x["variant"], x["train_s"] = variant, train_seconds(Path(x["work"]))
-            r["runs"].append(x)
+            r["runs"].append(measure(args, base, variant, seed))
             write(r, out, name)
     write(r, out, name)
 

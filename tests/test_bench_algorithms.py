@@ -141,3 +141,26 @@ def test_merge_adds_missing_runs_of_the_same_budget_only():
     o["budget"]["max_steps"] = 120
     with pytest.raises(SystemExit, match="another budget"):
         ba.merge(r, [o])
+
+
+def test_add_replaces_a_run_of_the_same_variant_and_seed_and_refuses_another_budget(
+    tmp_path, monkeypatch
+):
+    import bench_training_choices as tc
+
+    budget = {"max_steps": 0, "heldout": 16, "humaneval": 8, "max_new_tokens": 64}
+    old = [{"variant": "baseline", "seed": s, "old": True} for s in (0, 1)]
+    r = {"budget": {**budget, "seeds": [0, 1], "planned": 2}, "runs": old}
+    (tmp_path / "n.json").write_text(json.dumps(r))
+    monkeypatch.setattr(tc, "measure", lambda a, b, v, s: {"variant": v, "seed": s})
+    saved = []
+    monkeypatch.setattr(tc, "write", lambda r, out, name: saved.append(json.loads(json.dumps(r))))
+    args = tc.parse_args(["--add", "--variants", "baseline", "--seeds", "1", "2"])
+    tc.add_runs(args, tmp_path, "n")
+    runs = saved[-1]["runs"]
+    assert sorted((x["variant"], x["seed"], "old" in x) for x in runs) == [
+        ("baseline", 0, True), ("baseline", 1, False), ("baseline", 2, False)
+    ]  # fmt: skip
+    assert saved[-1]["budget"]["seeds"] == [0, 1, 2] and saved[-1]["budget"]["planned"] == 3
+    with pytest.raises(SystemExit, match="budget"):
+        tc.add_runs(tc.parse_args(["--add", "--heldout", "4"]), tmp_path, "n")
