@@ -40,6 +40,8 @@ import sys
 import time
 from pathlib import Path
 
+import yaml
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
@@ -148,9 +150,14 @@ def run_cmd(cmd: list[str], cwd: Path, log: Path) -> float:
 DATA_TARGETS = ("hidden", "results/vocab/vocab.safetensors")  # rule hidden: shards + plan
 
 
-def prepare_base(args, base: Path) -> dict:
-    """Copy the project, seed it from --from-run, build the shards and vocabulary."""
+def prepare_base(args, base: Path, config: dict | None = None) -> dict:
+    """Copy the project, seed it from --from-run, build the shards and vocabulary (`config`:
+    sections written into the copy's config.yaml over the embedded default, which every run
+    made from the base then reads too)."""
     n = copy_tracked(ROOT, base)
+    if config:
+        path = base / "config.yaml"
+        atomic_write_text(path, path.read_text() + "\n" + yaml.safe_dump(config, sort_keys=False))
     seeded = []
     if args.from_run:
         src = Path(args.from_run)
@@ -173,6 +180,7 @@ def prepare_base(args, base: Path) -> dict:
         "targets": targets,
         "wall_s": wall,
         "rebuilt": built,
+        "config": config or {},
     }
 
 
@@ -450,14 +458,14 @@ def budget_args(p: argparse.ArgumentParser, work: str) -> None:
     p.add_argument("--summarize-only", action="store_true")
 
 
-def new_base(args) -> tuple[Path, dict, str]:
+def new_base(args, config: dict | None = None) -> tuple[Path, dict, str]:
     """The base project in an empty `args.workdir`/base: its shards and vocabulary built
-    (prepare_base), and the sentence that says how."""
+    (prepare_base, with `config` over the default), and the sentence that says how."""
     base = Path(args.workdir) / "base"
     if base.exists():
         raise SystemExit(f"{base}: exists; a run starts from an empty work directory")
     base.mkdir(parents=True)
-    data = prepare_base(args, base)
+    data = prepare_base(args, base, config)
     note = (
         f"shards and vocabulary by the workflow in {base} ({data['wall_s']:.0f} s; "
         + ("rebuilt by Snakemake" if data["rebuilt"] else "Snakemake found them up to date")
