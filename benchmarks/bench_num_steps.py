@@ -12,7 +12,7 @@ compared with greedy's token for token.
         [--num-steps 1,2,3,4] [--heldout 16] [--max-new-tokens 64] [--threads 2] [--config cfg.yaml]
 
 The held-out set is the workflow's (`data` section of the schema defaults, or of --config), so a
-draft is measured on rows it never trained on. Writes benchmarks/results/num_steps.json and .md.
+draft is measured on rows it never trained on. Writes benchmarks/results/num_steps_<CPU kind>.json and .md.
 """
 
 from __future__ import annotations
@@ -73,7 +73,9 @@ def parse_args() -> argparse.Namespace:
         help="cpu: this process's CPU seconds (time.process_time), with --threads 1 a cost "
         "that other users' load hardly changes (a shared machine); wall: elapsed seconds",
     )
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "num_steps"))
+    ap.add_argument(
+        "--out", help="results path without suffix (default benchmarks/results/num_steps_<kind>)"
+    )
     return ap.parse_args()
 
 
@@ -200,9 +202,11 @@ def render_md(report: dict) -> str:
     """num_steps.md from the report (num_steps.json)."""
     load_before, load_after = report["load_average"]
     lines = [
-        "# Speedup against the number of draft tokens K (hf engine, chain, greedy)",
+        "# Speedup against the number of draft tokens K (hf engine, chain, greedy)"
+        + (f" ({report['cpu_kind']})" if report.get("cpu_kind") else ""),
         "",
-        f"{report['prompts']} held-out prompts, {report['max_new_tokens']} new tokens, "
+        (f"CPU {report['cpu']} (torch kind {report['cpu_kind']}). " if report.get("cpu") else "")
+        + f"{report['prompts']} held-out prompts, {report['max_new_tokens']} new tokens, "
         f"{report['threads']} threads, {report['clock']} clock, load average "
         f"{load_before:.1f} -> {load_after:.1f}; greedy "
         f"{report['greedy_tokens_per_s']:.1f} tok/s in the same run. "
@@ -231,6 +235,9 @@ def main() -> None:
 
     from draftsmith.data.prompts import load_sources
     from draftsmith.runtime.files import atomic_write_json, atomic_write_text, set_threads, versions
+    from draftsmith.runtime.hardware import cpu_facts
+
+    facts = cpu_facts()
 
     clock = time.process_time if args.clock == "cpu" else time.perf_counter
     set_threads(args.threads)
@@ -251,10 +258,12 @@ def main() -> None:
         "greedy_tokens_per_s": run["greedy_tps"],
         "load_average": [run["load_before"], os.getloadavg()[0]],
         "machine": platform.processor() or platform.machine(),
+        "cpu": facts.model,
+        "cpu_kind": facts.kind,
         "versions": versions(),
         "results": k_results(ks, run),
     }
-    out = Path(args.out)
+    out = Path(args.out or ROOT / "benchmarks" / "results" / f"num_steps_{facts.kind}")
     out.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_json(out.with_suffix(".json"), report)
     text = render_md(report)

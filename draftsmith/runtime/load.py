@@ -117,7 +117,11 @@ class LoadMeter:
             busy1, own1 = machine_busy_seconds(), self._own()
             self.wall[name] = self.wall.get(name, 0.0) + wall
             if busy0 is not None and busy1 is not None:
-                other = max(0.0, (busy1 - busy0) - (own1 - own0))
+                # /proc/stat counts in clock ticks and is read a moment apart from our own
+                # times: over a short phase on saturated cores the difference can pass the
+                # machine's cores, which no other work can use more of
+                cap = (os.cpu_count() or 1) * wall
+                other = min(cap, max(0.0, (busy1 - busy0) - (own1 - own0)))
                 self.others[name] = self.others.get(name, 0.0) + other
 
     def state(self) -> dict:
