@@ -9,6 +9,10 @@ held-out and HumanEval tau, acceptance by position, training top-1 accuracy at d
         existing results, on its base)
     python benchmarks/bench_training_choices.py --summarize-only      (re-render from the JSON,
         adding the runs still training: their step, loss and acc0 beside the baseline's)
+    python benchmarks/bench_training_choices.py --sharegpt JSON --epochs 2 --workdir DIR2 ...
+        (the larger run: the base's rows from ShareGPT instead of the bundled prompts, cut at
+        --max-length tokens; results in training_choices_sharegpt_<CPU kind>; --add and
+        --summarize-only take --sharegpt too, to name that file)
 
 The runs are benchmarks/bench_algorithms.py's (its `prepare_base` builds the shards and the
 vocabulary once in DIR/base; its `one_run` trains and benchmarks one seed in a copy of it with
@@ -24,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 from pathlib import Path
@@ -203,7 +208,8 @@ def render_md(r: dict) -> str:
         f"# Training choices on the same rows: EAGLE-3, {', '.join(s)} (CPU {kind})",
         "",
         f"Script: benchmarks/bench_training_choices.py. CPU {m['cpu']} (kind {kind}), "
-        f"{m['cores']} cores shared with other jobs, all jobs at nice 19; torch {m['torch']}; "
+        f"{m['cores']} cores shared with other jobs, the runs at nice {r.get('nice', '?')}; "
+        f"torch {m['torch']}; "
         f"commit {m['git_commit'][:12]}{' (dirty)' if m['git_dirty'] else ''}. Target: the "
         f"embedded default's (SmolLM2-135M-Instruct); data: {data_words(r['data'])}, "
         f"{r['data_note']}",
@@ -344,6 +350,7 @@ def main(argv=None) -> None:
     base, data, note = new_base(args, larger_config(args))
     r = {
         "machine": machine(git_info(ROOT)),
+        "nice": os.nice(0),
         "data": data,
         "data_note": note,
         "rule": RULE,

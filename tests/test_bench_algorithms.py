@@ -164,3 +164,28 @@ def test_add_replaces_a_run_of_the_same_variant_and_seed_and_refuses_another_bud
     assert saved[-1]["budget"]["seeds"] == [0, 1, 2] and saved[-1]["budget"]["planned"] == 3
     with pytest.raises(SystemExit, match="budget"):
         tc.add_runs(tc.parse_args(["--add", "--heldout", "4"]), tmp_path, "n")
+
+
+def test_the_larger_run_reads_sharegpt_rows_and_says_so(tmp_path):
+    """--sharegpt: the base's config sections (the file's rows, max_length, epochs), refused
+    naming a missing file; the results file's words name the rows the base was built from."""
+    import bench_training_choices as tc
+
+    assert tc.larger_config(tc.parse_args([])) is None
+    missing = tmp_path / "none.json"
+    with pytest.raises(SystemExit, match=str(missing)):
+        tc.larger_config(tc.parse_args(["--sharegpt", str(missing)]))
+    src = tmp_path / "sg.json"
+    src.write_text("[]")
+    args = tc.parse_args(["--sharegpt", str(src), "--rows", "100", "--epochs", "2"])
+    cfg = tc.larger_config(args)
+    assert cfg == {
+        "data": {
+            "sources": [{"format": "sharegpt", "path": str(src), "max_rows": 100}],
+            "max_length": 256,
+        },
+        "train": {"epochs": 2},
+    }
+    words = tc.data_words({"config": cfg})
+    assert "first 100 valid rows of sg.json" in words and "train.epochs 2" in words
+    assert "bundled" in tc.data_words({})
