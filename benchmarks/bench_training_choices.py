@@ -58,6 +58,8 @@ VARIANTS = {
     "noise_std_0.05": {"train": {"noise_std": 0.05}},
     # every position's prediction trained (the prompts' too), not only the assistant's tokens
     "loss_positions_all": {"train": {"loss_positions": "all"}},
+    # twice the default's peak learning rate over the same steps
+    "lr_0.002": {"train": {"lr": 0.002}},
 }
 MIN_SEEDS = 3  # a verdict needs at least this many seeds of the variant and of the baseline
 RULE = (
