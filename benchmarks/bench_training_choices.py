@@ -210,7 +210,7 @@ def render_md(r: dict) -> str:
         f"# Training choices on the same rows: EAGLE-3, {', '.join(s)} (CPU {kind})",
         "",
         f"Script: benchmarks/bench_training_choices.py. CPU {m['cpu']} (kind {kind}), "
-        f"{m['cores']} cores shared with other jobs, the runs at nice {r.get('nice', '?')}; "
+        f"{m['cores']} cores shared with other jobs, {nice_words(r)}; "
         f"torch {m['torch']}; "
         f"commit {m['git_commit'][:12]}{' (dirty)' if m['git_dirty'] else ''}. Target: the "
         f"embedded default's (SmolLM2-135M-Instruct); data: {data_words(r['data'])}, "
@@ -314,7 +314,20 @@ def measure(args, base: Path, variant: str, seed: int) -> dict:
     keys = VARIANTS[variant]
     x = one_run(args, base, ALGORITHM, seed, keys.get("draft"), variant, keys.get("train"))
     x["variant"], x["train_s"] = variant, train_seconds(Path(x["work"]))
+    x["nice"] = os.nice(0)
     return x
+
+
+def nice_words(r: dict) -> str:
+    """The nice level the runs trained at (a run without one: the file's)."""
+    by: dict[object, list[str]] = {}
+    for x in r["runs"]:
+        by.setdefault(x.get("nice", r.get("nice", "?")), []).append(x["variant"])
+    if len(by) <= 1:
+        return f"the runs at nice {next(iter(by), '?')}"
+    return "the runs at nice " + ", ".join(
+        f"{level} ({', '.join(dict.fromkeys(vs))})" for level, vs in by.items()
+    )
 
 
 def add_runs(args, out: Path, name: str) -> None:
