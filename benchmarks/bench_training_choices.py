@@ -60,6 +60,8 @@ VARIANTS = {
     "loss_positions_all": {"train": {"loss_positions": "all"}},
     # twice the default's peak learning rate over the same steps
     "lr_0.002": {"train": {"lr": 0.002}},
+    # the unroll only as long as the benchmark's 2 proposals (the default trains 4 steps)
+    "ttt_steps_2": {"train": {"ttt_steps": 2}},
 }
 MIN_SEEDS = 3  # a verdict needs at least this many seeds of the variant and of the baseline
 RULE = (
