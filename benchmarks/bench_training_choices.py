@@ -321,10 +321,10 @@ def measure(args, base: Path, variant: str, seed: int) -> dict:
 
 
 def nice_words(r: dict) -> str:
-    """The nice level the runs trained at (a run without one: the file's)."""
-    by: dict[object, list[str]] = {}
+    """The nice level each run trained at (measure records it)."""
+    by: dict[int, list[str]] = {}
     for x in r["runs"]:
-        by.setdefault(x.get("nice", r.get("nice", "?")), []).append(x["variant"])
+        by.setdefault(x["nice"], []).append(x["variant"])
     if len(by) <= 1:
         return f"the runs at nice {next(iter(by), '?')}"
     return "the runs at nice " + ", ".join(
@@ -367,7 +367,6 @@ def main(argv=None) -> None:
     base, data, note = new_base(args, larger_config(args))
     r = {
         "machine": machine(git_info(ROOT)),
-        "nice": os.nice(0),
         "data": data,
         "data_note": note,
         "rule": RULE,

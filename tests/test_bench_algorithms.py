@@ -194,7 +194,7 @@ def test_the_larger_run_reads_sharegpt_rows_and_says_so(tmp_path):
 def test_the_results_name_each_runs_nice_level():
     import bench_training_choices as tc
 
-    r = {"nice": 19, "runs": [{"variant": "baseline"}, {"variant": "a", "nice": 19}]}
+    r = {"runs": [{"variant": "baseline", "nice": 19}, {"variant": "a", "nice": 19}]}
     assert tc.nice_words(r) == "the runs at nice 19"
     r["runs"].append({"variant": "b", "nice": 0})
     assert tc.nice_words(r) == "the runs at nice 19 (baseline, a), 0 (b)"
