@@ -31,6 +31,30 @@ def test_grouped_decode_equals_sdpa(with_mask):
     torch.testing.assert_close(got, reference(q, k, v, mask, 0.3), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("n", [2, 3, 8])
+def test_few_queries_equal_sdpa_with_and_without_their_causal_mask(n):
+    """A verification pass of n queries after a cache of t - n keys: mask None means causal
+    (query i sees t - n + 1 + i keys), as sdpa's is_causal would with the cache's offset; an
+    explicit boolean mask (the causal one, plus left padding of one row) gives the same."""
+    gen = torch.Generator().manual_seed(3)
+    b, heads, kv, t, d = 2, 6, 2, 13, 8
+    q = torch.randn(b, heads, n, d, generator=gen)
+    k, v = torch.randn(b, kv, t, d, generator=gen), torch.randn(b, kv, t, d, generator=gen)
+    causal = torch.ones(n, t, dtype=torch.bool).tril(t - n).expand(b, 1, n, t).clone()
+    torch.testing.assert_close(grouped_decode(q, k, v, None, 0.3),
+                               reference(q, k, v, causal, 0.3), rtol=1e-5, atol=1e-6)  # fmt: skip
+    causal[1, ..., :4] = False
+    torch.testing.assert_close(grouped_decode(q, k, v, causal, 0.3),
+                               reference(q, k, v, causal, 0.3), rtol=1e-5, atol=1e-6)  # fmt: skip
+    # each query reads no key past its own position
+    before = grouped_decode(q, k, v, None, 0.3)
+    k2, v2 = k.clone(), v.clone()
+    k2[:, :, -1], v2[:, :, -1] = 1e4, -1e4  # the last key: visible to the last query only
+    after = grouped_decode(q, k2, v2, None, 0.3)
+    assert torch.equal(after[:, : n - 1], before[:, : n - 1])
+    assert not torch.equal(after[:, n - 1], before[:, n - 1])
+
+
 def test_padding_keys_are_never_read():
     gen = torch.Generator().manual_seed(1)
     q, k, v = (torch.randn(2, 4, 1, 8, generator=gen), torch.randn(2, 2, 9, 8, generator=gen),

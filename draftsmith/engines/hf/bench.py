@@ -209,9 +209,13 @@ def pass_floor(target_bytes: int, draft_bytes: int, num_steps: int, spec) -> dic
 
 
 def prepare(model, tokenizer, drafter, bench, device: str, warm_row: dict, algorithm) -> dict:
-    """Route the linear layers (on a CPU) and warm both paths up on `warm_row`; the facts the
-    report needs of the loaded draft: routes, aux ids, draft vocab size, the linear layers'
-    bytes of the target and the draft (for pass_floor)."""
+    """On a CPU, the target's few-query attention and its linear layers' routes; both paths
+    warmed up on `warm_row`; the facts the report needs of the loaded draft: routes, aux ids,
+    draft vocab size, the linear layers' bytes of the target and the draft (for pass_floor)."""
+    if device == "cpu":  # few-query attention (draftsmith.engines.hf.attention), both sides
+        from draftsmith.engines.hf.attention import use_decode_attention
+
+        use_decode_attention(model)
     facts = {
         "routes": route_linears(model, drafter, bench.num_steps, device),
         "aux_ids": list(drafter.config.aux_layer_ids),
