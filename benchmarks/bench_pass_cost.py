@@ -1,4 +1,5 @@
-"""What one speculative pass costs against its floor, before and after packed verification.
+"""What one speculative pass costs against its floor: before and after packed verification, and
+with the few-query attention.
 
 One process, the embedded target (SmolLM2-135M-Instruct, `results/target`) and a draft of the
 default's shape: the trained export at `--draft` when it exists, else a randomly initialised
@@ -6,7 +7,9 @@ EAGLE-3 draft built from the target's config as training builds one (one decoder
 `--draft-vocab`-token head; cost does not depend on the weights, acceptance does). The target's
 linear layers are routed two ways, as the bench stage does (`draftsmith.engines.hf.bench.
 route_linears`): `before`, F.linear or the transposed product at every row count; `after`, the
-verification's K + 1 rows may also take oneDNN's prepacked form. Per repetition, both ways
+verification's K + 1 rows may also take oneDNN's prepacked form; `few-query`, `after`'s routes
+with the target's attention computed by `draftsmith.engines.hf.attention` (grouped products for
+up to 8 queries per row) instead of transformers' sdpa, as the bench stage runs it on a CPU. Per repetition, both ways
 alternating (the order flipped every repetition), each of a few fixed chat prompts is decoded
 by plain greedy decoding and by chain speculative decoding (K = `--num-steps`), and the pieces
 of the floor are timed: one target forward of 1 token and of K + 1 tokens (aux states kept, as
@@ -22,9 +25,10 @@ Medians over repetitions; every speculative output is compared with greedy token
 the accepted lengths of both ways with each other.
 
     nice -n 10 python benchmarks/bench_pass_cost.py [--target results/target] [--draft results/draft]
-        [--num-steps 2] [--reps 5] [--max-new-tokens 48] [--threads 1]
+        [--num-steps 2] [--reps 5] [--max-new-tokens 48] [--threads 1] [--name STEM]
 
-Writes benchmarks/results/pass_cost_<CPUKIND>.json and .md.
+Writes benchmarks/results/pass_cost_<CPUKIND>.json and .md (`--name` replaces the stem, e.g.
+pass_cost_AVX2-capped for a run with the kernels capped).
 """
 
 from __future__ import annotations
@@ -46,7 +50,7 @@ PROMPTS = (
     "Write a short poem about the sea at night.",
     "What are three tips for learning a new language?",
 )
-WAYS = ("before", "after")
+WAYS = ("before", "after", "few-query")
 
 
 def random_draft(model, vocab: int, aux_ids: list[int]):
@@ -94,14 +98,26 @@ def install(routing: dict) -> None:
 
 
 def routings(model, draft, k: int) -> dict:
-    """{way: (target routing, summary)}; the draft routed once (the same both ways)."""
+    """{way: (target routing, summary)}; the draft routed once (the same every way); the
+    few-query way takes `after`'s routes."""
     from draftsmith.engines.hf.bench import route_linears
 
     out = {}
-    for way in WAYS:
+    for way in WAYS[:2]:
         summary = route_linears(model, draft, k, "cpu", verify_packed=way == "after")
         out[way] = (snapshot(model), summary)
+    out["few-query"] = out["after"]
     return out
+
+
+def set_attention(model, way: str) -> None:
+    """The target's attention for `way`: the few-query one, or transformers' sdpa."""
+    from draftsmith.engines.hf.attention import use_decode_attention
+
+    if way == "few-query":
+        use_decode_attention(model)
+    else:
+        model.set_attn_implementation("sdpa")
 
 
 def forward_seconds(model, draft, ids: list[int], k: int, aux_ids: list[int]) -> dict:
@@ -149,6 +165,7 @@ def one_rep(model, tok, draft, args, aux_ids: list[int], ways: list[str], routin
     out = {}
     for way in ways:
         install(routing[way][0])
+        set_attention(model, way)
         r = dict.fromkeys(("greedy_s", "spec_s", "fwd_step", "fwd_verify", "draft"), 0.0)
         r |= {"tokens": 0, "passes": 0, "accepted": [], "identical": 0}
         for text in PROMPTS:
@@ -200,10 +217,14 @@ def medians(reps: list[dict]) -> dict:
     for way in WAYS:
         out[way] = {key: statistics.median(r[way][key] for r in reps) for key in keys}
         out[way]["identical"] = f"{min(r[way]['identical'] for r in reps)}/{len(PROMPTS)}"
-    out["after_over_before"] = statistics.median(
-        r["after"]["pass_cost"] / r["before"]["pass_cost"] for r in reps
-    )
+    for a, b in (("after", "before"), ("few-query", "after")):
+        out[f"{a}_over_{b}".replace("-", "_")] = statistics.median(
+            r[a]["pass_cost"] / r[b]["pass_cost"] for r in reps
+        )
     out["same_acceptance"] = all(r["after"]["accepted"] == r["before"]["accepted"] for r in reps)
+    out["same_acceptance_few_query"] = all(
+        r["few-query"]["accepted"] == r["after"]["accepted"] for r in reps
+    )
     return out
 
 
@@ -232,7 +253,9 @@ def render(report: dict) -> str:
     lines += [
         "",
         f"after / before pass cost: {m['after_over_before']:.3f} (median of per-repetition "
-        f"ratios); accepted lengths identical both ways: {m['same_acceptance']}. Floor from "
+        f"ratios); accepted lengths identical both ways: {m['same_acceptance']}. few-query / "
+        f"after pass cost: {m['few_query_over_after']:.3f}; accepted lengths identical: "
+        f"{m['same_acceptance_few_query']}. Floor from "
         f"bytes: 1 + K c = {f['floor']:.3f} (c = {f['c']:.4f}, the draft's bytes over the "
         "target's; it assumes verifying K + 1 tokens costs one step). Costs in greedy steps "
         "(verify, draft, floor: over one target forward of 1 token on the same cache).",
@@ -253,6 +276,7 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=48)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    ap.add_argument("--name", default="", help="results file stem (default pass_cost_<kind>)")
     args = ap.parse_args()
 
     from draftsmith.runtime.files import atomic_write_json, atomic_write_text, set_threads
@@ -289,7 +313,7 @@ def main() -> None:
         "medians": medians(reps),
         "repetitions": reps,
     }
-    out = Path(args.out) / f"pass_cost_{facts.kind}"
+    out = Path(args.out) / (args.name or f"pass_cost_{facts.kind}")
     out.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_json(out.with_suffix(".json"), report)
     text = render(report)

@@ -430,15 +430,20 @@ def test_bench_worker_count():
     from draftsmith.engines.hf.bench_pool import worker_count
 
     gib = 2**30
-    assert worker_count("auto", "cpu", 2, 24, gib, 20 * gib)[0] == 2
-    assert worker_count("auto", "cpu", 8, 3, gib, 20 * gib)[0] == 3  # no more than the prompts
-    n, why = worker_count("auto", "cpu", 8, 24, 4 * gib, 10 * gib)  # memory for two copies
-    assert n == 2 and "10.0 GiB free holds 2 x 4.0 GiB" in why
-    assert worker_count("auto", "cpu", 2, 24, 4 * gib, gib)[0] == 1  # never fewer than one
-    assert worker_count("auto", "cpu", 2, 24, gib, None)[0] == 2  # memory unknown
+    # auto: one process with every thread (workers side by side skew the speedup)
+    n, why = worker_count("auto", "cpu", 2, 24, gib, 20 * gib)
+    assert n == 1 and "one process with the job's 2 thread(s)" in why
+    assert worker_count("auto", "cpu", 8, 24, gib, None)[0] == 1
     assert worker_count("auto", "cuda", 8, 24, None, None)[0] == 1
+    assert worker_count(2, "cuda", 8, 24, None, None)[0] == 1
     assert worker_count(1, "cpu", 2, 24, gib, 20 * gib)[0] == 1
+    assert worker_count(2, "cpu", 2, 24, gib, 20 * gib)[0] == 2
     assert worker_count(4, "cpu", 2, 24, gib, 20 * gib)[0] == 2  # no more than the threads
+    assert worker_count(8, "cpu", 8, 3, gib, 20 * gib)[0] == 3  # no more than the prompts
+    n, why = worker_count(8, "cpu", 8, 24, 4 * gib, 10 * gib)  # memory for two copies
+    assert n == 2 and "10.0 GiB free holds 2 x 4.0 GiB" in why
+    assert worker_count(2, "cpu", 2, 24, 4 * gib, gib)[0] == 1  # never fewer than one
+    assert worker_count(2, "cpu", 2, 24, gib, None)[0] == 2  # memory unknown
 
 
 def test_a_failing_bench_worker_ends_the_job_with_its_error(target, tiny_target, tmp_path):
