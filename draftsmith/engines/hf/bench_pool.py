@@ -2,14 +2,13 @@
 worker processes (bench.workers).
 
 `bench.workers: auto` is one process with all the job's threads. Worker processes finish the
-job sooner (two one-thread workers took 0.66x the wall time of one two-thread process on the
+job sooner (two one-thread workers took 0.69x the wall time of one two-thread process on the
 default's bench), but each times its prompts while the other decodes beside it on the same
-memory bus, and what the neighbour runs meanwhile moves the speedup: the same job and draft
-measured 1.13x and 1.29x on the held-out set in two runs with workers, a pass as low as 1.07
-greedy steps, under the 1.11 that a lone pass cannot beat, against 1.06x and 1.05x in one
-process (benchmarks/bench_bench_workers.py, benchmarks/results/bench_workers_<cpu kind>.md).
-A number of workers is there for acceptance figures at less wall time; on a GPU there is one
-process.
+memory bus, and what the neighbour runs meanwhile moves the speedup: on the default's bench
+job two workers measured 1.35x on the held-out set, a pass of 1.03 greedy steps, under the
+1.11 that no lone pass can go below, where one process measured 1.08x and 1.28
+(benchmarks/bench_bench_workers.py, benchmarks/results/bench_workers_<cpu kind>.md). A number
+of workers is there for acceptance figures at less wall time; on a GPU there is one process.
 
 Each worker loads the target and the draft, measures its own linear-layer routes at its own
 thread count (draftsmith.runtime.gemm) and warms up, then takes prompts from a shared queue
