@@ -55,6 +55,21 @@ def test_few_queries_equal_sdpa_with_and_without_their_causal_mask(n):
     assert not torch.equal(after[:, n - 1], before[:, n - 1])
 
 
+def test_a_query_with_no_visible_key_stays_finite():
+    """A padded query row of a short batched prefill sees no key: no NaN (which the values'
+    product would carry into every later layer's real rows), and the other rows unchanged."""
+    gen = torch.Generator().manual_seed(4)
+    q = torch.randn(2, 4, 3, 8, generator=gen)
+    k, v = torch.randn(2, 2, 5, 8, generator=gen), torch.randn(2, 2, 5, 8, generator=gen)
+    mask = torch.ones(3, 5, dtype=torch.bool).tril(2).expand(2, 1, 3, 5).clone()
+    mask[1, 0, 0] = False  # row 1's first query: padding, every key hidden
+    out = grouped_decode(q, k, v, mask, 0.3)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out[0], reference(q, k, v, mask, 0.3)[0], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(out[1, 1:], reference(q, k, v, mask, 0.3)[1, 1:],
+                               rtol=1e-5, atol=1e-6)  # fmt: skip
+
+
 def test_padding_keys_are_never_read():
     gen = torch.Generator().manual_seed(1)
     q, k, v = (torch.randn(2, 4, 1, 8, generator=gen), torch.randn(2, 2, 9, 8, generator=gen),

@@ -45,7 +45,11 @@ def grouped_decode(query, key, value, mask, scaling: float) -> torch.Tensor:
     if mask is not None:
         m = mask.reshape(mask.shape[0], 1, 1, mask.shape[-2], t)
         s = scores.view(b, kv, g, n, t)
-        s = s.masked_fill(~m, float("-inf")) if m.dtype == torch.bool else s + m.float()
+        # the float32 minimum, not -inf: a row with no visible key (a padded query of a short
+        # batched prefill) averages the values instead of turning into NaN, as eager attention
+        # does; every other row is exact (exp(min - max) is 0)
+        low = torch.finfo(torch.float32).min
+        s = s.masked_fill(~m, low) if m.dtype == torch.bool else s + m.float()
         scores = s.view(b, kv, g * n, t)
     probs = torch.softmax(scores, dim=-1).to(value.dtype)
     out = torch.matmul(probs, value)  # [B, KV, g n, dv]
