@@ -6,7 +6,9 @@ prompt to prompt, so load drift favours no K), all timed with the warm-up exclud
 reports tau, the acceptance by position, the pass cost (one speculative pass in greedy steps)
 split into the draft's part (chain proposals and the extension over accepted tokens) and the
 target's verification forward, and the speedup over the same greedy runs. Every output is
-compared with greedy's token for token.
+compared with greedy's token for token. As the bench stage does on a CPU, the target takes the
+few-query attention and each linear layer its measured form (`prepare_cpu`), for every K's
+verification rows.
 
     nice -n 10 python benchmarks/bench_num_steps.py --target results/target --draft results/draft \
         [--num-steps 1,2,3,4] [--heldout 16] [--max-new-tokens 64] [--threads 2] [--config cfg.yaml]
@@ -114,6 +116,23 @@ def install_timers(ks: list[int], clock) -> tuple[dict, dict]:
     return timers, current
 
 
+def prepare_cpu(model, draft, ks: list[int]) -> dict:
+    """What the bench stage sets on a CPU before it times (draftsmith.engines.hf.bench.prepare):
+    the target's few-query attention and each linear layer's measured form, here for every K's
+    rows at once: F.linear or the transposed product at 1 row (greedy steps), either or oneDNN's
+    packed form at each K + 1 (a verification), and the draft's two forms at 1 to max K + 1
+    rows. Returns the routes' summaries."""
+    from draftsmith.engines.hf.attention import use_decode_attention
+    from draftsmith.runtime import gemm
+
+    use_decode_attention(model)
+    forms = ("linear", "transposed")
+    target = gemm.route(model, [1], forms=forms)
+    target = gemm.route(model, [k + 1 for k in ks], forms=(*forms, "packed"), known=target)
+    drafter = gemm.route(draft, range(1, max(ks) + 2), forms=forms)
+    return {"target": gemm.summary(target), "draft": gemm.summary(drafter)}
+
+
 def decode_all(args, cfg: dict, clock, ks: list[int], rows: list) -> dict:
     """Greedy and every K on each prompt (order rotated), warm-up excluded: seconds, traces."""
     from tqdm import tqdm
@@ -126,6 +145,7 @@ def decode_all(args, cfg: dict, clock, ks: list[int], rows: list) -> dict:
         Path(args.target), Path(args.draft), cfg["target"]["dtype"], "cpu"
     )
     aux_ids = list(draft.config.aux_layer_ids)
+    routes = prepare_cpu(model, draft, ks)
     stops = specdec.stop_ids(model, tokenizer)
     timers, current = install_timers(ks, clock)
 
@@ -159,6 +179,7 @@ def decode_all(args, cfg: dict, clock, ks: list[int], rows: list) -> dict:
             seconds[name] += clock() - t0
     return {
         "timers": timers,
+        "routes": routes,
         "load_before": load_before,
         "seconds": seconds,
         "traces": traces,
@@ -225,6 +246,12 @@ def render_md(report: dict) -> str:
             f"| {r['spec_tokens_per_s']:.1f} | {r['speedup']:.2f}x "
             f"| {r['identical_outputs']}/{report['prompts']} |"
         )
+    routes = report.get("linear_routes")
+    if routes:
+        lines += [
+            "",
+            f"Linear layers, measured: target {routes['target']}; draft {routes['draft']}.",
+        ]
     return "\n".join(lines) + "\n"
 
 
@@ -261,6 +288,7 @@ def main() -> None:
         "cpu": facts.model,
         "cpu_kind": facts.kind,
         "versions": versions(),
+        "linear_routes": run["routes"],
         "results": k_results(ks, run),
     }
     out = Path(args.out or ROOT / "benchmarks" / "results" / f"num_steps_{facts.kind}")
