@@ -7,8 +7,8 @@ reports tau, the acceptance by position, the pass cost (one speculative pass in 
 split into the draft's part (chain proposals and the extension over accepted tokens) and the
 target's verification forward, and the speedup over the same greedy runs. Every output is
 compared with greedy's token for token. As the bench stage does on a CPU, the target takes the
-few-query attention and each linear layer its measured form (`prepare_cpu`), for every K's
-verification rows.
+few-query attention and each linear layer its measured form, for every K's verification rows
+(draftsmith.engines.hf.bench.cpu_forms).
 
     nice -n 10 python benchmarks/bench_num_steps.py --target results/target --draft results/draft \
         [--num-steps 1,2,3,4] [--heldout 16] [--max-new-tokens 64] [--threads 2] [--config cfg.yaml]
@@ -116,36 +116,20 @@ def install_timers(ks: list[int], clock) -> tuple[dict, dict]:
     return timers, current
 
 
-def prepare_cpu(model, draft, ks: list[int]) -> dict:
-    """What the bench stage sets on a CPU before it times (draftsmith.engines.hf.bench.prepare):
-    the target's few-query attention and each linear layer's measured form, here for every K's
-    rows at once: F.linear or the transposed product at 1 row (greedy steps), either or oneDNN's
-    packed form at each K + 1 (a verification), and the draft's two forms at 1 to max K + 1
-    rows. Returns the routes' summaries."""
-    from draftsmith.engines.hf.attention import use_decode_attention
-    from draftsmith.runtime import gemm
-
-    use_decode_attention(model)
-    forms = ("linear", "transposed")
-    target = gemm.route(model, [1], forms=forms)
-    target = gemm.route(model, [k + 1 for k in ks], forms=(*forms, "packed"), known=target)
-    drafter = gemm.route(draft, range(1, max(ks) + 2), forms=forms)
-    return {"target": gemm.summary(target), "draft": gemm.summary(drafter)}
-
-
 def decode_all(args, cfg: dict, clock, ks: list[int], rows: list) -> dict:
     """Greedy and every K on each prompt (order rotated), warm-up excluded: seconds, traces."""
     from tqdm import tqdm
 
     from draftsmith.bench import specdec
     from draftsmith.data.prompts import prompt_turns
+    from draftsmith.engines.hf.bench import cpu_forms
     from draftsmith.engines.hf.engine import load_models
 
     model, tokenizer, draft = load_models(
         Path(args.target), Path(args.draft), cfg["target"]["dtype"], "cpu"
     )
     aux_ids = list(draft.config.aux_layer_ids)
-    routes = prepare_cpu(model, draft, ks)
+    routes = cpu_forms(model, draft, ks, "cpu")
     stops = specdec.stop_ids(model, tokenizer)
     timers, current = install_timers(ks, clock)
 

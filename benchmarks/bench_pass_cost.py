@@ -9,8 +9,8 @@ linear layers are routed two ways, as the bench stage does (`draftsmith.engines.
 route_linears`): `before`, F.linear or the transposed product at every row count; `after`, the
 verification's K + 1 rows may also take oneDNN's prepacked form; `few-query`, `after`'s routes
 with the target's attention computed by `draftsmith.engines.hf.attention` (grouped products for
-up to 8 queries per row) instead of transformers' sdpa, as the bench stage runs it on a CPU. Per repetition, both ways
-alternating (the order flipped every repetition), each of a few fixed chat prompts is decoded
+up to 8 queries per row) instead of transformers' sdpa, as the bench stage runs it on a CPU.
+Per repetition, the ways alternating (the order flipped every repetition), each of a few fixed chat prompts is decoded
 by plain greedy decoding and by chain speculative decoding (K = `--num-steps`), and the pieces
 of the floor are timed: one target forward of 1 token and of K + 1 tokens (aux states kept, as
 verification does) on the prompt's cache, and the draft's K proposals.

@@ -159,10 +159,14 @@ def load_models(target_dir: Path, draft_dir: Path, target_dtype: str, device: st
     return model, tokenizer, draft
 
 
-def route_linears(model, drafter, num_steps: int, device: str, verify_packed: bool = True) -> dict:
+def route_linears(
+    model, drafter, num_steps: int | list[int], device: str, verify_packed: bool = True
+) -> dict:
     """On a CPU, the faster form of each linear layer at the row counts the loop runs (1 to
     num_steps + 1: decode steps, verification, draft extension), measured
     (draftsmith.runtime.gemm); the summary of what was chosen, for the log and report.
+    `num_steps` may list several K (benchmarks/bench_num_steps.py decodes at each): every K's
+    verification rows are routed.
 
     The target's verification (num_steps + 1 rows) may also take oneDNN's prepacked form
     (`verify_packed`): with MKL on an AMD EPYC, 3 rows cost 1.8x one row with F.linear or the
@@ -175,15 +179,29 @@ def route_linears(model, drafter, num_steps: int, device: str, verify_packed: bo
     if device != "cpu":
         return {}
     forms = ("linear", "transposed")
-    verify = num_steps + 1
-    target = gemm.route(model, range(1, verify + (not verify_packed)), forms=forms)
+    verifies = sorted({k + 1 for k in ([num_steps] if isinstance(num_steps, int) else num_steps)})
+    top = verifies[-1]
+    plain = [r for r in range(1, top + 1) if not (verify_packed and r in verifies)]
+    target = gemm.route(model, plain, forms=forms)
     if verify_packed:
-        target = gemm.route(model, [verify], forms=(*forms, "packed"), known=target)
-    routes = {"target": target, "draft": gemm.route(drafter, range(1, verify + 1), forms=forms)}
+        target = gemm.route(model, verifies, forms=(*forms, "packed"), known=target)
+    routes = {"target": target, "draft": gemm.route(drafter, range(1, top + 1), forms=forms)}
     summaries = {name: gemm.summary(table) for name, table in routes.items()}
     for name, text in summaries.items():
         log.info("linear layers of the %s, measured: %s", name, text)
     return summaries
+
+
+def cpu_forms(model, drafter, num_steps: int | list[int], device: str) -> dict:
+    """What the bench times with on a CPU: the target's few-query attention
+    (draftsmith.engines.hf.attention, both sides) and the linear layers' routes
+    (`route_linears`, whose summaries it returns); nothing elsewhere."""
+    if device != "cpu":
+        return {}
+    from draftsmith.engines.hf.attention import use_decode_attention
+
+    use_decode_attention(model)
+    return route_linears(model, drafter, num_steps, device)
 
 
 def linear_bytes(module) -> int:
@@ -209,15 +227,12 @@ def pass_floor(target_bytes: int, draft_bytes: int, num_steps: int, spec) -> dic
 
 
 def prepare(model, tokenizer, drafter, bench, device: str, warm_row: dict, algorithm) -> dict:
-    """On a CPU, the target's few-query attention and its linear layers' routes; both paths
-    warmed up on `warm_row`; the facts the report needs of the loaded draft: routes, aux ids,
-    draft vocab size, the linear layers' bytes of the target and the draft (for pass_floor)."""
-    if device == "cpu":  # few-query attention (draftsmith.engines.hf.attention), both sides
-        from draftsmith.engines.hf.attention import use_decode_attention
-
-        use_decode_attention(model)
+    """On a CPU, the target's few-query attention and its linear layers' routes (`cpu_forms`);
+    both paths warmed up on `warm_row`; the facts the report needs of the loaded draft: routes,
+    aux ids, draft vocab size, the linear layers' bytes of the target and the draft (for
+    pass_floor)."""
     facts = {
-        "routes": route_linears(model, drafter, bench.num_steps, device),
+        "routes": cpu_forms(model, drafter, bench.num_steps, device),
         "aux_ids": list(drafter.config.aux_layer_ids),
         "draft_vocab_size": drafter.config.draft_vocab_size,
         "linear_bytes": {"target": linear_bytes(model), "draft": linear_bytes(drafter)},
