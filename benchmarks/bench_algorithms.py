@@ -51,6 +51,8 @@ from draftsmith.runtime.files import atomic_write_json, atomic_write_text  # noq
 
 ALGORITHMS = ("eagle3", "eagle3.1", "dflash")
 REFERENCE = "eagle3"
+# bench.num_steps of every run: the K acceptance is compared at, the same in every results file
+BENCH_K = 2
 SEEDED = ("target", "data", "tokens", "vocab", "hidden", "env")
 # per-run figures that get a mean, a spread and a ratio to EAGLE-3
 FIGURES = (
@@ -195,6 +197,7 @@ def run_config(
         "heldout_size": args.heldout,
         "humaneval_size": args.humaneval,
         "max_new_tokens": args.max_new_tokens,
+        "num_steps": args.num_steps,
         "smoke": True,
     }
     return [
@@ -327,7 +330,7 @@ def render_md(r: dict) -> str:
         "benchmarks/results/default_run_AVX512-AMX.md), every other train/draft/capture key "
         f"at the embedded default; bench: {b['heldout']} held-out and {b['humaneval']} "
         f"HumanEval prompts, {b['max_new_tokens']} new tokens each, hf engine, "
-        f"`bench.num_steps` at its default. Seeds {b['seeds']} (train.seed). Runs measured: "
+        f"`bench.num_steps` {budget_value(b, 'num_steps')}. Seeds {b['seeds']} (train.seed). Runs measured: "
         f"{len(r['runs'])} of {b['planned']} planned. Machine load (1-min load average, 2 cores) "
         f"from {r['load_range'][0]:.1f} to {r['load_range'][1]:.1f} during the runs, all jobs at "
         "nice 19: speedups and tokens/s are of a loaded machine and noisier than tau.",
@@ -429,9 +432,9 @@ def write(r: dict, out: Path, name: str) -> None:
 def merge(r: dict, others: list[dict]) -> None:
     """Add the runs of other invocations (same budget, e.g. run side by side with other
     --algorithms / --seeds and --out) that r does not have; planned becomes the union."""
-    keys = ("max_steps", "heldout", "humaneval", "max_new_tokens")
+    keys = ("max_steps", "heldout", "humaneval", "max_new_tokens", "num_steps")
     for o in others:
-        if any(o["budget"][k] != r["budget"][k] for k in keys):
+        if any(budget_value(o["budget"], k) != budget_value(r["budget"], k) for k in keys):
             raise SystemExit(f"--merge: another budget ({o['budget']}) than {r['budget']}")
         have = {(x["algorithm"], x["seed"]) for x in r["runs"]}
         r["runs"] += [x for x in o["runs"] if (x["algorithm"], x["seed"]) not in have]
@@ -441,6 +444,12 @@ def merge(r: dict, others: list[dict]) -> None:
         r.setdefault("merged_data", []).append(o["data"])
     order = {a: i for i, a in enumerate(ALGORITHMS)}
     r["runs"].sort(key=lambda x: (x["seed"], order[x["algorithm"]]))
+
+
+def budget_value(budget: dict, key: str):
+    """A results file's budget entry; files written before `num_steps` was recorded ran the
+    workflow's default of then, BENCH_K."""
+    return budget.get(key, BENCH_K) if key == "num_steps" else budget[key]
 
 
 def budget_args(p: argparse.ArgumentParser, work: str) -> None:
@@ -453,6 +462,13 @@ def budget_args(p: argparse.ArgumentParser, work: str) -> None:
     p.add_argument("--heldout", type=int, default=16)
     p.add_argument("--humaneval", type=int, default=8)
     p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument(
+        "--num-steps",
+        type=int,
+        default=BENCH_K,
+        help=f"bench.num_steps, the K acceptance is compared at (default {BENCH_K}: the "
+        "workflow's default 1 caps tau at 2 and shows the first draft position only)",
+    )
     p.add_argument("--cores", type=int, default=2)
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     p.add_argument("--summarize-only", action="store_true")
@@ -513,6 +529,7 @@ def main(argv=None) -> None:
             "heldout": args.heldout,
             "humaneval": args.humaneval,
             "max_new_tokens": args.max_new_tokens,
+            "num_steps": args.num_steps,
             "seeds": args.seeds,
             "planned": len(args.seeds) * len(args.algorithms),
         },

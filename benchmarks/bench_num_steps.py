@@ -20,6 +20,7 @@ draft is measured on rows it never trained on. Writes benchmarks/results/num_ste
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import platform
@@ -203,12 +204,17 @@ def k_results(ks: list[int], run: dict) -> list[dict]:
     return results
 
 
+def kind_name(report: dict) -> str:
+    """The CPU kind the kernels ran at: torch's, `-capped` where the environment capped them."""
+    return report["cpu_kind"] + ("-capped" if report.get("kernel_caps") else "")
+
+
 def render_md(report: dict) -> str:
     """num_steps.md from the report (num_steps.json)."""
     load_before, load_after = report["load_average"]
     lines = [
         "# Speedup against the number of draft tokens K (hf engine, chain, greedy)"
-        + (f" ({report['cpu_kind']})" if report.get("cpu_kind") else ""),
+        + (f" ({kind_name(report)})" if report.get("cpu_kind") else ""),
         "",
         (f"CPU {report['cpu']} (torch kind {report['cpu_kind']}). " if report.get("cpu") else "")
         + f"{report['prompts']} held-out prompts, {report['max_new_tokens']} new tokens, "
@@ -218,6 +224,19 @@ def render_md(report: dict) -> str:
         "Costs in greedy decoding steps per speculative pass (draft = chain + extension, "
         "verify = the target's forward of K + 1 tokens).",
         "",
+    ]
+    caps = report.get("kernel_caps")
+    if report.get("omp") or caps:
+        lines += [
+            (f"Waiting: {report['omp']}. " if report.get("omp") else "")
+            + (
+                "Kernels capped: " + ", ".join(f"{k}={v}" for k, v in caps.items()) + "."
+                if caps
+                else ""
+            ),
+            "",
+        ]
+    lines += [
         "| K | tau | tau (SGLang count) | accept rate by position | pass cost | draft | verify "
         "| tok/s | speedup | identical |",
         "|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|",
@@ -239,14 +258,21 @@ def render_md(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+CAPS = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
+
+
 def main() -> None:
     args = parse_args()
-
+    # libgomp's wait policy as a bench job gets it (draftsmith/runtime/threads.py): chosen when
+    # the package is imported, before torch loads libgomp; the caller's own setting wins
+    os.environ.setdefault("DRAFTSMITH_OMP", "auto")
+    importlib.import_module("draftsmith")
     import torch
 
     from draftsmith.data.prompts import load_sources
     from draftsmith.runtime.files import atomic_write_json, atomic_write_text, set_threads, versions
     from draftsmith.runtime.hardware import cpu_facts
+    from draftsmith.runtime.threads import policy_note
 
     facts = cpu_facts()
 
@@ -273,9 +299,11 @@ def main() -> None:
         "cpu_kind": facts.kind,
         "versions": versions(),
         "linear_routes": run["routes"],
+        "omp": policy_note() or "libgomp's settings as the environment has them",
+        "kernel_caps": {k: os.environ[k] for k in CAPS if k in os.environ},
         "results": k_results(ks, run),
     }
-    out = Path(args.out or ROOT / "benchmarks" / "results" / f"num_steps_{facts.kind}")
+    out = Path(args.out or ROOT / "benchmarks" / "results" / f"num_steps_{kind_name(report)}")
     out.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_json(out.with_suffix(".json"), report)
     text = render_md(report)

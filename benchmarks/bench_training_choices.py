@@ -38,6 +38,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
 from bench_algorithms import (  # noqa: E402
     budget_args,
+    budget_value,
     mean_sd,
     new_base,
     one_run,
@@ -60,8 +61,10 @@ VARIANTS = {
     "loss_positions_all": {"train": {"loss_positions": "all"}},
     # twice the default's peak learning rate over the same steps
     "lr_0.002": {"train": {"lr": 0.002}},
-    # the unroll only as long as the benchmark's 2 proposals (the default trains 4 steps)
+    # shorter unrolls than the default's 4 steps: as long as 2 proposals, and no unroll at all
+    # (every prediction from the target's own states, the only one a K = 1 pass serves)
     "ttt_steps_2": {"train": {"ttt_steps": 2}},
+    "ttt_steps_1": {"train": {"ttt_steps": 1}},
 }
 MIN_SEEDS = 3  # a verdict needs at least this many seeds of the variant and of the baseline
 RULE = (
@@ -221,7 +224,8 @@ def render_md(r: dict) -> str:
         f"Budget per run: train.max_steps {b['max_steps']} (0: all epochs), every "
         "other key at the embedded default but the variant's; bench: "
         f"{b['heldout']} held-out and {b['humaneval']} HumanEval prompts, "
-        f"{b['max_new_tokens']} new tokens each, hf engine. Seeds {b['seeds']} (train.seed). "
+        f"{b['max_new_tokens']} new tokens each, hf engine, "
+        f"bench.num_steps {budget_value(b, 'num_steps')}. Seeds {b['seeds']} (train.seed). "
         f"Runs measured: {len(r['runs'])} of {b['planned']} planned"
         + ("" if len(r["runs"]) == b["planned"] else " (the table is of those that finished)")
         + ".",
@@ -335,8 +339,9 @@ def nice_words(r: dict) -> str:
 def add_runs(args, out: Path, name: str) -> None:
     """--add: measure args.variants x args.seeds into the existing results file."""
     r = json.loads((out / f"{name}.json").read_text())
-    budget = {k: getattr(args, k) for k in ("max_steps", "heldout", "humaneval", "max_new_tokens")}
-    if any(r["budget"][k] != v for k, v in budget.items()):
+    keys = ("max_steps", "heldout", "humaneval", "max_new_tokens", "num_steps")
+    budget = {k: getattr(args, k) for k in keys}
+    if any(budget_value(r["budget"], k) != v for k, v in budget.items()):
         raise SystemExit(f"--add: the results file's budget {r['budget']} is not {budget}")
     for seed in args.seeds:
         for variant in args.variants:
@@ -375,6 +380,7 @@ def main(argv=None) -> None:
             "heldout": args.heldout,
             "humaneval": args.humaneval,
             "max_new_tokens": args.max_new_tokens,
+            "num_steps": args.num_steps,
             "seeds": args.seeds,
             "planned": len(args.seeds) * len(args.variants),
         },

@@ -67,6 +67,10 @@ def test_runs_differ_only_in_algorithm_and_seed():
     assert pa["draft"] == {"algorithm": "eagle3"} and pb["draft"] == {"algorithm": "dflash"}
     assert pa["train"] == {"seed": 0, "max_steps": 60} and pb["train"]["seed"] == 1
     assert pa["bench"] == pb["bench"] and pa["bench"]["heldout_size"] == 8
+    # acceptance is compared at one K, not at the workflow's default (1 caps tau at 2)
+    assert pa["bench"]["num_steps"] == ba.BENCH_K == 2
+    k3 = ba.run_config(ba.parse_args(["--num-steps", "3"]), "eagle3", 0)
+    assert json.loads(dict(kv.split("=", 1) for kv in k3)["bench"])["num_steps"] == 3
 
 
 def test_a_variant_adds_its_draft_and_train_keys_but_never_its_own_seed():
@@ -139,6 +143,12 @@ def test_merge_adds_missing_runs_of_the_same_budget_only():
     assert r["runs"][1]["figures"]["heldout_tau"] == 1.1
     assert r["budget"]["seeds"] == [0, 1] and r["budget"]["planned"] == 6
     o["budget"]["max_steps"] = 120
+    with pytest.raises(SystemExit, match="another budget"):
+        ba.merge(r, [o])
+    # a file without num_steps ran at BENCH_K: it merges with K = 2, not with K = 1
+    o["budget"] = {**budget, "seeds": [2], "planned": 1, "num_steps": 2}
+    ba.merge(r, [o])
+    o["budget"]["num_steps"] = 1
     with pytest.raises(SystemExit, match="another budget"):
         ba.merge(r, [o])
 
