@@ -20,6 +20,7 @@ def test_captions_use_the_runs_config(tmp_path):
     assert [p.stem for p in paths] == list(CAPTIONS)
     text = {p.stem: p.read_text() for p in paths}
     assert "Chain of 3 draft tokens" in text["acceptance"]
+    assert "Chain of 1 draft token," in render("acceptance", run_config(num_steps=1))
     assert "held-out rows never trained on:\n5," in text["summary"]
     assert "(4 steps, 5 epochs, peak lr 0.001)," in text["training"]
     assert "{{" not in "".join(text.values())  # plain reStructuredText for Snakemake

