@@ -65,6 +65,8 @@ VARIANTS = {
     # (every prediction from the target's own states, the only one a K = 1 pass serves)
     "ttt_steps_2": {"train": {"ttt_steps": 2}},
     "ttt_steps_1": {"train": {"ttt_steps": 1}},
+    # the training time a 2-step unroll saves spent on more epochs over the same rows
+    "ttt_steps_2_epochs_8": {"train": {"ttt_steps": 2, "epochs": 8}},
 }
 MIN_SEEDS = 3  # a verdict needs at least this many seeds of the variant and of the baseline
 RULE = (
