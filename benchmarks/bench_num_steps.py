@@ -227,15 +227,10 @@ def render_md(report: dict) -> str:
     ]
     caps = report.get("kernel_caps")
     if report.get("omp") or caps:
-        lines += [
-            (f"Waiting: {report['omp']}. " if report.get("omp") else "")
-            + (
-                "Kernels capped: " + ", ".join(f"{k}={v}" for k, v in caps.items()) + "."
-                if caps
-                else ""
-            ),
-            "",
-        ]
+        words = [f"Waiting: {report['omp']}."] if report.get("omp") else []
+        if caps:
+            words.append("Kernels capped: " + ", ".join(f"{k}={v}" for k, v in caps.items()) + ".")
+        lines += [" ".join(words), ""]
     lines += [
         "| K | tau | tau (SGLang count) | accept rate by position | pass cost | draft | verify "
         "| tok/s | speedup | identical |",
