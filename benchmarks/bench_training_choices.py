@@ -18,7 +18,8 @@ The runs are benchmarks/bench_algorithms.py's (its `prepare_base` builds the sha
 vocabulary once in DIR/base; its `one_run` trains and benchmarks one seed in a copy of it with
 `snakemake --config`), for EAGLE-3, each variant adding its draft and train keys (VARIANTS)
 to the embedded default; seed-major order, so an interrupted run has every variant at the first
-seeds. After every run, writes benchmarks/results/training_choices_<CPU kind>.{json,md}.
+seeds. After every run, writes benchmarks/results/training_choices_<CPU kind>.{json,md}
+(training_choices_k<K>_<CPU kind> where --num-steps K is not the default 2).
 
 The verdict (RULE): a variant is kept as the default only if its mean held-out tau minus the
 baseline's exceeds the sum of both sample standard deviations over seeds.
@@ -37,6 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
 from bench_algorithms import (  # noqa: E402
+    BENCH_K,
     budget_args,
     budget_value,
     mean_sd,
@@ -362,6 +364,7 @@ def main(argv=None) -> None:
     from draftsmith.runtime.hardware import cpu_facts
 
     suite = "sharegpt_" if args.sharegpt else ""
+    suite += "" if args.num_steps == BENCH_K else f"k{args.num_steps}_"
     out, name = Path(args.out), f"training_choices_{suite}{cpu_facts().kind}"
     if args.summarize_only:
         r = json.loads((out / f"{name}.json").read_text())
