@@ -174,6 +174,9 @@ def test_add_replaces_a_run_of_the_same_variant_and_seed_and_refuses_another_bud
     assert saved[-1]["budget"]["seeds"] == [0, 1, 2] and saved[-1]["budget"]["planned"] == 3
     with pytest.raises(SystemExit, match="budget"):
         tc.add_runs(tc.parse_args(["--add", "--heldout", "4"]), tmp_path, "n")
+    # the file has no num_steps: its runs were at K = 2, so K = 1 runs do not join them
+    with pytest.raises(SystemExit, match="budget"):
+        tc.add_runs(tc.parse_args(["--add", "--num-steps", "1"]), tmp_path, "n")
 
 
 def test_the_larger_run_reads_sharegpt_rows_and_says_so(tmp_path):
