@@ -330,8 +330,9 @@ def render_md(r: dict) -> str:
         "benchmarks/results/default_run_AVX512-AMX.md), every other train/draft/capture key "
         f"at the embedded default; bench: {b['heldout']} held-out and {b['humaneval']} "
         f"HumanEval prompts, {b['max_new_tokens']} new tokens each, hf engine, "
-        f"`bench.num_steps` {budget_value(b, 'num_steps')}. Seeds {b['seeds']} (train.seed). Runs measured: "
-        f"{len(r['runs'])} of {b['planned']} planned. Machine load (1-min load average, 2 cores) "
+        f"`bench.num_steps` {budget_value(b, 'num_steps')}. Seeds {b['seeds']} (train.seed). "
+        f"Runs measured: {len(r['runs'])} of {b['planned']} planned. Machine load (1-min load "
+        "average, 2 cores) "
         f"from {r['load_range'][0]:.1f} to {r['load_range'][1]:.1f} during the runs, all jobs at "
         "nice 19: speedups and tokens/s are of a loaded machine and noisier than tau.",
         "",

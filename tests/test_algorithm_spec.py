@@ -36,6 +36,9 @@ def test_every_spec_is_complete(name):
     if spec.decoder:
         assert callable(spec.part("decoder").runner)
     assert "{n}" not in spec.drafting or spec.drafting.format(n=3)
+    # the engines' method lines: one token, or several
+    assert spec.drafting_words(1).endswith(", 1 draft token per verification pass")
+    assert spec.drafting_words(3).endswith(", 3 draft tokens per verification pass")
     schema = load_schema()
     for key in spec.refuses:  # the off value is the schema's default (algorithms.off_value)
         section, _, option = key.partition(".")

@@ -123,6 +123,11 @@ class AlgorithmSpec:
         """The algorithm's module for `role` (trainer, exporter, decoder, estimator)."""
         return getattr(self, role)
 
+    def drafting_words(self, k: int) -> str:
+        """How K draft tokens are proposed, for an engine's method line in the report."""
+        tokens = f"{k} draft token{'' if k == 1 else 's'}"
+        return f"{self.drafting.format(n=k)}, {tokens} per verification pass"
+
     def serves(self, engine: str) -> Serving:
         """How `engine` serves this algorithm (refused where the spec does not say)."""
         return self.serving.get(engine) or Serving(

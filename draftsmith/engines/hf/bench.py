@@ -261,11 +261,11 @@ def method_text(bench, device: str, threads: int, spec, workers: int = 1) -> str
         )
         base, step = "sampling (same temperature and top-p)", "sampling"
     return (
-        f"{spec.drafting.format(n=bench.num_steps)}, {bench.num_steps} draft "
-        f"token{'' if bench.num_steps == 1 else 's'} per verification pass (top-k 1), {verify}, at most {bench.max_new_tokens} new tokens "
-        f"per prompt, batch size 1, on {device} ({where}), transformers in-process "
-        "(hf engine). tau = tokens emitted by verification passes / verification passes (the "
-        "prefill's token excluded; the SGLang count includes it). Speedup = tokens/s with "
+        f"{spec.drafting_words(bench.num_steps)} (top-k 1), {verify}, at most "
+        f"{bench.max_new_tokens} new tokens per prompt, batch size 1, on {device} ({where}), "
+        "transformers in-process (hf engine). tau = tokens emitted by verification passes / "
+        "verification passes (the prefill's token excluded; the SGLang count includes it). "
+        "Speedup = tokens/s with "
         f"speculation / tokens/s of plain {base} with KV cache, both measured in this "
         "run, warm-up excluded. Pass cost = wall time of one speculative pass (draft chain and "
         f"verification, prefill amortised) in {step} steps: speedup = tau (SGLang count) / "

